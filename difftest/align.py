@@ -1,0 +1,62 @@
+"""Frames, samples and chunks.
+
+A codec frame f covers samples [1920 f, 1920 (f + 1)) at 24 kHz. The
+candidate streams audio in chunks of frames: a first chunk of
+`initial_frames`, then chunks of `frames` (vLLM-Omni: 1, then 25). Lengths
+need not be multiples of either: the last frame or chunk may be ragged, and
+qwen-tts sometimes returns one sample more than T * 1920 (its float trim).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+SAMPLES_PER_FRAME = 1920
+TRAILING_SAMPLES = 1  # extra samples past the last whole frame that count as that frame's
+
+
+def frames_for_samples(n_samples: int, spf: int = SAMPLES_PER_FRAME) -> int:
+    """How many frames n samples span; a trailing sample does not open a new frame."""
+    if n_samples <= 0:
+        return 0
+    whole, rest = divmod(n_samples, spf)
+    if whole and rest <= TRAILING_SAMPLES:
+        return whole
+    return whole + (1 if rest else 0)
+
+
+def chunk_frame_bounds(n_frames: int, initial_frames: int = 1, frames: int = 25) -> np.ndarray:
+    """(K, 2) int array of [start, end) frame ranges covering n_frames; K = 0 for n_frames = 0."""
+    if initial_frames <= 0 or frames <= 0:
+        raise ValueError("chunk sizes must be positive")
+    if n_frames <= 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    starts = [0]
+    nxt = initial_frames
+    while nxt < n_frames:
+        starts.append(nxt)
+        nxt += frames
+    starts = np.asarray(starts, dtype=np.int64)
+    ends = np.append(starts[1:], n_frames)
+    return np.stack([starts, ends], axis=1)
+
+
+def frame_sample_bounds(n_samples: int, spf: int = SAMPLES_PER_FRAME) -> np.ndarray:
+    """(F, 2) sample ranges of each frame; the last frame takes any ragged or trailing samples."""
+    n_frames = frames_for_samples(n_samples, spf)
+    if n_frames == 0:
+        return np.zeros((0, 2), dtype=np.int64)
+    starts = np.arange(n_frames, dtype=np.int64) * spf
+    ends = np.minimum(starts + spf, n_samples)
+    ends[-1] = n_samples
+    return np.stack([starts, ends], axis=1)
+
+
+def chunk_of_frame(frame: int | None, bounds: np.ndarray) -> int | None:
+    """Index of the chunk holding a frame (None for None; past the end -> the next chunk index)."""
+    if frame is None:
+        return None
+    if len(bounds) == 0:
+        return 0
+    idx = int(np.searchsorted(bounds[:, 1], frame, side="right"))
+    return idx

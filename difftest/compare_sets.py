@@ -1,0 +1,54 @@
+"""`difftest compare`: verdicts for two result sets someone already has."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .errors import BadInput
+from .policy import Policy
+from .report import build_report
+from .results import load_result_set
+from .verdicts import Evidence, classify
+
+
+def _load(path: str | Path, what: str):
+    p = Path(path)
+    if not p.is_dir():
+        raise BadInput(f"{what} {p}: not a directory of results")
+    results, warnings = load_result_set(p)
+    if not results:
+        raise BadInput(f"{what} {p}: holds no valid results" + (f" ({warnings[0]})" if warnings else ""))
+    return results, warnings
+
+
+def _label(results: dict) -> dict:
+    first = next(iter(results.values()))
+    return {"label": first.meta.get("runner", "unknown"), "provenance": first.provenance,
+            "concurrency": first.meta.get("concurrency")}
+
+
+def compare_result_sets(reference_dir, candidate_dir, policy: Policy, *, control_dir=None,
+                        initial_frames: int = 1, chunk_frames: int = 25) -> dict:
+    """Pair results by segment id and classify each; returns report.json's content."""
+    refs, w1 = _load(reference_dir, "reference set")
+    cands, w2 = _load(candidate_dir, "candidate set")
+    ctrls, w3 = _load(control_dir, "control set") if control_dir else ({}, [])
+    warnings = w1 + w2 + w3
+    # Each segment's own reference codes, to recognise a co-batched request's in another's
+    # capture; which requests shared a batch is unknown here, so every other segment is a peer.
+    own_ref = {sid: (ctrls.get(sid) or refs[sid]).ref_codes for sid in refs}
+    verdicts = []
+    for sid in sorted(set(refs) | set(cands)):
+        ev = Evidence(sid, refs.get(sid), cands.get(sid), ctrls.get(sid),
+                      peer_ref_codes={p: rc for p, rc in own_ref.items() if p != sid},
+                      initial_frames=initial_frames, chunk_frames=chunk_frames)
+        if sid in refs and sid in cands and refs[sid].segment_hash != cands[sid].segment_hash:
+            warnings.append(f"{sid}: reference and candidate were made from different segment contents "
+                            f"({refs[sid].segment_hash[:12]} vs {cands[sid].segment_hash[:12]})")
+        for name, r in (("reference", ev.reference), ("candidate", ev.candidate)):
+            if r is None:
+                ev.errors.append({"source": name, "kind": "bad_input",
+                                  "message": f"segment {sid} has no {name} result"})
+        verdicts.append(classify(ev, policy))
+    return build_report(verdicts, policy, reference=_label(refs), candidate=_label(cands),
+                        concurrency=next(iter(cands.values())).meta.get("concurrency"), warnings=warnings)

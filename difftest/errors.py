@@ -1,0 +1,32 @@
+"""Errors that map onto the exit codes of the design's contract 7."""
+
+EXIT_PASS = 0
+EXIT_FAIL = 1
+EXIT_BAD_INPUT = 2
+EXIT_INFRA = 3
+
+
+class DifftestError(Exception):
+    """Base class; `exit_code` says what the CLI returns."""
+
+    exit_code = EXIT_INFRA
+
+
+class BadInput(DifftestError):
+    """A suite, policy, result set or option is wrong. Nothing has run."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class SuiteError(BadInput):
+    """A suite file is invalid: names the file, the field and the problem."""
+
+    def __init__(self, path, field: str, problem: str):
+        self.path, self.field, self.problem = str(path), field, problem
+        super().__init__(f"{self.path}: {field}: {problem}")
+
+
+class InfraError(DifftestError):
+    """An engine is down, a runner crashed, a server never became healthy."""
+
+    exit_code = EXIT_INFRA

@@ -1,0 +1,105 @@
+"""The policy: tolerance tiers and which verdicts fail a run. Data, not code."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+from .compare_audio import ChunkMetrics
+from .errors import BadInput
+
+DEFAULT_POLICY = Path(__file__).with_name("default_policy.yaml")
+
+TIERS = ("identical", "within_quantisation", "close", "diverged")
+VERDICTS = (
+    "identical", "numeric_drift", "code_divergence", "audio_divergence", "length_mismatch",
+    "concurrency_defect", "vocoder_defect", "contamination", "error",
+)
+
+
+@dataclass(frozen=True)
+class Policy:
+    quantisation_max_abs: float
+    close_max_abs: float
+    close_snr_db: float
+    close_logmel: float
+    require: dict  # comparison -> tier name
+    donor_max_ratio: float
+    fail_on: frozenset
+    source: str = ""
+
+    def tier_index(self, comparison: str) -> int:
+        return TIERS.index(self.require[comparison])
+
+    def fails(self, verdict: str) -> bool:
+        return verdict in self.fail_on
+
+    def as_dict(self) -> dict:
+        return {
+            "tiers": {"quantisation_max_abs": self.quantisation_max_abs, "close_max_abs": self.close_max_abs,
+                      "close_snr_db": self.close_snr_db, "close_logmel": self.close_logmel},
+            "require": dict(self.require), "donor": {"max_ratio": self.donor_max_ratio},
+            "fail_on": sorted(self.fail_on), "source": self.source,
+        }
+
+
+def load_policy(path: str | Path | None = None) -> Policy:
+    path = Path(path) if path else DEFAULT_POLICY
+
+    def bad(field, problem):
+        raise BadInput(f"{path}: {field}: {problem}")
+
+    try:
+        raw = yaml.safe_load(path.read_text())
+    except FileNotFoundError:
+        raise BadInput(f"{path}: policy file not found") from None
+    except yaml.YAMLError as e:
+        raise BadInput(f"{path}: not valid YAML: {e}") from None
+    if not isinstance(raw, dict):
+        bad("(top level)", "expected a mapping")
+    tiers = raw.get("tiers", {})
+    vals = {}
+    for k in ("quantisation_max_abs", "close_max_abs", "close_snr_db", "close_logmel"):
+        v = tiers.get(k)
+        try:  # YAML reads 1e-4 (no dot) as a string: accept it as the number it means
+            if isinstance(v, bool):
+                raise TypeError
+            vals[k] = float(v)
+        except (TypeError, ValueError):
+            bad(f"tiers.{k}", f"expected a number, got {v!r}")
+    require = raw.get("require", {})
+    for comp in ("concurrency", "vocoder", "drift"):
+        if require.get(comp) not in TIERS[:-1]:
+            bad(f"require.{comp}", f"expected one of {', '.join(TIERS[:-1])}, got {require.get(comp)!r}")
+    ratio = (raw.get("donor") or {}).get("max_ratio")
+    if not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
+        bad("donor.max_ratio", f"expected a number in (0, 1), got {ratio!r}")
+    fail_on = raw.get("fail_on", [])
+    if not isinstance(fail_on, list):
+        bad("fail_on", "expected a list of verdicts")
+    for v in fail_on:
+        if v not in VERDICTS:
+            bad("fail_on", f"unknown verdict {v!r} (known: {', '.join(VERDICTS)})")
+    return Policy(vals["quantisation_max_abs"], vals["close_max_abs"], vals["close_snr_db"],
+                  vals["close_logmel"], {c: require[c] for c in ("concurrency", "vocoder", "drift")},
+                  float(ratio), frozenset(fail_on), str(path))
+
+
+def chunk_tiers(m: ChunkMetrics, policy: Policy, quantised: bool = False) -> np.ndarray:
+    """Tier index per chunk (0 identical .. 3 diverged).
+
+    When either side went through 16-bit PCM, a difference that quantisation
+    alone explains is within_quantisation: the best tier such audio can reach
+    against float audio. Between two float signals there is no such tier.
+    """
+    tiers = np.full(len(m.max_abs), 3, dtype=np.int64)
+    close = (m.max_abs <= policy.close_max_abs) | (
+        (m.snr_db >= policy.close_snr_db) & (m.logmel <= policy.close_logmel))
+    tiers[close] = 2
+    if quantised:
+        tiers[m.max_abs <= policy.quantisation_max_abs] = 1
+    tiers[m.max_abs == 0] = 0
+    return tiers

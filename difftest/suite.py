@@ -1,0 +1,331 @@
+"""Suites: what to synthesise and how, loaded from YAML and validated.
+
+A suite names voices (a reference wav and its transcript), segments (text,
+language, and a voice, a built-in speaker or design instructions) and the
+decode parameters both sides must use. Validation names the file, the field
+and the problem; nothing runs on an invalid suite.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from . import wavio
+from .errors import SuiteError
+
+SAMPLE_RATE = 24000
+CODEBOOKS = 16
+SAMPLES_PER_FRAME = 1920
+
+# qwen-tts 0.1.1 accepts "auto" plus every non-dialect codec_language_id key.
+LANGUAGES = (
+    "Auto", "Chinese", "English", "German", "Spanish", "Japanese",
+    "French", "Korean", "Russian", "Italian", "Portuguese",
+)
+TASKS = ("voice_clone", "custom_voice", "voice_design")
+# The vLLM-Omni speech API's task_type for each task.
+API_TASK_TYPE = {"voice_clone": "Base", "custom_voice": "CustomVoice", "voice_design": "VoiceDesign"}
+CLONE_MODES = ("icl", "xvector")
+
+# Decode parameters: name -> (type, required). Greedy decoding is the default
+# because only greedy decoding can agree sample for sample across engines.
+DECODE_FIELDS: dict[str, tuple[type, bool]] = {
+    "do_sample": (bool, False),
+    "subtalker_dosample": (bool, False),
+    "top_k": (int, False),
+    "top_p": (float, False),
+    "temperature": (float, False),
+    "subtalker_top_k": (int, False),
+    "subtalker_top_p": (float, False),
+    "subtalker_temperature": (float, False),
+    "repetition_penalty": (float, True),
+    "max_new_tokens": (int, True),
+    "seed": (int, True),
+    "non_streaming_mode": (bool, False),
+}
+DECODE_DEFAULTS = {"do_sample": False, "subtalker_dosample": False}
+
+DEFAULT_CHUNKS = {"initial_frames": 1, "frames": 25}
+
+
+@dataclass(frozen=True)
+class Voice:
+    id: str
+    wav: Path
+    transcript: str
+    mode: str  # "icl" (reference codes as context) or "xvector" (speaker embedding only)
+    wav_sha256: str
+    n_samples: int
+
+    def fingerprint(self) -> dict:
+        return {"wav_sha256": self.wav_sha256, "transcript": self.transcript, "mode": self.mode}
+
+
+@dataclass(frozen=True)
+class Segment:
+    id: str
+    text: str
+    language: str
+    task: str
+    decode: dict
+    voice: Voice | None = None
+    speaker: str | None = None
+    instructions: str | None = None
+    hash: str = ""
+
+    def fingerprint(self) -> dict:
+        """Everything that determines this segment's output, for hashing."""
+        return {
+            "text": self.text,
+            "language": self.language,
+            "task": self.task,
+            "voice": self.voice.fingerprint() if self.voice else None,
+            "speaker": self.speaker,
+            "instructions": self.instructions,
+            "decode": dict(sorted(self.decode.items())),
+        }
+
+    def to_job(self) -> dict:
+        """The JSON form a runner receives (paths absolute)."""
+        job = {"id": self.id, "hash": self.hash, "text": self.text, "language": self.language,
+               "task": self.task, "decode": self.decode, "speaker": self.speaker,
+               "instructions": self.instructions, "voice": None}
+        if self.voice:
+            v = self.voice
+            job["voice"] = {"id": v.id, "wav": str(v.wav), "transcript": v.transcript, "mode": v.mode,
+                            "wav_sha256": v.wav_sha256}
+        return job
+
+
+@dataclass(frozen=True)
+class Suite:
+    name: str
+    path: Path
+    model: str
+    decode: dict
+    chunks: dict
+    voices: dict[str, Voice]
+    segments: list[Segment]
+    description: str = ""
+    hash: str = field(default="")
+
+    def segment(self, segment_id: str) -> Segment:
+        for s in self.segments:
+            if s.id == segment_id:
+                return s
+        raise KeyError(segment_id)
+
+
+def content_hash(obj: Any) -> str:
+    """sha256 of canonical JSON: the same content always gives the same key."""
+    blob = json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return hashlib.sha256(blob.encode()).hexdigest()
+
+
+class _Checker:
+    def __init__(self, path: Path):
+        self.path = path
+
+    def fail(self, where: str, problem: str):
+        raise SuiteError(self.path, where, problem)
+
+    def mapping(self, value, where: str) -> dict:
+        if not isinstance(value, dict):
+            self.fail(where, f"expected a mapping, got {type(value).__name__}")
+        return value
+
+    def text(self, value, where: str, allow_empty=False) -> str:
+        if not isinstance(value, str):
+            self.fail(where, f"expected a string, got {type(value).__name__}")
+        if not allow_empty and not value.strip():
+            self.fail(where, "is empty")
+        return value
+
+    def ident(self, value, where: str) -> str:
+        value = self.text(value, where)
+        if not all(c.isalnum() or c in "-_." for c in value):
+            self.fail(where, f"{value!r} may only hold letters, digits, '-', '_' and '.'")
+        return value
+
+    def unknown_keys(self, d: dict, allowed: set, where: str):
+        extra = sorted(set(d) - allowed)
+        if extra:
+            self.fail(f"{where}.{extra[0]}", f"unknown field (allowed: {', '.join(sorted(allowed))})")
+
+
+def _decode_params(chk: _Checker, raw, where: str, base: dict | None) -> dict:
+    raw = chk.mapping(raw if raw is not None else {}, where)
+    chk.unknown_keys(raw, set(DECODE_FIELDS), where)
+    out = dict(DECODE_DEFAULTS if base is None else base)
+    for name, value in raw.items():
+        typ, _ = DECODE_FIELDS[name]
+        w = f"{where}.{name}"
+        if typ is bool and not isinstance(value, bool):
+            chk.fail(w, f"expected true or false, got {value!r}")
+        if typ is int and (isinstance(value, bool) or not isinstance(value, int)):
+            chk.fail(w, f"expected an integer, got {value!r}")
+        if typ is float:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+                chk.fail(w, f"expected a finite number, got {value!r}")
+            value = float(value)
+        out[name] = value
+    if base is None:
+        for name, (_, required) in DECODE_FIELDS.items():
+            if required and name not in out:
+                chk.fail(f"{where}.{name}", "is required (both engines must apply the same explicit value)")
+    if out["max_new_tokens"] <= 0:
+        chk.fail(f"{where}.max_new_tokens", f"must be positive, got {out['max_new_tokens']}")
+    if out["seed"] < 0:
+        chk.fail(f"{where}.seed", f"must be >= 0, got {out['seed']}")
+    if out["repetition_penalty"] <= 0:
+        chk.fail(f"{where}.repetition_penalty", f"must be positive, got {out['repetition_penalty']}")
+    for name in ("top_p", "subtalker_top_p"):
+        if name in out and not 0 < out[name] <= 1:
+            chk.fail(f"{where}.{name}", f"must lie in (0, 1], got {out[name]}")
+    return out
+
+
+def _voice(chk: _Checker, raw, i: int, base_dir: Path) -> Voice:
+    where = f"voices[{i}]"
+    raw = chk.mapping(raw, where)
+    vid = chk.ident(raw.get("id"), f"{where}.id")
+    where = f"voices[{vid}]"
+    chk.unknown_keys(raw, {"id", "wav", "transcript", "transcript_file", "mode"}, where)
+    wav_rel = chk.text(raw.get("wav"), f"{where}.wav")
+    wav = (base_dir / wav_rel).resolve()
+    if not wav.is_file():
+        chk.fail(f"{where}.wav", f"file not found: {wav}")
+    data = wav.read_bytes()
+    try:
+        wi = wavio.info(data)
+    except wavio.WavError as e:
+        chk.fail(f"{where}.wav", f"{wav.name}: {e}")
+    if wi.format != "pcm":
+        chk.fail(f"{where}.wav", f"{wav.name} is {wi.bits}-bit {wi.format}, not PCM")
+    if wi.channels != 1:
+        chk.fail(f"{where}.wav", f"{wav.name} has {wi.channels} channels, must be mono")
+    if wi.sample_rate != SAMPLE_RATE:
+        # Both engines would resample (librosa vs vLLM's resampler), and the
+        # difference would read as divergence that is no serving bug.
+        chk.fail(f"{where}.wav", f"{wav.name} is {wi.sample_rate} Hz; resample it to {SAMPLE_RATE} Hz")
+    if wi.n_frames == 0:
+        chk.fail(f"{where}.wav", f"{wav.name} holds no samples")
+    if "transcript" in raw and "transcript_file" in raw:
+        chk.fail(where, "give transcript or transcript_file, not both")
+    if "transcript_file" in raw:
+        tpath = (base_dir / chk.text(raw["transcript_file"], f"{where}.transcript_file")).resolve()
+        if not tpath.is_file():
+            chk.fail(f"{where}.transcript_file", f"file not found: {tpath}")
+        transcript = tpath.read_text(encoding="utf-8").strip()
+    else:
+        transcript = raw.get("transcript", "")
+        transcript = chk.text(transcript, f"{where}.transcript", allow_empty=True).strip()
+    mode = raw.get("mode", "icl")
+    if mode not in CLONE_MODES:
+        chk.fail(f"{where}.mode", f"{mode!r} is not one of {', '.join(CLONE_MODES)}")
+    if mode == "icl" and not transcript:
+        chk.fail(f"{where}.transcript", "in-context cloning (mode icl) needs the reference transcript")
+    return Voice(vid, wav, transcript, mode, hashlib.sha256(data).hexdigest(), wi.n_frames)
+
+
+def _segment(chk: _Checker, raw, i: int, voices: dict, decode: dict) -> Segment:
+    where = f"segments[{i}]"
+    raw = chk.mapping(raw, where)
+    sid = chk.ident(raw.get("id"), f"{where}.id")
+    where = f"segments[{sid}]"
+    chk.unknown_keys(raw, {"id", "text", "language", "task", "voice", "speaker", "instructions", "decode"}, where)
+    text = chk.text(raw.get("text"), f"{where}.text")
+    lang_raw = raw.get("language", "Auto")
+    if not isinstance(lang_raw, str) or lang_raw.strip().title() not in LANGUAGES:
+        chk.fail(f"{where}.language", f"unknown language {lang_raw!r} (known: {', '.join(LANGUAGES)})")
+    language = lang_raw.strip().title()
+    task = raw.get("task", "voice_clone")
+    if task not in TASKS:
+        chk.fail(f"{where}.task", f"{task!r} is not one of {', '.join(TASKS)}")
+    voice = speaker = instructions = None
+    if "instructions" in raw:
+        instructions = chk.text(raw["instructions"], f"{where}.instructions")
+    if task == "voice_clone":
+        vid = raw.get("voice")
+        if vid is None:
+            chk.fail(f"{where}.voice", "a voice_clone segment needs a voice")
+        if vid not in voices:
+            chk.fail(f"{where}.voice", f"unknown voice {vid!r} (suite voices: {', '.join(voices) or 'none'})")
+        voice = voices[vid]
+        for other in ("speaker", "instructions"):
+            if other in raw:
+                chk.fail(f"{where}.{other}", "not used by a voice_clone segment")
+    elif task == "custom_voice":
+        speaker = chk.ident(raw.get("speaker"), f"{where}.speaker")
+        if "voice" in raw:
+            chk.fail(f"{where}.voice", "not used by a custom_voice segment (use speaker)")
+    else:
+        if instructions is None:
+            chk.fail(f"{where}.instructions", "a voice_design segment needs instructions")
+        for other in ("voice", "speaker"):
+            if other in raw:
+                chk.fail(f"{where}.{other}", "not used by a voice_design segment")
+    seg_decode = _decode_params(chk, raw.get("decode"), f"{where}.decode", decode)
+    seg = Segment(sid, text, language, task, seg_decode, voice, speaker, instructions)
+    return Segment(**{**seg.__dict__, "hash": content_hash(seg.fingerprint())})
+
+
+def load_suite(path: str | Path) -> Suite:
+    """Load and validate a suite file; raises SuiteError naming file, field and problem."""
+    path = Path(path).resolve()
+    chk = _Checker(path)
+    if not path.is_file():
+        raise SuiteError(path, "(file)", "not found")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}" if mark else "(file)"
+        raise SuiteError(path, where, f"not valid YAML: {getattr(e, 'problem', e)}") from None
+    except UnicodeDecodeError:
+        raise SuiteError(path, "(file)", "not UTF-8 text") from None
+    raw = chk.mapping(raw, "(top level)")
+    chk.unknown_keys(raw, {"name", "description", "model", "decode", "chunks", "voices", "segments"}, "(top level)")
+    name = chk.ident(raw.get("name"), "name")
+    model = chk.text(raw.get("model", "tiny"), "model")
+    decode = _decode_params(chk, raw.get("decode"), "decode", None)
+
+    chunks = dict(DEFAULT_CHUNKS)
+    chunks_raw = chk.mapping(raw.get("chunks", {}), "chunks")
+    chk.unknown_keys(chunks_raw, set(DEFAULT_CHUNKS), "chunks")
+    for k, v in chunks_raw.items():
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            chk.fail(f"chunks.{k}", f"must be a positive integer, got {v!r}")
+        chunks[k] = v
+
+    voices: dict[str, Voice] = {}
+    voices_raw = raw.get("voices", []) or []
+    if not isinstance(voices_raw, list):
+        chk.fail("voices", "expected a list")
+    for i, v in enumerate(voices_raw):
+        voice = _voice(chk, v, i, path.parent)
+        if voice.id in voices:
+            chk.fail(f"voices[{i}].id", f"duplicate voice id {voice.id!r}")
+        voices[voice.id] = voice
+
+    segs_raw = raw.get("segments")
+    if not isinstance(segs_raw, list) or not segs_raw:
+        chk.fail("segments", "expected a non-empty list")
+    segments, seen = [], set()
+    for i, s in enumerate(segs_raw):
+        seg = _segment(chk, s, i, voices, decode)
+        if seg.id in seen:
+            chk.fail(f"segments[{i}].id", f"duplicate segment id {seg.id!r}")
+        seen.add(seg.id)
+        segments.append(seg)
+
+    suite_hash = content_hash({"name": name, "chunks": chunks, "segments": [(s.id, s.hash) for s in segments]})
+    return Suite(name, path, model, decode, chunks, voices, segments,
+                 str(raw.get("description", "")), suite_hash)

@@ -1,0 +1,360 @@
+"""The verdict classifier over the design's comparison matrix.
+
+Per segment, up to four comparisons (each chunk by chunk):
+
+- headline:     reference@1 against candidate@N
+- concurrency:  candidate@1 against candidate@N
+- vocoder:      the reference vocoder on the candidate's codes and own reference
+                codes, against the candidate's audio
+- donor:        the same with each co-batched request's reference codes
+
+Each comparison that finds something adds a finding; the verdict is the most
+serious finding (see RANK). Missing inputs only narrow what can be said; the
+segment's `notes` say which comparisons were not possible.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import align
+from .compare_audio import ChunkMetrics, frame_metrics, log_mel, non_finite, reduce_frames
+from .compare_codes import diff_codes
+from .policy import TIERS, Policy, chunk_tiers
+from .results import Result
+
+# Most serious first; the verdict is the finding of lowest rank.
+RANK = ("error", "contamination", "vocoder_length", "vocoder_defect", "concurrency_defect",
+        "length_mismatch", "code_divergence", "audio_divergence", "numeric_drift", "identical")
+STAGES = ("talker", "reference_encoder", "handoff", "vocoder")
+
+
+@dataclass
+class Evidence:
+    """Everything known about one segment."""
+
+    segment_id: str
+    reference: Result | None = None
+    candidate: Result | None = None  # at concurrency N
+    control: Result | None = None  # candidate at concurrency 1
+    cross_own: Result | None = None  # reference vocoder(candidate codes, own ref codes)
+    cross_donors: dict = field(default_factory=dict)  # peer id -> reference vocoder(candidate codes, peer ref codes)
+    peer_ref_codes: dict = field(default_factory=dict)  # co-batched segment id -> its own ref codes
+    errors: list = field(default_factory=list)  # {"source", "kind", "message"}
+    initial_frames: int = 1
+    chunk_frames: int = 25
+
+
+@dataclass
+class SegmentVerdict:
+    id: str
+    verdict: str
+    summary: str
+    first_divergent_frame: int | None = None
+    first_divergent_chunk: int | None = None
+    stage: str | None = None
+    donor: str | None = None
+    error_kind: str | None = None
+    comparisons: dict = field(default_factory=dict)
+    notes: list = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        return {
+            "id": self.id, "verdict": self.verdict, "summary": self.summary,
+            "first_divergent_frame": self.first_divergent_frame,
+            "first_divergent_chunk": self.first_divergent_chunk,
+            "stage": self.stage, "donor": self.donor, "error_kind": self.error_kind,
+            "notes": self.notes, "comparisons": self.comparisons,
+        }
+
+
+@dataclass
+class _Finding:
+    kind: str  # one of RANK
+    summary: str
+    frame: int | None = None
+    chunk: int | None = None
+    stage: str | None = None
+    donor: str | None = None
+    error_kind: str | None = None
+
+
+class _Audio:
+    """One audio comparison: per-frame stats, per-chunk metrics and tiers."""
+
+    def __init__(self, a: Result, b: Result, ev: Evidence, policy: Policy, mels: dict | None = None):
+        mels = {} if mels is None else mels  # id(result) -> log-mel, shared across one segment's comparisons
+        for r in (a, b):
+            if id(r) not in mels:
+                mels[id(r)] = log_mel(r.wav, r.sample_rate)
+        self.fm = frame_metrics(a.wav, b.wav, a.sample_rate, mel_a=mels[id(a)], mel_b=mels[id(b)])
+        n_frames = len(self.fm.max_abs)
+        self.bounds = align.chunk_frame_bounds(n_frames, ev.initial_frames, ev.chunk_frames)
+        self.chunks: ChunkMetrics = reduce_frames(self.fm, self.bounds)
+        self.quantised = a.quantised or b.quantised
+        self.tiers = chunk_tiers(self.chunks, policy, self.quantised)
+        self.len_a, self.len_b = len(a.wav), len(b.wav)
+
+    @property
+    def worst(self) -> int:
+        return int(self.tiers.max()) if len(self.tiers) else 0
+
+    def bad_chunks(self, allowed_tier: int) -> np.ndarray:
+        return np.flatnonzero(self.tiers > allowed_tier)
+
+    def first_bad(self, allowed_tier: int, policy: Policy) -> tuple[int | None, int | None]:
+        """(frame, chunk) where the comparison first leaves the allowed tier."""
+        bad = self.bad_chunks(allowed_tier)
+        if not len(bad):
+            return None, None
+        c = int(bad[0])
+        s, e = self.bounds[c]
+        thr = policy.quantisation_max_abs if allowed_tier < 2 else policy.close_max_abs
+        inner = np.flatnonzero(self.fm.max_abs[s:e] > thr)
+        return int(s + (inner[0] if len(inner) else 0)), c
+
+    @property
+    def length_gap(self) -> int:
+        """Sample-count difference beyond the one trailing sample qwen-tts may add."""
+        gap = abs(self.len_a - self.len_b)
+        return 0 if gap <= align.TRAILING_SAMPLES else gap
+
+    def to_json(self) -> dict:
+        return {"tiers": [TIERS[t] for t in self.tiers], "worst_tier": TIERS[self.worst],
+                "samples": [self.len_a, self.len_b], "quantised": self.quantised,
+                "chunks": self.chunks.as_lists()}
+
+
+def _code_json(d) -> dict:
+    return {"frames": [d.len_a, d.len_b], "first_divergent_frame": d.first_divergent_frame,
+            "codes_at_divergence": [d.a_at_divergence, d.b_at_divergence],
+            "frames_differing": d.frames_differing, "codebooks_differing": d.codebooks_differing,
+            "chunk_agreement": d.chunk_agreement}
+
+
+def _same(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and bool(np.array_equal(a, b))
+
+
+def _chunk_of(frame, n_frames, ev) -> int | None:
+    bounds = align.chunk_frame_bounds(max(n_frames, (frame or 0) + 1), ev.initial_frames, ev.chunk_frames)
+    return align.chunk_of_frame(frame, bounds)
+
+
+def _input_errors(ev: Evidence) -> _Finding | None:
+    if ev.errors:
+        e = ev.errors[0]
+        more = f" (+{len(ev.errors) - 1} more)" if len(ev.errors) > 1 else ""
+        return _Finding("error", f"{e['source']}: {e['message']}{more}", error_kind=e.get("kind", "infrastructure"))
+    for name in ("reference", "candidate"):
+        if getattr(ev, name) is None:
+            return _Finding("error", f"no {name} result", error_kind="infrastructure")
+    for name in ("reference", "candidate", "control", "cross_own"):
+        r = getattr(ev, name)
+        if r is None:
+            continue
+        kind = "candidate" if name in ("candidate", "control") else "infrastructure"
+        if r.sample_rate != 24000:
+            return _Finding("error", f"{name} audio is at {r.sample_rate} Hz, not 24000", error_kind=kind)
+        i = non_finite(r.wav)
+        if i is not None:
+            return _Finding("error", f"{name} audio holds NaN or infinity at sample {i} (frame {i // 1920})",
+                            frame=i // 1920, error_kind=kind)
+        if len(r.wav) == 0 and (len(r.codes) or not r.has_codes):
+            return _Finding("error", f"{name} audio is empty", error_kind=kind)
+    return None
+
+
+def _vocoder_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> list[_Finding]:
+    cand, cross = ev.candidate, ev.cross_own
+    audio = _Audio(cross, cand, ev, policy, mels)
+    comps["vocoder"] = audio.to_json()
+    if audio.length_gap:
+        frames = audio.length_gap / 1920
+        extra = (f"; the extra {frames:.0f} frames equal the reference codes' length: reference audio left in the output?"
+                 if len(cand.ref_codes) and round(frames) == len(cand.ref_codes) and cand.codes.size else "")
+        return [_Finding("vocoder_length",
+                         f"candidate audio has {audio.len_b} samples, its codes decode to {audio.len_a}{extra}",
+                         frame=min(audio.len_a, audio.len_b) // 1920, stage="vocoder")]
+    allowed = policy.tier_index("vocoder")
+    frame, chunk = audio.first_bad(allowed, policy)
+    if chunk is None:
+        return []
+    bad = audio.bad_chunks(allowed)
+    own = float(audio.chunks.logmel[bad].mean())
+    scores = {}
+    for peer, x in sorted(ev.cross_donors.items()):
+        if len(x.wav) != len(cross.wav):
+            continue
+        alt = _Audio(x, cand, ev, policy, mels)
+        scores[peer] = float(alt.chunks.logmel[bad].mean())
+    comps["donor_search"] = {"own_logmel": own, "peers_logmel": scores, "chunks": bad.tolist()}
+    if scores:
+        donor = min(scores, key=scores.get)
+        if scores[donor] <= policy.donor_max_ratio * own:
+            return [_Finding("contamination",
+                             f"chunks {_ranges(bad)} decode as if with {donor}'s reference codes "
+                             f"(log-mel distance {scores[donor]:.3g} against {own:.3g} with its own)",
+                             frame=frame, chunk=chunk, stage="handoff", donor=donor)]
+    return [_Finding("vocoder_defect",
+                     f"candidate audio leaves the reference vocoder's output on its own codes from chunk {chunk} "
+                     f"(chunks {_ranges(bad)}, worst log-mel distance {audio.chunks.logmel[bad].max():.3g})",
+                     frame=frame, chunk=chunk, stage="vocoder")]
+
+
+def _handoff_findings(ev: Evidence, comps: dict) -> list[_Finding]:
+    """Reference codes handed to the vocoder that belong to another request."""
+    cand = ev.candidate
+    own_src = ev.control if ev.control is not None and ev.control.has_codes else ev.reference
+    own = own_src.ref_codes
+    if _same(cand.ref_codes, own):
+        return []
+    donors = [p for p, rc in sorted(ev.peer_ref_codes.items()) if len(rc) and _same(cand.ref_codes, rc)]
+    comps["ref_codes"] = {"own_frames": len(own), "candidate_frames": len(cand.ref_codes),
+                          "matches_peer": donors[0] if donors else None,
+                          "own_from": "control" if own_src is ev.control else "reference"}
+    if donors:
+        return [_Finding("contamination",
+                         f"the candidate used {donors[0]}'s reference codes ({len(cand.ref_codes)} frames) "
+                         f"instead of its own ({len(own)} frames)",
+                         frame=0, chunk=0, stage="handoff", donor=donors[0])]
+    if own_src is ev.control:
+        return [_Finding("concurrency_defect",
+                         f"reference codes at concurrency N differ from those at 1 "
+                         f"({len(cand.ref_codes)} against {len(own)} frames) and match no co-batched request",
+                         frame=0, chunk=0, stage="handoff")]
+    return []  # against the reference engine's encoder, a difference is the headline's business
+
+
+def _concurrency_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> list[_Finding]:
+    cand, ctrl = ev.candidate, ev.control
+    out = []
+    if cand.has_codes and ctrl.has_codes:
+        d = diff_codes(ctrl.codes, cand.codes, ev.initial_frames, ev.chunk_frames)
+        comps["concurrency_codes"] = _code_json(d)
+        if not d.equal:
+            f = d.first_divergent_frame
+            out.append(_Finding("concurrency_defect",
+                                f"codes at concurrency N differ from concurrency 1 from frame {f} "
+                                f"({d.len_b} against {d.len_a} frames)",
+                                frame=f, chunk=_chunk_of(f, max(d.len_a, d.len_b), ev), stage="talker"))
+            return out
+    audio = _Audio(ctrl, cand, ev, policy, mels)
+    comps["concurrency"] = audio.to_json()
+    if audio.length_gap:
+        out.append(_Finding("concurrency_defect",
+                            f"audio at concurrency N has {audio.len_b} samples, at 1 {audio.len_a}",
+                            frame=min(audio.len_a, audio.len_b) // 1920, stage="vocoder"))
+        return out
+    frame, chunk = audio.first_bad(policy.tier_index("concurrency"), policy)
+    if chunk is not None:
+        stage = "vocoder" if cand.has_codes and ctrl.has_codes else None
+        out.append(_Finding("concurrency_defect",
+                            f"audio at concurrency N leaves concurrency 1's from chunk {chunk} "
+                            f"(tier {TIERS[audio.tiers[chunk]]}, log-mel {audio.chunks.logmel[chunk]:.3g})",
+                            frame=frame, chunk=chunk, stage=stage))
+    return out
+
+
+def _headline_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> list[_Finding]:
+    ref, cand = ev.reference, ev.candidate
+    out = []
+    codes_known = ref.has_codes and cand.has_codes
+    if codes_known:
+        d = diff_codes(ref.codes, cand.codes, ev.initial_frames, ev.chunk_frames)
+        comps["codes"] = _code_json(d)
+        comps["codes"]["ref_codes_equal"] = _same(ref.ref_codes, cand.ref_codes)
+        if not _same(ref.ref_codes, cand.ref_codes):
+            out.append(_Finding("code_divergence",
+                                f"reference codes differ from qwen-tts's ({len(cand.ref_codes)} against "
+                                f"{len(ref.ref_codes)} frames)", frame=0, chunk=0, stage="reference_encoder"))
+        if d.length_only:
+            out.append(_Finding("length_mismatch",
+                                f"same codes for {min(d.len_a, d.len_b)} frames, then the candidate has "
+                                f"{d.len_b} frames and the reference {d.len_a}",
+                                frame=d.first_divergent_frame,
+                                chunk=_chunk_of(d.first_divergent_frame, max(d.len_a, d.len_b), ev), stage="talker"))
+        elif not d.equal:
+            f = d.first_divergent_frame
+            out.append(_Finding("code_divergence",
+                                f"codes differ from the reference from frame {f} "
+                                f"({d.frames_differing} of {min(d.len_a, d.len_b)} common frames differ)",
+                                frame=f, chunk=_chunk_of(f, max(d.len_a, d.len_b), ev), stage="talker"))
+        if out:
+            return out
+    audio = _Audio(ref, cand, ev, policy, mels)
+    comps["audio"] = audio.to_json()
+    if audio.length_gap:
+        out.append(_Finding("length_mismatch",
+                            f"candidate audio has {audio.len_b} samples, the reference {audio.len_a}",
+                            frame=min(audio.len_a, audio.len_b) // 1920,
+                            stage="vocoder" if codes_known else None))
+        return out
+    allowed = policy.tier_index("drift")
+    frame, chunk = audio.first_bad(allowed, policy)
+    if chunk is not None:
+        if codes_known:
+            out.append(_Finding("vocoder_defect",
+                                f"same codes, but the audio leaves the reference's from chunk {chunk}",
+                                frame=frame, chunk=chunk, stage="vocoder"))
+        else:
+            out.append(_Finding("audio_divergence",
+                                f"audio leaves the reference's from chunk {chunk} (no codes captured to say why)",
+                                frame=frame, chunk=chunk))
+    elif audio.worst == 0:
+        out.append(_Finding("identical", "codes and audio identical" if codes_known else "audio identical"))
+    else:
+        out.append(_Finding("numeric_drift",
+                            f"{'same codes; ' if codes_known else ''}audio within tier {TIERS[audio.worst]} "
+                            f"(max |diff| {audio.chunks.max_abs.max():.3g})"))
+    return out
+
+
+def _ranges(idx: np.ndarray) -> str:
+    idx = [int(i) for i in idx]
+    parts, start = [], None
+    for i, v in enumerate(idx):
+        if start is None:
+            start = v
+        if i + 1 == len(idx) or idx[i + 1] != v + 1:
+            parts.append(f"{start}" if start == v else f"{start}-{v}")
+            start = None
+    return ",".join(parts)
+
+
+def classify(ev: Evidence, policy: Policy) -> SegmentVerdict:
+    comps: dict = {}
+    notes: list[str] = []
+    mels: dict = {}
+    bad = _input_errors(ev)
+    findings = [bad] if bad else []
+    if not bad:
+        cand = ev.candidate
+        if not cand.has_codes:
+            notes.append("candidate returned no codes (no capture): audio-only comparison")
+        if cand.has_codes:
+            findings += _handoff_findings(ev, comps)
+        if ev.cross_own is not None and cand.has_codes:
+            findings += _vocoder_findings(ev, policy, comps, mels)
+        elif cand.has_codes:
+            notes.append("no cross-decode: vocoder stage not checked")
+        if ev.control is not None:
+            findings += _concurrency_findings(ev, policy, comps, mels)
+        else:
+            notes.append("no concurrency-1 control: concurrency invariance not checked")
+        findings += _headline_findings(ev, policy, comps, mels)
+        if abs(len(ev.reference.wav) - len(cand.wav)) == align.TRAILING_SAMPLES:
+            notes.append("one trailing sample of difference in length (qwen-tts's float trim)")
+    top = min(findings, key=lambda f: RANK.index(f.kind))
+    verdict = "length_mismatch" if top.kind == "vocoder_length" else top.kind
+    others = sorted({("length_mismatch" if f.kind == "vocoder_length" else f.kind)
+                     for f in findings if f is not top} - {verdict})
+    if others:
+        notes.append("also: " + ", ".join(others))
+    chunk = top.chunk
+    if chunk is None and top.frame is not None:
+        chunk = _chunk_of(top.frame, top.frame + 1, ev)
+    return SegmentVerdict(ev.segment_id, verdict, top.summary, top.frame, chunk, top.stage, top.donor,
+                          top.error_kind, comps, notes)

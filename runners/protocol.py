@@ -1,0 +1,62 @@
+"""The runner side of the runner protocol (docs/runner-protocol.md).
+
+`serve(handlers, hello)` moves fd 1 aside as the protocol channel (so library
+prints cannot corrupt it), announces `hello`, then reads one JSON job a line
+from stdin and dispatches it by `op`. A handler gets the job and an `emit`
+function and answers with events; `done` is sent for it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+from typing import Callable
+
+Emit = Callable[..., None]
+
+
+def _take_stdout():
+    proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+    os.dup2(2, 1)  # whatever the libraries print now lands in stderr, the runner's log
+    sys.stdout = sys.stderr
+    return proto
+
+
+def serve(handlers: dict[str, Callable[[dict, Emit], None]], hello: dict) -> int:
+    proto = _take_stdout()
+
+    def send(msg: dict) -> None:
+        proto.write(json.dumps(msg, allow_nan=False) + "\n")
+        proto.flush()
+
+    send({"event": "ready", **hello})
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        try:
+            job = json.loads(line)
+            jid, op = job["id"], job["op"]
+        except (ValueError, KeyError, TypeError):
+            send({"event": "protocol_error", "message": f"not a job: {line[:200]}"})
+            continue
+
+        def emit(event: str, _jid=jid, **fields) -> None:
+            send({"id": _jid, "event": event, **fields})
+
+        if op == "shutdown":
+            emit("done")
+            return 0
+        handler = handlers.get(op)
+        if handler is None:
+            emit("error", kind="bad_input", message=f"unknown op {op!r} (known: {', '.join(sorted(handlers))})")
+        else:
+            try:
+                handler(job, emit)
+            except Exception as e:  # a handler bug: report it for this job, keep serving
+                traceback.print_exc()
+                emit("error", kind="engine", message=f"{type(e).__name__}: {e}")
+        emit("done")
+    return 0

@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# Install everything the tests need, from nothing, then run them.
+# Used as is by CI (.ci/run). Safe to re-run: installed environments are reused.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating .venv (the tester: difftest and its test tools)"
+  "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
+
+echo "== running the tests"
+.venv/bin/python -m pytest "$@"

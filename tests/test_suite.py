@@ -1,0 +1,156 @@
+"""Suites: the shipped ones load; every kind of bad input names file, field and problem."""
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from difftest import wavio
+from difftest.errors import SuiteError
+from difftest.suite import load_suite
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITES = ROOT / "cases" / "suites"
+
+
+def test_shipped_suites_meet_their_brief():
+    smoke = load_suite(SUITES / "smoke.yaml")
+    assert len(smoke.segments) == 4 and len(smoke.voices) == 2
+    vcc = load_suite(SUITES / "voice-clone-concurrency.yaml")
+    assert len(vcc.segments) >= 16 and len(vcc.voices) >= 6
+    lengths = [v.n_samples for v in vcc.voices.values()]
+    assert any(n % 1920 == 0 for n in lengths) and any(n % 1920 for n in lengths)
+    assert len({s.language for s in vcc.segments}) >= 3
+    assert {"icl", "xvector"} <= {v.mode for v in vcc.voices.values()}
+    book = load_suite(SUITES / "audiobook.yaml")
+    for s in book.segments:  # decoder input = reference frames + generated frames crosses 300
+        assert -(-s.voice.n_samples // 1920) + s.decode["max_new_tokens"] - 1 > 300
+
+
+def _write_suite(tmp_path, doc, voices=("v1",), sr=24000, channels=1):
+    for vid in voices:
+        x = np.sin(np.arange(24000) / 10.0).astype(np.float32) * 0.3
+        if channels == 2:
+            data = bytearray(wavio.encode(np.repeat(x, 2), sr, "pcm16"))
+            data[22:24] = (2).to_bytes(2, "little")
+            (tmp_path / f"{vid}.wav").write_bytes(bytes(data))
+        else:
+            wavio.write(tmp_path / f"{vid}.wav", x, sr, "pcm16")
+    p = tmp_path / "s.yaml"
+    p.write_text(yaml.safe_dump(doc) if isinstance(doc, dict) else doc)
+    return p
+
+
+def _doc(**over):
+    d = {
+        "name": "t",
+        "decode": {"repetition_penalty": 1.0, "max_new_tokens": 10, "seed": 0},
+        "voices": [{"id": "v1", "wav": "v1.wav", "transcript": "hello there"}],
+        "segments": [{"id": "s1", "text": "Hi.", "language": "english", "voice": "v1"}],
+    }
+    d.update(over)
+    return d
+
+
+def test_valid_minimal_suite_normalises(tmp_path):
+    s = load_suite(_write_suite(tmp_path, _doc()))
+    seg = s.segments[0]
+    assert seg.language == "English" and seg.task == "voice_clone"
+    assert seg.decode == {"do_sample": False, "subtalker_dosample": False, "repetition_penalty": 1.0,
+                          "max_new_tokens": 10, "seed": 0}
+    assert s.chunks == {"initial_frames": 1, "frames": 25}
+    assert len(seg.hash) == 64
+
+
+@pytest.mark.parametrize("over, field, problem", [
+    ({"segments": [{"id": "s1", "text": "a", "voice": "nope"}]}, "segments[s1].voice", "unknown voice 'nope'"),
+    ({"segments": [{"id": "s1", "text": "a", "voice": "v1"}, {"id": "s1", "text": "b", "voice": "v1"}]},
+     "segments[1].id", "duplicate segment id 's1'"),
+    ({"segments": [{"id": "s1", "text": "a", "voice": "v1", "language": "Klingon"}]},
+     "segments[s1].language", "unknown language 'Klingon'"),
+    ({"decode": {"repetition_penalty": 1.0, "max_new_tokens": -5, "seed": 0}},
+     "decode.max_new_tokens", "must be positive, got -5"),
+    ({"decode": {"max_new_tokens": 5, "seed": 0}}, "decode.repetition_penalty", "is required"),
+    ({"decode": {"repetition_penalty": 1.0, "max_new_tokens": 5, "seed": 0, "do_sample": "no"}},
+     "decode.do_sample", "expected true or false"),
+    ({"voices": [{"id": "v1", "wav": "missing.wav", "transcript": "x"}]}, "voices[v1].wav", "file not found"),
+    ({"voices": [{"id": "v1", "wav": "v1.wav", "transcript": "x"}, {"id": "v1", "wav": "v1.wav", "transcript": "y"}]},
+     "voices[1].id", "duplicate voice id 'v1'"),
+    ({"voices": [{"id": "v1", "wav": "v1.wav"}]}, "voices[v1].transcript", "needs the reference transcript"),
+    ({"segments": [{"id": "s1", "text": "  ", "voice": "v1"}]}, "segments[s1].text", "is empty"),
+    ({"segments": [{"id": "s1", "text": "a", "task": "voice_design"}]}, "segments[s1].instructions", "needs instructions"),
+    ({"segments": [{"id": "s1", "text": "a", "task": "custom_voice", "voice": "v1", "speaker": "alice"}]},
+     "segments[s1].voice", "not used by a custom_voice segment"),
+    ({"segments": [{"id": "s1", "text": "a", "voice": "v1", "colour": "red"}]}, "segments[s1].colour", "unknown field"),
+    ({"chunks": {"initial_frames": 0}}, "chunks.initial_frames", "must be a positive integer"),
+    ({"segments": []}, "segments", "expected a non-empty list"),
+])
+def test_invalid_suites_name_field_and_problem(tmp_path, over, field, problem):
+    p = _write_suite(tmp_path, _doc(**over))
+    with pytest.raises(SuiteError) as e:
+        load_suite(p)
+    assert e.value.field == field
+    assert problem in e.value.problem
+    assert str(p) in str(e.value)
+
+
+def test_non_mono_wav(tmp_path):
+    p = _write_suite(tmp_path, _doc(), channels=2)
+    with pytest.raises(SuiteError, match=r"voices\[v1\]\.wav: v1.wav has 2 channels, must be mono"):
+        load_suite(p)
+
+
+def test_non_pcm_wav(tmp_path):
+    p = _write_suite(tmp_path, _doc())
+    wavio.write(tmp_path / "v1.wav", np.zeros(2400), 24000, "float")
+    with pytest.raises(SuiteError, match="32-bit float, not PCM"):
+        load_suite(p)
+
+
+def test_other_sample_rate(tmp_path):
+    p = _write_suite(tmp_path, _doc(), sr=16000)
+    with pytest.raises(SuiteError, match="16000 Hz; resample it to 24000 Hz"):
+        load_suite(p)
+
+
+def test_truncated_wav(tmp_path):
+    p = _write_suite(tmp_path, _doc())
+    data = (tmp_path / "v1.wav").read_bytes()
+    (tmp_path / "v1.wav").write_bytes(data[:1000])
+    with pytest.raises(SuiteError, match="truncated"):
+        load_suite(p)
+
+
+def test_broken_yaml_names_line(tmp_path):
+    p = _write_suite(tmp_path, "name: t\nsegments: [\n  - {id: a\n")
+    with pytest.raises(SuiteError, match=r"line \d+: not valid YAML"):
+        load_suite(p)
+
+
+def test_missing_suite_file(tmp_path):
+    with pytest.raises(SuiteError, match="not found"):
+        load_suite(tmp_path / "nope.yaml")
+
+
+def test_segment_hash_covers_reference_audio_bytes_and_decode(tmp_path):
+    p = _write_suite(tmp_path, _doc())
+    h1 = load_suite(p).segments[0].hash
+    assert load_suite(p).segments[0].hash == h1  # stable
+    x, _ = wavio.read(tmp_path / "v1.wav")
+    x[100] += 1 / 32768
+    wavio.write(tmp_path / "v1.wav", x, 24000, "pcm16")
+    h2 = load_suite(p).segments[0].hash
+    assert h2 != h1
+    p.write_text(yaml.safe_dump(_doc(decode={"repetition_penalty": 1.05, "max_new_tokens": 10, "seed": 0})))
+    assert load_suite(p).segments[0].hash not in (h1, h2)
+
+
+def test_hash_does_not_depend_on_where_the_suite_lives(tmp_path):
+    a = tmp_path / "a"
+    a.mkdir()
+    h1 = load_suite(_write_suite(a, _doc())).segments[0].hash
+    b = tmp_path / "b"
+    shutil.copytree(a, b)
+    assert load_suite(b / "s.yaml").segments[0].hash == h1
