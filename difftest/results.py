@@ -48,6 +48,7 @@ class Result:
     timings: dict = field(default_factory=dict)
     meta: dict = field(default_factory=dict)  # runner label, concurrency, tag, ...
     extra: dict = field(default_factory=dict)  # further named arrays (e.g. vocoder_input)
+    source: Path | None = field(default=None, compare=False)  # the sidecar it was read from
 
     def __post_init__(self):
         self.wav = np.asarray(self.wav, dtype=np.float32).reshape(-1)
@@ -156,7 +157,7 @@ def read_result(sidecar: str | Path) -> Result:
             codes=arrays.pop("codes"), ref_codes=arrays.pop("ref_codes"),
             has_codes=bool(meta.get("has_codes", True)), quantised=bool(meta.get("quantised", False)),
             provenance=meta.get("provenance", {}), timings=meta.get("timings", {}),
-            meta=meta.get("meta", {}), extra=arrays,
+            meta=meta.get("meta", {}), extra=arrays, source=side.resolve(),
         )
     except (KeyError, ValueError) as e:
         raise CorruptResult(f"{side}: {e}") from None

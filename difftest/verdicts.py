@@ -59,6 +59,7 @@ class SegmentVerdict:
     error_kind: str | None = None
     comparisons: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
+    artifacts: dict = field(default_factory=dict)  # role -> result sidecar path
 
     def to_json(self) -> dict:
         return {
@@ -66,7 +67,7 @@ class SegmentVerdict:
             "first_divergent_frame": self.first_divergent_frame,
             "first_divergent_chunk": self.first_divergent_chunk,
             "stage": self.stage, "donor": self.donor, "error_kind": self.error_kind,
-            "notes": self.notes, "comparisons": self.comparisons,
+            "notes": self.notes, "comparisons": self.comparisons, "artifacts": self.artifacts,
         }
 
 
@@ -356,5 +357,8 @@ def classify(ev: Evidence, policy: Policy) -> SegmentVerdict:
     chunk = top.chunk
     if chunk is None and top.frame is not None:
         chunk = _chunk_of(top.frame, top.frame + 1, ev)
+    artifacts = {role: str(r.source) for role in ("reference", "candidate", "control", "cross_own")
+                 if (r := getattr(ev, role)) is not None and r.source is not None}
+    artifacts.update({f"cross_donor:{p}": str(r.source) for p, r in ev.cross_donors.items() if r.source is not None})
     return SegmentVerdict(ev.segment_id, verdict, top.summary, top.frame, chunk, top.stage, top.donor,
-                          top.error_kind, comps, notes)
+                          top.error_kind, comps, notes, artifacts)
