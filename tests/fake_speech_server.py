@@ -1,0 +1,105 @@
+"""A test double for a speech server: the HTTP surface of vLLM-Omni's speech API with toy audio
+(tests/toy.py), for testing the HTTP runner's mechanics (patterns, errors, capture pickup) without
+an engine. It records every request's arrival. Not an engine: the CPU engine in runners/ is."""
+
+from __future__ import annotations
+
+import base64
+import json
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import numpy as np
+from toy import toy_codes, toy_decode
+
+from difftest import wavio
+
+
+class FakeSpeechServer:
+    def __init__(self, capture_dir: Path | None = None, delay: float = 0.05):
+        self.capture_dir = capture_dir
+        self.delay = delay
+        self.requests: list[dict] = []  # body + arrival time
+        self.voices: dict[str, dict] = {}
+        self.fail: dict[str, int] = {}  # text -> HTTP status to answer
+        self.truncate: set[str] = set()  # texts whose body is cut short
+        self.die_after: int | None = None  # stop serving after this many speech requests
+        self.lock = threading.Lock()
+        self.in_flight = 0
+        self.max_in_flight = 0
+        outer = self
+
+        class H(BaseHTTPRequestHandler):
+            def log_message(self, *a):
+                pass
+
+            def _send(self, status, body: bytes, ctype="application/json", length=None):
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(body) if length is None else length))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path == "/health":
+                    self._send(200, b'{"status":"healthy"}')
+                else:
+                    self._send(404, b'{"error":"not found"}')
+
+            def do_POST(self):
+                data = self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                if self.path == "/v1/audio/voices":
+                    text = data.decode("latin-1")
+                    name = text.split('name="name"\r\n\r\n')[1].split("\r\n")[0]
+                    outer.voices[name] = {"bytes": len(data)}
+                    return self._send(200, json.dumps({"name": name}).encode())
+                body = json.loads(data)
+                with outer.lock:
+                    n = len(outer.requests)
+                    if outer.die_after is not None and n >= outer.die_after:
+                        threading.Thread(target=outer.stop, daemon=True).start()
+                        self.connection.close()
+                        return
+                    outer.requests.append({**body, "t": time.monotonic()})
+                    outer.in_flight += 1
+                    outer.max_in_flight = max(outer.max_in_flight, outer.in_flight)
+                time.sleep(outer.delay)
+                with outer.lock:
+                    outer.in_flight -= 1
+                if body["input"] in outer.fail:
+                    return self._send(outer.fail[body["input"]], b'{"error":{"message":"engine exploded"}}')
+                seed = sum(body["input"].encode()) % 1000
+                codes = toy_codes(body["max_new_tokens"] - 1, seed)
+                ref = toy_codes(5, seed + 1) if "ref_audio" in body or "voice" in body else np.zeros((0, 16), int)
+                wav = toy_decode(codes, ref)
+                tag = body["extra_params"]["difftest_tag"]
+                if outer.capture_dir:
+                    np.savez(outer.capture_dir / f"{tag}.npz", codes=codes, ref_codes=ref, wav=wav)
+                audio = wavio.encode(wav, 24000, "pcm16")
+                if body["input"] in outer.truncate:
+                    return self._send(200, audio[: len(audio) // 2], "audio/wav", length=len(audio))
+                self._send(200, audio, "audio/wav")
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self):
+        self.thread.start()
+        return self
+
+    def stop(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+    def __exit__(self, *a):
+        try:
+            self.stop()
+        except OSError:
+            pass
+
+
+def decode_ref_audio(body: dict) -> bytes:
+    return base64.b64decode(body["ref_audio"].split(",", 1)[1])
