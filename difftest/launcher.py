@@ -1,0 +1,95 @@
+"""Start a speech server, wait until it is healthy, keep its log, stop it with its whole process tree.
+
+Used for the CPU test engine and for `vllm serve MODEL --omni`. A server that
+exits early or never becomes healthy is an infrastructure error (exit 3) that
+carries the tail of its log.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from pathlib import Path
+
+from .errors import InfraError
+from .speech_client import SpeechClient
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+class ServerProcess:
+    """`with ServerProcess(argv, url, log_path) as srv:` ... the server is healthy inside."""
+
+    def __init__(self, argv: list[str], url: str, log_path: str | Path, *, env: dict | None = None,
+                 cwd: str | Path | None = None, health_timeout: float = 300.0, name: str = "server"):
+        self.argv, self.url, self.log_path = list(argv), url, Path(log_path)
+        self.env, self.cwd, self.health_timeout, self.name = env, cwd, health_timeout, name
+        self.proc: subprocess.Popen | None = None
+        self.started_s: float | None = None
+
+    def start(self) -> "ServerProcess":
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")
+        t0 = time.monotonic()
+        try:
+            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=self.env, cwd=self.cwd, start_new_session=True)
+        except OSError as e:
+            raise InfraError(f"cannot start {self.name} ({self.argv[0]}): {e}") from None
+        finally:
+            log.close()
+        client = SpeechClient(self.url, connect_retries=0)
+        deadline = t0 + self.health_timeout
+        while time.monotonic() < deadline:
+            code = self.proc.poll()
+            if code is not None:
+                raise InfraError(f"{self.name} exited with status {code} before becoming healthy; "
+                                 f"log {self.log_path}:\n{log_tail(self.log_path)}")
+            if client.health(timeout=2.0):
+                self.started_s = time.monotonic() - t0
+                return self
+            time.sleep(0.25)
+        self.stop()
+        raise InfraError(f"{self.name} not healthy after {self.health_timeout:.0f} s; "
+                         f"log {self.log_path}:\n{log_tail(self.log_path)}")
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM the whole process group, then SIGKILL whatever is left."""
+        if self.proc is None:
+            return
+        for sig, wait in ((signal.SIGTERM, grace), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+            except subprocess.TimeoutExpired:
+                continue
+            # The leader is gone; members of the group may linger: check and go on killing.
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                break
+        if self.proc.poll() is None:
+            self.proc.wait(5.0)
+
+    def __enter__(self) -> "ServerProcess":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,69 @@
+"""The launcher against real processes: healthy, never healthy, exiting at once; teardown of the tree."""
+
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+
+from difftest.errors import InfraError
+from difftest.launcher import ServerProcess, free_port
+
+HEALTHY = textwrap.dedent("""
+    import subprocess, sys
+    from http.server import BaseHTTPRequestHandler, HTTPServer
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    print("child", child.pid, flush=True)
+    class H(BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404); self.end_headers()
+        def log_message(self, *a): pass
+    HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+""")
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is gone for our purposes
+        return f.read().split()[2] != "Z"
+
+
+def test_healthy_server_and_whole_tree_stopped(tmp_path):
+    port = free_port()
+    srv = ServerProcess([sys.executable, "-c", HEALTHY, str(port)], f"http://127.0.0.1:{port}",
+                        tmp_path / "s.log", health_timeout=30)
+    with srv:
+        assert srv.started_s is not None and srv.started_s < 30
+        for _ in range(50):
+            if "child" in (tmp_path / "s.log").read_text():
+                break
+            time.sleep(0.1)
+        child = int((tmp_path / "s.log").read_text().split()[1])
+        assert alive(srv.proc.pid) and alive(child)
+    assert srv.proc.poll() is not None
+    time.sleep(0.2)
+    assert not alive(child)
+
+
+def test_exits_at_once(tmp_path):
+    srv = ServerProcess([sys.executable, "-c", "print('model not found: /x'); raise SystemExit(4)"],
+                        f"http://127.0.0.1:{free_port()}", tmp_path / "s.log", health_timeout=30, name="vllm serve")
+    with pytest.raises(InfraError) as e:
+        srv.start()
+    assert e.value.exit_code == 3
+    assert "vllm serve exited with status 4 before becoming healthy" in str(e.value)
+    assert "model not found: /x" in str(e.value)
+
+
+def test_never_healthy(tmp_path):
+    srv = ServerProcess([sys.executable, "-c", "import time; print('loading...', flush=True); time.sleep(600)"],
+                        f"http://127.0.0.1:{free_port()}", tmp_path / "s.log", health_timeout=2)
+    t0 = time.monotonic()
+    with pytest.raises(InfraError, match=r"not healthy after 2 s[\s\S]*loading\.\.\."):
+        srv.start()
+    assert time.monotonic() - t0 < 20
+    assert srv.proc.poll() is not None  # and it was stopped
