@@ -11,5 +11,8 @@ if [ ! -x .venv/bin/python ]; then
 fi
 .venv/bin/python -m pip install -q --disable-pip-version-check -e '.[test]'
 
+echo "== the reference environment (qwen-tts 0.1.1; fast when already there)"
+bash runners/reference/make_env.sh
+
 echo "== running the tests"
 .venv/bin/python -m pytest "$@"

@@ -1,0 +1,268 @@
+"""Reference results for a suite: qwen-tts at concurrency 1, through its runner.
+
+`run_reference` starts the reference runner (runners/reference, in its own
+environment), learns from its announcement which configuration it is, and asks
+it only for the segments the store does not already hold for that
+configuration. Runners write the result files; this side reads them back.
+
+    difftest reference SUITE --store DIR [--model M ...] [--python PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .errors import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_PASS, BadInput, DifftestError, InfraError
+from .progress import Progress
+from .results import CorruptResult, Result, ResultStore, read_result
+from .runner_client import RunnerDied, RunnerProcess
+from .suite import Suite, load_suite
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_PYTHON = REPO / ".venv-reference" / "bin" / "python"
+PYTHON_ENV_VAR = "DIFFTEST_REFERENCE_PYTHON"
+LABEL = "qwen-tts"
+TINY = "tiny"  # a suite's `model: tiny` means the seeded tiny checkpoints built by the runner's builder
+TINY_SEED = 0
+
+
+@dataclass
+class ReferenceOptions:
+    models: list[str] = field(default_factory=list)  # empty: taken from the suite's `model`
+    python: str | None = None  # the reference environment's interpreter
+    device: str = "cpu"
+    dtype: str = "float32"
+    threads: int = 1
+    log_path: Path | None = None  # the runner's stderr; default <store>/logs/qwen-tts-runner.log
+    timeout: float = 900.0  # longest silence from the runner (a first model load included)
+
+
+@dataclass
+class SegmentFailure:
+    """Why a segment has no reference result. kind: bad_input, engine or runner."""
+
+    kind: str
+    message: str
+
+    def __str__(self) -> str:
+        return self.message
+
+
+@dataclass
+class ReferenceRun:
+    config_dir: Path
+    fingerprint: dict
+    provenance: dict
+    outcomes: dict[str, Result | SegmentFailure]  # in suite order
+    cached: set[str] = field(default_factory=set)  # segments found in the store, not computed
+
+    @property
+    def results(self) -> dict[str, Result]:
+        return {k: v for k, v in self.outcomes.items() if isinstance(v, Result)}
+
+    @property
+    def failures(self) -> dict[str, SegmentFailure]:
+        return {k: v for k, v in self.outcomes.items() if isinstance(v, SegmentFailure)}
+
+
+def reference_python(explicit: str | None = None) -> Path:
+    """The interpreter of the reference environment; BadInput with the fix when absent."""
+    path = Path(explicit or os.environ.get(PYTHON_ENV_VAR) or DEFAULT_PYTHON)
+    if not path.exists():
+        raise BadInput(f"reference environment not found: {path} (create it with runners/reference/make_env.sh, "
+                       f"or pass --python / set {PYTHON_ENV_VAR})")
+    return path
+
+
+def tiny_checkpoints(store_root: Path, python: Path, seed: int = TINY_SEED) -> list[str]:
+    """Build (once) the tiny checkpoint set under the store; returns its three folders."""
+    out = Path(store_root).resolve() / "checkpoints" / f"tiny-seed{seed}"
+    cmd = [str(python), "-m", "runners.reference.tiny_checkpoint", str(out), "--seed", str(seed)]
+    r = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        raise InfraError(f"building the tiny checkpoint failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
+    return [str(out / t) for t in ("base", "custom_voice", "voice_design")]
+
+
+def runner_argv(python: Path, models: list[str], options: ReferenceOptions) -> list[str]:
+    """The runner's command line. It runs in the repository root: local paths are made absolute."""
+    argv = [str(python), "-m", "runners.reference"]
+    for m in models:
+        argv += ["--model", str(Path(m).resolve()) if Path(m).exists() else m]
+    return argv + ["--device", options.device, "--dtype", options.dtype, "--threads", str(options.threads)]
+
+
+def start_runner(runner: RunnerProcess) -> dict:
+    """Start a reference runner; its refusal of checkpoints or options (exit 2) is BadInput."""
+    try:
+        hello = runner.start()
+    except RunnerDied as e:
+        code = runner.proc.returncode if runner.proc else None
+        if code == EXIT_BAD_INPUT:  # the runner's verdict on its checkpoints or options
+            raise BadInput(f"the reference runner refused to start: {e.tail or e}") from None
+        raise InfraError(f"the reference runner did not start: {e}") from None
+    _check_hello(runner)
+    return hello
+
+
+def _check_hello(runner: RunnerProcess) -> None:
+    hello = runner.hello
+    if hello.get("label") != LABEL or not isinstance(hello.get("fingerprint"), dict):
+        runner.kill()
+        raise InfraError(f"not a qwen-tts reference runner: {json.dumps(hello)[:300]}")
+
+
+def run_reference(suite: Suite, store_root: str | Path, options: ReferenceOptions | None = None, *,
+                  progress: Progress | None = None, runner: RunnerProcess | None = None) -> ReferenceRun:
+    """Reference results for every segment of `suite`: cached ones from the store, the rest computed.
+
+    `runner`: a reference runner the caller owns (started or not; it stays open,
+    e.g. for cross-decodes afterwards). Without it, one is started from
+    `options` and closed at the end.
+
+    Raises BadInput (the runner refused its checkpoints or options) or InfraError
+    (it could not start). A runner that dies mid-suite does not raise: the
+    segments it did not answer get a SegmentFailure naming its exit status and
+    log tail, and the results it wrote stay in the store.
+    """
+    options = options or ReferenceOptions()
+    store = ResultStore(Path(store_root).resolve())  # the runner writes there from another working directory
+    own_runner = runner is None
+    if own_runner:
+        python = reference_python(options.python)
+        models = list(options.models) or (
+            tiny_checkpoints(store.root, python) if suite.model == TINY else [suite.model])
+        log_path = options.log_path or store.root / "logs" / f"{LABEL}-runner.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        runner = RunnerProcess(runner_argv(python, models, options), env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                               log_path=log_path, cwd=REPO)
+    try:
+        if runner.proc is None:
+            start_runner(runner)
+        else:
+            _check_hello(runner)
+        hello = runner.hello
+        config_dir = store.config_dir(LABEL, hello["fingerprint"])
+        run = ReferenceRun(config_dir, hello["fingerprint"], hello.get("provenance", {}), {})
+        progress = progress or Progress(len(suite.segments), label="reference")
+        try:
+            todo = []
+            for seg in suite.segments:
+                hit = store.get(config_dir, seg.id, seg.hash)
+                if hit is None:
+                    todo.append(seg)
+                else:
+                    run.outcomes[seg.id] = hit
+                    run.cached.add(seg.id)
+                    progress.segment(seg.id, cached=True)
+            if todo:
+                _generate(runner, todo, config_dir, run, progress, options.timeout)
+        finally:
+            progress.close()
+    finally:
+        if own_runner:
+            runner.close()
+    run.outcomes = {s.id: run.outcomes[s.id] for s in suite.segments}
+    return run
+
+
+def _generate(runner: RunnerProcess, todo: list, config_dir: Path, run: ReferenceRun, progress: Progress,
+              timeout: float) -> None:
+    pending = {s.id: s for s in todo}
+    try:
+        for ev in runner.request("generate", timeout=timeout, segments=[s.to_job() for s in todo],
+                                 out_dir=str(config_dir), concurrency=1):
+            sid = ev.get("segment")
+            kind = ev.get("event")
+            if kind == "progress":
+                progress.note(f"{sid}: {ev.get('message', '')}")
+                continue
+            if sid not in pending:
+                if kind in ("error", "protocol_error"):
+                    progress.note(f"runner: {ev.get('message', ev)}")
+                continue
+            seg = pending.pop(sid)
+            if kind == "result":
+                outcome = _read(ev.get("path", ""), seg.hash)
+            else:
+                outcome = SegmentFailure(ev.get("kind", "engine"), ev.get("message", "error without a message"))
+            run.outcomes[sid] = outcome
+            if isinstance(outcome, SegmentFailure):
+                progress.segment(sid, error=outcome.message)
+            else:
+                if ev.get("cached"):
+                    run.cached.add(sid)
+                progress.segment(sid, cached=bool(ev.get("cached")), seconds=float(ev.get("seconds") or 0.0),
+                                 audio_seconds=outcome.seconds)
+    except RunnerDied as e:
+        for sid in pending:
+            run.outcomes[sid] = SegmentFailure("runner", f"no answer: {e}")
+            progress.segment(sid, error=f"no answer: {str(e).splitlines()[0]}")
+        return
+    for sid in pending:  # `done` came early: a runner bug, reported per segment all the same
+        run.outcomes[sid] = SegmentFailure("runner", "the runner finished the job without answering this segment")
+        progress.segment(sid, error="not answered")
+
+
+def _read(path: str, segment_hash: str) -> Result | SegmentFailure:
+    try:
+        r = read_result(path)
+    except CorruptResult as e:
+        return SegmentFailure("runner", f"the runner's result is unreadable: {e}")
+    if r.segment_hash != segment_hash:
+        return SegmentFailure("runner", f"{path} holds segment hash {r.segment_hash[:16]}, expected {segment_hash[:16]}")
+    return r
+
+
+def exit_code(run: ReferenceRun) -> int:
+    kinds = {f.kind for f in run.failures.values()}
+    if kinds - {"bad_input"}:
+        return EXIT_INFRA
+    return EXIT_BAD_INPUT if kinds else EXIT_PASS
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="difftest reference",
+                                 description="Compute (or find cached) qwen-tts reference results for a suite.")
+    ap.add_argument("suite", help="suite YAML file")
+    ap.add_argument("--store", required=True, help="result store root")
+    ap.add_argument("--model", action="append", default=[],
+                    help="checkpoint folder or cached Hugging Face id, one per model type "
+                         "(default: the suite's model; 'tiny' builds the seeded tiny set in the store)")
+    ap.add_argument("--python", help=f"reference environment interpreter (default {DEFAULT_PYTHON}, or ${PYTHON_ENV_VAR})")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--log", type=Path, help="runner log file (default <store>/logs/qwen-tts-runner.log)")
+    ap.add_argument("--timeout", type=float, default=900.0, help="longest silence from the runner, seconds")
+    args = ap.parse_args(argv)
+    try:
+        suite = load_suite(args.suite)
+        options = ReferenceOptions(models=args.model, python=args.python, device=args.device, dtype=args.dtype,
+                                   threads=args.threads, log_path=args.log, timeout=args.timeout)
+        run = run_reference(suite, args.store, options)
+    except DifftestError as e:
+        print(f"difftest reference: {e}", file=sys.stderr)
+        return e.exit_code
+    summary = {"suite": suite.name, "store": str(run.config_dir), "fingerprint": run.fingerprint, "segments": {}}
+    for sid, outcome in run.outcomes.items():
+        if isinstance(outcome, Result):
+            stem = ResultStore.stem(run.config_dir, sid, suite.segment(sid).hash)
+            summary["segments"][sid] = {
+                "status": "cached" if sid in run.cached else "computed",
+                "path": str(stem.with_name(stem.name + ".json")),
+                "audio_seconds": round(outcome.seconds, 3)}
+        else:
+            summary["segments"][sid] = {"status": "error", "kind": outcome.kind, "error": outcome.message}
+    print(json.dumps(summary, indent=1))
+    return exit_code(run)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""The reference runner: the official qwen-tts package at concurrency 1."""

@@ -1,0 +1,150 @@
+"""Checkpoint folders: where they are, whether they are complete, what they hash to.
+
+No torch here: the runner validates and fingerprints its checkpoints before it
+announces itself, and loading the model is left for the first segment.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+MANIFEST = "difftest-checkpoint.json"  # written by tiny_checkpoint; not part of the content hash
+TASK_OF_MODEL_TYPE = {"base": "voice_clone", "custom_voice": "custom_voice", "voice_design": "voice_design"}
+MODEL_TYPE_OF_TASK = {task: mtype for mtype, task in TASK_OF_MODEL_TYPE.items()}
+
+# What Qwen3TTSModel.from_pretrained reads (the weights may also be sharded).
+REQUIRED_FILES = (
+    "config.json",
+    "generation_config.json",
+    "speech_tokenizer/config.json",
+    "speech_tokenizer/model.safetensors",
+    "speech_tokenizer/preprocessor_config.json",
+    "tokenizer_config.json",
+)
+WEIGHTS = ("model.safetensors", "model.safetensors.index.json")
+# A Qwen2 tokenizer needs either its fast form or the BPE pair.
+TOKENIZER_FORMS = (("tokenizer.json",), ("vocab.json", "merges.txt"))
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the folder and the problem."""
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    spec: str  # what the user gave: a folder or a Hugging Face id
+    path: Path  # the local folder
+    config: dict
+    files: dict  # relative path -> sha256
+
+    @property
+    def model_type(self) -> str:
+        return self.config.get("tts_model_type", "")
+
+    @property
+    def task(self) -> str:
+        return TASK_OF_MODEL_TYPE[self.model_type]
+
+    @property
+    def sha256(self) -> str:
+        """One hash over every file's path and content."""
+        h = hashlib.sha256()
+        for rel, digest in sorted(self.files.items()):
+            h.update(f"{rel}\0{digest}\n".encode())
+        return h.hexdigest()
+
+    def languages(self) -> set[str]:
+        """Lower-case language names qwen-tts accepts for this model ("auto" + non-dialect ids)."""
+        ids = self.config.get("talker_config", {}).get("codec_language_id", {}) or {}
+        return {"auto"} | {k.lower() for k in ids if "dialect" not in k}
+
+    def speakers(self) -> set[str]:
+        return {k.lower() for k in (self.config.get("talker_config", {}).get("spk_id", {}) or {})}
+
+
+def sha256_file(path: Path, bufsize: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def content_files(folder: Path) -> list[str]:
+    """Relative paths of the files that make up a checkpoint (hidden files and the manifest excluded)."""
+    out = []
+    for root, dirs, files in os.walk(folder, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in files:
+            if name.startswith(".") or name.endswith(".tmp"):
+                continue
+            rel = (Path(root) / name).relative_to(folder).as_posix()
+            if rel != MANIFEST:
+                out.append(rel)
+    return sorted(out)
+
+
+def hash_files(folder: Path) -> dict[str, str]:
+    return {rel: sha256_file(folder / rel) for rel in content_files(folder)}
+
+
+def missing_files(folder: Path) -> list[str]:
+    """Required files absent from `folder`, by relative path."""
+    missing = [rel for rel in REQUIRED_FILES if not (folder / rel).is_file()]
+    if not any((folder / w).is_file() for w in WEIGHTS):
+        missing.append(WEIGHTS[0])
+    if not any(all((folder / f).is_file() for f in form) for form in TOKENIZER_FORMS):
+        missing.append(" or ".join("+".join(form) for form in TOKENIZER_FORMS))
+    return missing
+
+
+def resolve(spec: str) -> Path:
+    """A local folder, or a Hugging Face id already in the local cache (never downloads)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path.resolve()
+    if path.exists():
+        raise CheckpointError(f"{spec}: not a folder")
+    if spec.count("/") != 1 or spec.startswith((".", "/", "~")):
+        raise CheckpointError(f"{spec}: no such checkpoint folder")
+    try:
+        from huggingface_hub import snapshot_download
+    except ImportError:
+        raise CheckpointError(f"{spec}: no such folder, and huggingface_hub is not installed to look it up") from None
+    try:
+        return Path(snapshot_download(spec, local_files_only=True))
+    except Exception as e:  # not in the cache; nothing may be downloaded
+        raise CheckpointError(f"{spec}: not a folder and not in the local Hugging Face cache ({type(e).__name__})") from None
+
+
+def open_checkpoint(spec: str) -> Checkpoint:
+    """Resolve, validate and hash a checkpoint; raises CheckpointError naming what is wrong."""
+    folder = resolve(spec)
+    missing = missing_files(folder)
+    if missing:
+        raise CheckpointError(f"{folder}: missing {', '.join(missing)}")
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{folder / 'config.json'}: not valid JSON ({e})") from None
+    mtype = config.get("tts_model_type") if isinstance(config, dict) else None
+    if mtype not in TASK_OF_MODEL_TYPE:
+        raise CheckpointError(f"{folder / 'config.json'}: tts_model_type is {mtype!r}, "
+                              f"expected one of {', '.join(TASK_OF_MODEL_TYPE)}")
+    return Checkpoint(spec, folder, config, hash_files(folder))
+
+
+def open_checkpoints(specs: list[str]) -> dict[str, Checkpoint]:
+    """Checkpoints by the task they serve; two for one task is an error."""
+    by_task: dict[str, Checkpoint] = {}
+    for spec in specs:
+        ckpt = open_checkpoint(spec)
+        if ckpt.task in by_task:
+            raise CheckpointError(f"{spec} and {by_task[ckpt.task].spec} are both {ckpt.model_type} "
+                                  f"checkpoints; give one per model type")
+        by_task[ckpt.task] = ckpt
+    return by_task

@@ -1,0 +1,166 @@
+"""The torch side of the reference runner: qwen-tts models, one utterance at a time.
+
+Nothing here decides what to run or where results go (service.py does); this
+module turns one validated request into codes and a waveform, through the
+official `Qwen3TTSModel` API only. qwen-tts returns waveforms but not the
+codes behind them, so the codes are captured by shadowing two bound methods on
+the model *instance* (`model.generate`, `speech_tokenizer.decode`); the
+package's source is never changed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .checkpoint import Checkpoint
+from .environment import import_qwen_tts, log
+
+# Decode parameters passed to qwen-tts by name (`seed` and `non_streaming_mode` are handled apart).
+GENERATE_KWARGS = ("do_sample", "subtalker_dosample", "repetition_penalty", "max_new_tokens", "top_k", "top_p",
+                   "temperature", "subtalker_top_k", "subtalker_top_p", "subtalker_temperature")
+
+
+@dataclass
+class Utterance:
+    text: str
+    language: str
+    task: str  # voice_clone | custom_voice | voice_design
+    decode: dict
+    voice_wav: Path | None = None
+    transcript: str | None = None
+    xvector_only: bool = False
+    speaker: str | None = None
+    instructions: str | None = None
+
+
+@dataclass
+class Synthesis:
+    codes: np.ndarray  # (T, 16) generated
+    ref_codes: np.ndarray  # (R, 16); R = 0 unless in-context voice clone
+    wav: np.ndarray  # float32, what qwen-tts returned
+    sample_rate: int
+    timings: dict = field(default_factory=dict)
+    generate_kwargs: dict = field(default_factory=dict)
+
+
+class _Capture:
+    """Records what the instance's `generate` returned for the latest call."""
+
+    def __init__(self, tts):
+        self.codes = None
+        inner_generate = tts.model.generate
+
+        def generate_and_capture(*args, **kwargs):
+            codes_list, hidden_list = inner_generate(*args, **kwargs)
+            self.codes = [c.detach().to("cpu").clone() for c in codes_list]
+            return codes_list, hidden_list
+
+        tts.model.generate = generate_and_capture  # an instance attribute shadows the class method
+
+
+class QwenTTSEngine:
+    """Loads each checkpoint on first use and synthesises with it."""
+
+    def __init__(self, checkpoints: dict[str, Checkpoint], device: str = "cpu", dtype: str = "float32",
+                 threads: int = 1):
+        self.checkpoints = checkpoints
+        self.device = device
+        self.dtype = dtype
+        self.threads = threads
+        self._models: dict[str, tuple[object, _Capture]] = {}
+        self._torch = None
+
+    # -- loading -------------------------------------------------------
+    def _import(self):
+        if self._torch is None:
+            t0 = time.perf_counter()
+            import_qwen_tts()
+            import torch
+
+            if self.threads:
+                torch.set_num_threads(self.threads)
+            self._torch = torch
+            log(f"imported qwen_tts and torch {torch.__version__} in {time.perf_counter() - t0:.1f} s "
+                f"({torch.get_num_threads()} threads)")
+        return self._torch
+
+    def is_loaded(self, task: str) -> bool:
+        return task in self._models
+
+    def model(self, task: str):
+        if task not in self._models:
+            torch = self._import()
+            from qwen_tts import Qwen3TTSModel
+
+            ckpt = self.checkpoints[task]
+            t0 = time.perf_counter()
+            device_map = "cuda:0" if self.device == "cuda" else self.device
+            tts = Qwen3TTSModel.from_pretrained(str(ckpt.path), dtype=getattr(torch, self.dtype), device_map=device_map)
+            self._models[task] = (tts, _Capture(tts))
+            log(f"loaded {ckpt.model_type} model {ckpt.path} in {time.perf_counter() - t0:.1f} s")
+        return self._models[task][0]
+
+    # -- synthesis -----------------------------------------------------
+    def synthesize(self, u: Utterance) -> Synthesis:
+        torch = self._import()
+        tts = self.model(u.task)
+        capture = self._models[u.task][1]
+        kwargs = {k: u.decode[k] for k in GENERATE_KWARGS if k in u.decode}
+        if "non_streaming_mode" in u.decode:
+            kwargs["non_streaming_mode"] = u.decode["non_streaming_mode"]
+        ref_codes = None
+        timings = {}
+        t0 = time.perf_counter()
+        if u.task == "voice_clone":
+            # One prompt per utterance: a prompt built for a batch would encode the
+            # references zero-padded together, which changes their last frame.
+            prompt = tts.create_voice_clone_prompt(ref_audio=str(u.voice_wav), ref_text=u.transcript or None,
+                                                   x_vector_only_mode=u.xvector_only)
+            if prompt[0].ref_code is not None:
+                ref_codes = prompt[0].ref_code.detach().to("cpu").numpy()
+            timings["prompt_s"] = time.perf_counter() - t0
+        capture.codes = None
+        torch.manual_seed(int(u.decode["seed"]))
+        t1 = time.perf_counter()
+        if u.task == "voice_clone":
+            wavs, sr = tts.generate_voice_clone(text=u.text, language=u.language, voice_clone_prompt=prompt, **kwargs)
+        elif u.task == "custom_voice":
+            wavs, sr = tts.generate_custom_voice(text=u.text, speaker=u.speaker, language=u.language,
+                                                 instruct=u.instructions, **kwargs)
+        elif u.task == "voice_design":
+            wavs, sr = tts.generate_voice_design(text=u.text, instruct=u.instructions, language=u.language, **kwargs)
+        else:
+            raise ValueError(f"unknown task {u.task!r}")
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+        timings["generate_s"] = time.perf_counter() - t1
+        if capture.codes is None or len(capture.codes) != 1:
+            raise RuntimeError("qwen-tts did not call model.generate once; codes were not captured")
+        codes = capture.codes[0].numpy()
+        return Synthesis(codes=codes, ref_codes=np.zeros((0, 16), np.int64) if ref_codes is None else ref_codes,
+                         wav=np.asarray(wavs[0], dtype=np.float32), sample_rate=int(sr), timings=timings,
+                         generate_kwargs=kwargs)
+
+    # -- the vocoder alone ---------------------------------------------
+    def vocode(self, codes: np.ndarray, ref_codes: np.ndarray, task: str) -> tuple[np.ndarray, int]:
+        """The waveform qwen-tts's voice-clone path gives for these codes.
+
+        The same call (`speech_tokenizer.decode` on ref codes + codes, chunked
+        300/25 inside) and the same float cut of the reference part.
+        """
+        torch = self._import()
+        tts = self.model(task)
+        ref_len = int(ref_codes.shape[0])
+        full = np.concatenate([ref_codes, codes], axis=0) if ref_len else codes
+        audio_codes = torch.from_numpy(np.ascontiguousarray(full, dtype=np.int64)).to(tts.device)
+        wavs, sr = tts.model.speech_tokenizer.decode([{"audio_codes": audio_codes}])
+        wav = wavs[0]
+        if ref_len:
+            total_len = int(full.shape[0])
+            cut = int(ref_len / max(total_len, 1) * wav.shape[0])
+            wav = wav[cut:]
+        return np.asarray(wav, dtype=np.float32), int(sr)

@@ -1,0 +1,276 @@
+"""The reference runner's jobs: `generate` and `decode` (docs/runner-protocol.md).
+
+Everything that can be decided without torch is decided here, before the model
+is touched: whether a result is already cached, whether the segment's inputs
+are usable. So a fully cached run never loads a model, and a bad input costs
+nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import time
+from pathlib import Path
+
+import numpy as np
+
+from difftest import wavio
+from difftest.results import CorruptResult, Result, ResultStore, read_result, write_result
+from difftest.suite import DECODE_FIELDS, SAMPLE_RATE
+
+from .checkpoint import MODEL_TYPE_OF_TASK, Checkpoint
+from .engine import QwenTTSEngine, Utterance
+from .environment import log
+
+LABEL = "qwen-tts"
+REQUIRED_DECODE = ("seed", "max_new_tokens")
+
+
+class BadInput(ValueError):
+    """A segment or item that cannot be run as given; the message names what is wrong."""
+
+
+class ReferenceService:
+    def __init__(self, checkpoints: dict[str, Checkpoint], engine: QwenTTSEngine, provenance: dict):
+        self.checkpoints = checkpoints
+        self.engine = engine
+        self.provenance = provenance  # shared by every result this runner writes
+
+    # -- generate ------------------------------------------------------
+    def generate(self, job: dict, emit) -> None:
+        segments = job.get("segments") or []
+        concurrency = job.get("concurrency", 1)
+        out_dir = job.get("out_dir")
+        for seg in segments:
+            sid = seg.get("id", "?") if isinstance(seg, dict) else "?"
+            if concurrency != 1:
+                emit("error", segment=sid, kind="bad_input",
+                     message=f"the reference runs at concurrency 1 only (asked for {concurrency})")
+                continue
+            if not out_dir:
+                emit("error", segment=sid, kind="bad_input", message="generate job has no out_dir")
+                continue
+            try:
+                self._generate_one(seg, Path(out_dir), emit)
+            except BadInput as e:
+                emit("error", segment=sid, kind="bad_input", message=str(e))
+            except Exception as e:  # the model failed on this segment; go on with the next
+                log(f"segment {sid}: {type(e).__name__}: {e}")
+                emit("error", segment=sid, kind="engine", message=f"{type(e).__name__}: {e}")
+
+    def _generate_one(self, seg: dict, out_dir: Path, emit) -> None:
+        sid, shash = _segment_key(seg)
+        stem = ResultStore.stem(out_dir, sid, shash)
+        cached = _valid_result(stem, shash)
+        if cached is not None:
+            emit("result", segment=sid, path=str(_sidecar(stem)), cached=True,
+                 seconds=float(cached.timings.get("seconds", 0.0)), audio_seconds=cached.seconds)
+            return
+        utt, voice = self._utterance(seg)
+        if not self.engine.is_loaded(utt.task):
+            emit("progress", segment=sid, stage="load",
+                 message=f"loading the {MODEL_TYPE_OF_TASK[utt.task]} model")
+        t0 = time.perf_counter()
+        self.engine.model(utt.task)
+        load_s = time.perf_counter() - t0
+        syn = self.engine.synthesize(utt)
+        ckpt = self.checkpoints[utt.task]
+        audio_s = len(syn.wav) / syn.sample_rate
+        seconds = sum(syn.timings.values())
+        timings = {**syn.timings, "seconds": seconds, "audio_s": audio_s,
+                   "rtf": seconds / audio_s if audio_s else None}
+        if load_s > 0.01:
+            timings["load_s"] = load_s
+        provenance = {
+            **self.provenance,
+            "checkpoint": {"path": str(ckpt.path), "model": ckpt.spec, "sha256": ckpt.sha256,
+                           "tts_model_type": ckpt.model_type},
+            "decode": {**syn.generate_kwargs, "seed": utt.decode["seed"]},
+            "task": utt.task,
+            "voice": voice,
+        }
+        result = Result(segment_id=sid, segment_hash=shash, wav=syn.wav, sample_rate=syn.sample_rate,
+                        codes=syn.codes, ref_codes=syn.ref_codes, provenance=provenance, timings=timings,
+                        meta={"runner": LABEL, "concurrency": 1})
+        side = write_result(stem, result)
+        emit("result", segment=sid, path=str(side), cached=False, seconds=seconds, audio_seconds=audio_s)
+
+    def _utterance(self, seg: dict) -> tuple[Utterance, dict | None]:
+        task = seg.get("task")
+        if task not in MODEL_TYPE_OF_TASK:
+            raise BadInput(f"unknown task {task!r}")
+        ckpt = self.checkpoints.get(task)
+        if ckpt is None:
+            have = ", ".join(f"{c.model_type} ({c.spec})" for c in self.checkpoints.values()) or "none"
+            raise BadInput(f"no {MODEL_TYPE_OF_TASK[task]} checkpoint for this {task} segment "
+                           f"(start the runner with --model <a {MODEL_TYPE_OF_TASK[task]} checkpoint>; it has: {have})")
+        text = seg.get("text")
+        if not isinstance(text, str) or not text.strip():
+            raise BadInput("empty text")
+        language = seg.get("language") or "Auto"
+        if not isinstance(language, str) or language.lower() not in ckpt.languages():
+            raise BadInput(f"unsupported language {language!r} (the {ckpt.model_type} checkpoint knows: "
+                           f"{', '.join(sorted(ckpt.languages()))})")
+        decode = _decode_params(seg.get("decode"))
+        utt = Utterance(text=text, language=language, task=task, decode=decode)
+        voice_prov = None
+        if task == "voice_clone":
+            voice = seg.get("voice")
+            if not isinstance(voice, dict) or not voice.get("wav"):
+                raise BadInput("a voice_clone segment needs a voice with a wav")
+            mode = voice.get("mode", "icl")
+            if mode not in ("icl", "xvector"):
+                raise BadInput(f"voice mode {mode!r} is not icl or xvector")
+            transcript = (voice.get("transcript") or "").strip()
+            if mode == "icl" and not transcript:
+                raise BadInput(f"voice {voice.get('id')!r}: in-context cloning needs the reference transcript")
+            wav_path = Path(voice["wav"])
+            sha = _check_voice_wav(wav_path, voice.get("wav_sha256"))
+            utt.voice_wav, utt.transcript, utt.xvector_only = wav_path, transcript or None, mode == "xvector"
+            voice_prov = {"id": voice.get("id"), "wav": str(wav_path), "wav_sha256": sha, "mode": mode}
+        elif task == "custom_voice":
+            speaker = seg.get("speaker")
+            if not isinstance(speaker, str) or speaker.lower() not in ckpt.speakers():
+                raise BadInput(f"unknown speaker {speaker!r} (the checkpoint has: {', '.join(sorted(ckpt.speakers()))})")
+            utt.speaker, utt.instructions = speaker, seg.get("instructions") or None
+        else:
+            instructions = seg.get("instructions")
+            if not isinstance(instructions, str) or not instructions.strip():
+                raise BadInput("a voice_design segment needs instructions")
+            utt.instructions = instructions
+        return utt, voice_prov
+
+    # -- decode (the cross-decode) -------------------------------------
+    def decode(self, job: dict, emit) -> None:
+        items = job.get("items") or []
+        task = job.get("task")
+        if task is None:  # the vocoder is the same in every 12 Hz checkpoint; any loaded one will do
+            task = next((t for t in ("voice_clone", "custom_voice", "voice_design") if t in self.checkpoints), None)
+        for item in items:
+            name = item.get("name", "?") if isinstance(item, dict) else "?"
+            try:
+                if task not in self.checkpoints:
+                    raise BadInput(f"no checkpoint for task {task!r} to take the vocoder from")
+                self._decode_one(item, task, emit)
+            except BadInput as e:
+                emit("error", item=name, segment=name, kind="bad_input", message=str(e))
+            except Exception as e:
+                log(f"decode {name}: {type(e).__name__}: {e}")
+                emit("error", item=name, segment=name, kind="engine", message=f"{type(e).__name__}: {e}")
+
+    def _decode_one(self, item: dict, task: str, emit) -> None:
+        name, src, out = item.get("name"), item.get("input"), item.get("out")
+        if not name or not src or not out:
+            raise BadInput("a decode item needs name, input and out")
+        codes, ref_codes = _load_codes(Path(src))
+        if not self.engine.is_loaded(task):
+            emit("progress", item=name, segment=name, stage="load",
+                 message=f"loading the {MODEL_TYPE_OF_TASK[task]} model")
+        self.engine.model(task)
+        t0 = time.perf_counter()
+        wav, sr = self.engine.vocode(codes, ref_codes, task)
+        seconds = time.perf_counter() - t0
+        ckpt = self.checkpoints[task]
+        provenance = {**self.provenance, "op": "decode", "input": str(src),
+                      "checkpoint": {"path": str(ckpt.path), "model": ckpt.spec, "sha256": ckpt.sha256,
+                                     "tts_model_type": ckpt.model_type}}
+        result = Result(segment_id=str(item.get("segment_id", name)), segment_hash=str(item.get("segment_hash", "")),
+                        wav=wav, sample_rate=sr, codes=codes, ref_codes=ref_codes, provenance=provenance,
+                        timings={"decode_s": seconds, "audio_s": len(wav) / sr},
+                        meta={"runner": LABEL, "op": "decode", "item": name})
+        side = write_result(Path(out), result)
+        emit("result", item=name, segment=name, path=str(side), cached=False, seconds=seconds,
+             audio_seconds=len(wav) / sr)
+
+
+def _segment_key(seg) -> tuple[str, str]:
+    if not isinstance(seg, dict):
+        raise BadInput("a segment must be a JSON object")
+    sid, shash = seg.get("id"), seg.get("hash")
+    if not isinstance(sid, str) or not sid or not isinstance(shash, str) or len(shash) < 16:
+        raise BadInput("a segment needs an id and its content hash")
+    return sid, shash
+
+
+def _sidecar(stem: Path) -> Path:
+    return stem.with_name(stem.name + ".json")  # stems hold a dot (<id>.<hash>): no with_suffix
+
+
+def _valid_result(stem: Path, segment_hash: str) -> Result | None:
+    side = _sidecar(stem)
+    if not side.exists():
+        return None
+    try:
+        r = read_result(side)
+    except CorruptResult as e:
+        log(f"recomputing: {e}")
+        return None
+    return r if r.segment_hash == segment_hash else None
+
+
+def _decode_params(raw) -> dict:
+    if not isinstance(raw, dict):
+        raise BadInput("decode parameters missing")
+    unknown = sorted(set(raw) - set(DECODE_FIELDS))
+    if unknown:
+        raise BadInput(f"unknown decode parameter {unknown[0]!r}")
+    for name in REQUIRED_DECODE:
+        if not isinstance(raw.get(name), int) or isinstance(raw.get(name), bool):
+            raise BadInput(f"decode.{name} must be given as an integer")
+    if raw["max_new_tokens"] <= 0:
+        raise BadInput(f"decode.max_new_tokens must be positive, got {raw['max_new_tokens']}")
+    return dict(raw)
+
+
+def _check_voice_wav(path: Path, expected_sha256: str | None) -> str:
+    """Reject a voice wav qwen-tts would misread or resample; returns its sha256."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise BadInput(f"voice wav {path}: not found") from None
+    except OSError as e:
+        raise BadInput(f"voice wav {path}: unreadable ({e.strerror or e})") from None
+    try:
+        info = wavio.info(data)
+    except wavio.WavError as e:
+        raise BadInput(f"voice wav {path}: {e}") from None
+    if info.sample_rate != SAMPLE_RATE:
+        raise BadInput(f"voice wav {path}: {info.sample_rate} Hz, expected {SAMPLE_RATE} Hz")
+    if info.channels != 1:
+        raise BadInput(f"voice wav {path}: {info.channels} channels, expected mono")
+    if info.n_frames == 0:
+        raise BadInput(f"voice wav {path}: holds no samples")
+    sha = hashlib.sha256(data).hexdigest()
+    if expected_sha256 and sha != expected_sha256:
+        # The segment's cache key was computed from other bytes.
+        raise BadInput(f"voice wav {path}: changed since the suite was loaded (sha256 {sha[:12]}, "
+                       f"expected {expected_sha256[:12]})")
+    return sha
+
+
+def _load_codes(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    try:
+        blob = path.read_bytes()
+    except OSError as e:
+        raise BadInput(f"decode input {path}: unreadable ({e.strerror or e})") from None
+    try:
+        with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+            arrays = {k: z[k] for k in ("codes", "ref_codes") if k in z.files}
+    except Exception as e:
+        raise BadInput(f"decode input {path}: not a readable npz ({e})") from None
+    if "codes" not in arrays:
+        raise BadInput(f"decode input {path}: no 'codes' array")
+    out = []
+    for name in ("codes", "ref_codes"):
+        a = arrays.get(name, np.zeros((0, 16), np.int64))
+        if a.size == 0:
+            a = np.zeros((0, 16), np.int64)
+        if a.ndim != 2 or a.shape[1] != 16 or not np.issubdtype(a.dtype, np.integer):
+            raise BadInput(f"decode input {path}: {name} must be integers of shape (T, 16), got {a.dtype} {a.shape}")
+        if a.size and (a.min() < 0 or a.max() >= 2048):
+            raise BadInput(f"decode input {path}: {name} holds ids outside [0, 2048)")
+        out.append(a.astype(np.int64))
+    if out[0].shape[0] == 0:
+        raise BadInput(f"decode input {path}: codes are empty")
+    return out[0], out[1]

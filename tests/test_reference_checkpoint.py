@@ -1,0 +1,92 @@
+"""The tiny checkpoint builder: determinism, manifest, geometry both engines load."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+
+from reference_support import REPO, Stopwatch, build_checkpoints, reference_python, tiny  # noqa: F401
+
+TYPES = ("base", "custom_voice", "voice_design")
+
+
+def _files(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def test_same_seed_same_bytes_other_seed_other_weights(tiny, tmp_path):
+    # Two fresh builder processes at once: seed 0 again, and seed 1.
+    py = str(reference_python())
+    cmds = {seed: [py, "-m", "runners.reference.tiny_checkpoint", str(tmp_path / f"s{seed}"), "--type", "base",
+                   "--seed", str(seed)] for seed in (0, 1)}
+    procs = {s: subprocess.Popen(c, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for s, c in cmds.items()}
+    for s, p in procs.items():
+        _, err = p.communicate(timeout=300)
+        assert p.returncode == 0, err[-3000:]
+
+    reference = _files(tiny / "base")
+    again = _files(tmp_path / "s0")
+    assert set(again) == set(reference)
+    assert "model.safetensors" in again and "speech_tokenizer/model.safetensors" in again
+    for name in reference:
+        assert again[name] == reference[name], f"{name} differs between two seed-0 builds"
+
+    other = _files(tmp_path / "s1")
+    assert other["model.safetensors"] != reference["model.safetensors"]
+    assert other["speech_tokenizer/model.safetensors"] != reference["speech_tokenizer/model.safetensors"]
+    # Only the weights (and the manifest recording them) depend on the seed.
+    for name in reference:
+        if not name.endswith(("model.safetensors", "difftest-checkpoint.json")):
+            assert other[name] == reference[name], name
+    assert json.loads(other["difftest-checkpoint.json"])["seed"] == 1
+
+
+def test_manifest_records_every_file(tiny):
+    for mtype in TYPES:
+        folder = tiny / mtype
+        manifest = json.loads((folder / "difftest-checkpoint.json").read_text())
+        assert manifest["type"] == mtype and manifest["seed"] == 0 and manifest["builder_version"] == 1
+        on_disk = {p.relative_to(folder).as_posix() for p in folder.rglob("*")
+                   if p.is_file() and p.name != "difftest-checkpoint.json"}
+        assert set(manifest["files"]) == on_disk
+        for rel, digest in manifest["files"].items():
+            assert hashlib.sha256((folder / rel).read_bytes()).hexdigest() == digest, rel
+        assert manifest["built_with"]["qwen-tts"] == "0.1.1"
+
+
+def test_geometry_is_the_shared_one(tiny):
+    for mtype in TYPES:
+        cfg = json.loads((tiny / mtype / "config.json").read_text())
+        talker = cfg["talker_config"]
+        assert cfg["tts_model_type"] == mtype and cfg["model_type"] == "qwen3_tts"
+        assert talker["hidden_size"] == 32 and talker["head_dim"] == 32 and talker["vocab_size"] == 3072
+        assert talker["rope_scaling"]["mrope_section"] == [4, 6, 6]
+        assert sum(talker["rope_scaling"]["mrope_section"]) == talker["head_dim"] // 2
+        assert talker["code_predictor_config"]["hidden_size"] == 16
+        assert cfg["speaker_encoder_config"]["enc_dim"] == talker["hidden_size"]
+        # Compact, hand-written: no empty model_type that the speaker-encoder config cannot take.
+        assert "model_type" not in cfg["speaker_encoder_config"]
+        gen = json.loads((tiny / mtype / "generation_config.json").read_text())
+        assert gen == {"do_sample": True, "repetition_penalty": 1.05, "temperature": 0.9, "top_p": 1.0, "top_k": 50,
+                       "subtalker_dosample": True, "subtalker_temperature": 0.9, "subtalker_top_p": 1.0,
+                       "subtalker_top_k": 50, "max_new_tokens": 8192}
+        vocab = json.loads((tiny / mtype / "vocab.json").read_text())
+        assert "assistant" in vocab  # one token: qwen-tts slices the prompt by position
+    speakers = json.loads((tiny / "custom_voice" / "config.json").read_text())["talker_config"]["spk_id"]
+    assert speakers == {"alice": 3000, "bob": 3001}
+
+
+def test_existing_build_is_kept_and_a_different_one_refused(tiny):
+    before = {p: p.stat().st_mtime_ns for p in tiny.rglob("*") if p.is_file()}
+    with Stopwatch() as sw:
+        r = build_checkpoints(tiny)
+    assert r.returncode == 0, r.stderr
+    assert sw.seconds < 5  # no qwen_tts import, no rebuild
+    assert {p: p.stat().st_mtime_ns for p in tiny.rglob("*") if p.is_file()} == before
+
+    r = build_checkpoints(tiny / "base", "--type", "base", "--seed", "7")
+    assert r.returncode == 2
+    assert "seed 7" in r.stderr and "--force" in r.stderr
+    assert {p: p.stat().st_mtime_ns for p in tiny.rglob("*") if p.is_file()} == before

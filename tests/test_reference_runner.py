@@ -1,0 +1,267 @@
+"""The reference runner through its protocol, on the tiny checkpoints, with the real qwen-tts."""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import numpy as np
+import pytest
+
+from difftest.results import read_result
+from difftest.runner_client import RunnerDied
+from reference_support import (DECODE, Stopwatch, all_models, by_segment, generate, load_npz, segment, start_runner,
+                               tiny, voice, write_voice)  # noqa: F401
+
+VOICE_SECONDS = 1.3  # 31200 samples: 16.25 frames, so the reference encodes to 17 frames
+
+
+@pytest.fixture(scope="module")
+def voices(tmp_path_factory):
+    d = tmp_path_factory.mktemp("voices")
+    good = write_voice(d / "good.wav", VOICE_SECONDS, 220.0, seed=0)
+    other = write_voice(d / "other.wav", 1.0, 330.0, seed=1)
+    truncated = d / "truncated.wav"
+    truncated.write_bytes(good.read_bytes()[:-1001])
+    low_rate = write_voice(d / "16k.wav", 1.0, 220.0, sr=16000)
+    return {"good": good, "other": other, "truncated": truncated, "16k": low_rate, "missing": d / "missing.wav"}
+
+
+@pytest.fixture(scope="module")
+def segments(voices):
+    good = voice(voices["good"])
+    return {
+        "icl": segment("icl", "Hello world.", voice=good),
+        "xvec": segment("xvec", "Hello world, said another way.",
+                        voice=voice(voices["good"], mode="xvector", vid="vx")),
+        "icl2": segment("icl2", "A second sentence.", voice=voice(voices["other"], "Another reference.", vid="o"),
+                        decode={**DECODE, "max_new_tokens": 12}),
+        "custom": segment("custom", "Custom voice here.", task="custom_voice", speaker="alice",
+                          instructions="Speak happily."),
+        "design": segment("design", "Designed voice.", task="voice_design", instructions="A calm, low voice."),
+    }
+
+
+@pytest.fixture(scope="module")
+def bad_segments(voices):
+    good = voice(voices["good"])
+    return {
+        "no_wav": segment("no_wav", "Hello.", voice=voice(voices["missing"])),
+        "truncated": segment("truncated", "Hello.", voice=voice(voices["truncated"])),
+        "rate16k": segment("rate16k", "Hello.", voice=voice(voices["16k"])),
+        "empty": segment("empty", "   ", voice=good),
+        "klingon": segment("klingon", "Hello.", language="Klingon", voice=good),
+    }
+
+
+@pytest.fixture(scope="module")
+def first_run(tiny, segments, bad_segments, tmp_path_factory):
+    """One runner, all three models: good and bad segments interleaved in one job."""
+    out = tmp_path_factory.mktemp("first")
+    order = [segments["icl"], bad_segments["no_wav"], segments["xvec"], bad_segments["truncated"],
+             bad_segments["rate16k"], segments["custom"], bad_segments["empty"], segments["design"],
+             bad_segments["klingon"], segments["icl2"]]
+    runner = start_runner(all_models(tiny), log_path=out / "runner.log")
+    try:
+        events = generate(runner, order, out)
+        decode_dir = out / "decoded"
+        items = []
+        for sid in ("icl", "xvec", "custom", "design", "icl2"):
+            seg = segments[sid]
+            items.append({"name": sid, "input": str(out / f"{sid}.{seg.hash[:16]}.npz"), "out": str(decode_dir / sid)})
+        # The cross-decode of icl's codes with icl2's reference codes (a "donor").
+        mixed = out / "mixed.npz"
+        a, b = load_npz(items[0]["input"]), load_npz(items[4]["input"])
+        np.savez(mixed, codes=a["codes"], ref_codes=b["ref_codes"])
+        items.append({"name": "mixed", "input": str(mixed), "out": str(decode_dir / "mixed")})
+        decoded = list(runner.request("decode", timeout=120, items=items))
+        hello = runner.hello
+    finally:
+        runner.close()
+    return {"out": out, "events": events, "decoded": decoded, "hello": hello}
+
+
+def _result(run, seg):
+    return read_result(run["out"] / f"{seg.id}.{seg.hash[:16]}.json")
+
+
+def test_announces_fingerprint_without_loading(first_run, tiny):
+    hello = first_run["hello"]
+    assert hello["label"] == "qwen-tts"
+    fp = hello["fingerprint"]
+    assert fp["engine"] == "qwen-tts" and fp["dtype"] == "float32" and fp["device"] == "cpu" and fp["threads"] == 1
+    assert fp["versions"]["qwen-tts"] == "0.1.1" and fp["versions"]["transformers"] == "4.57.3"
+    assert fp["versions"]["torch"].startswith("2.13.0")
+    assert set(fp["checkpoints"]) == {"base", "custom_voice", "voice_design"}
+    assert all(len(h) == 64 for h in fp["checkpoints"].values())
+    assert hello["provenance"]["models"]["base"]["path"] == str(tiny / "base")
+
+
+def test_generate_writes_codes_ref_codes_and_wav(first_run, segments):
+    results = by_segment(first_run["events"], "result")
+    assert set(results) == {"icl", "xvec", "icl2", "custom", "design"}
+    assert not any(e["cached"] for e in results.values())
+    for sid, seg in segments.items():
+        r = _result(first_run, seg)
+        frames = seg.decode["max_new_tokens"] - 1  # the residual groups come one step late: N tokens, N-1 frames
+        assert r.codes.shape == (frames, 16), sid
+        assert r.codes.min() >= 0 and r.codes.max() < 2048  # no special ids leak into the codes
+        assert len(np.unique(r.codes[:, 0])) > frames // 2  # the talker really varies its output
+        assert r.sample_rate == 24000 and r.wav.dtype == np.float32
+        assert 0.05 < float(r.wav.std()) < 0.6 and float(np.abs(r.wav).max()) <= 1.0
+        if seg.voice is not None and seg.voice.mode == "icl":
+            assert r.ref_codes.shape == (math.ceil(seg.voice.n_samples / 1920), 16)
+            # qwen-tts cuts the reference part with a float expression: at most one sample off.
+            assert len(r.wav) - frames * 1920 in (0, 1)
+        else:
+            assert r.ref_codes.shape == (0, 16)
+            assert len(r.wav) == frames * 1920
+        assert r.meta == {"runner": "qwen-tts", "concurrency": 1}
+        dec = r.provenance["decode"]
+        assert dec["do_sample"] is False and dec["subtalker_dosample"] is False
+        assert dec["repetition_penalty"] == 1.0 and dec["max_new_tokens"] == seg.decode["max_new_tokens"]
+        assert dec["seed"] == 0
+        assert r.provenance["versions"]["qwen-tts"] == "0.1.1"
+        assert r.provenance["checkpoint"]["sha256"] == first_run["hello"]["fingerprint"]["checkpoints"][
+            {"voice_clone": "base"}.get(seg.task, seg.task)]
+        assert r.timings["generate_s"] > 0 and r.timings["audio_s"] == pytest.approx(len(r.wav) / 24000)
+        assert results[sid]["audio_seconds"] == pytest.approx(len(r.wav) / 24000)
+
+
+def test_vocoder_output_depends_on_the_codes(first_run, segments):
+    a = _result(first_run, segments["custom"]).wav
+    b = _result(first_run, segments["design"]).wav
+    corr = float(np.corrcoef(a, b)[0, 1])
+    assert abs(corr) < 0.9, corr
+
+
+def test_bad_inputs_are_named_and_the_job_goes_on(first_run, bad_segments, voices):
+    errors = by_segment(first_run["events"], "error")
+    assert set(errors) == set(bad_segments)
+    assert all(e["kind"] == "bad_input" for e in errors.values())
+    msg = {k: e["message"] for k, e in errors.items()}
+    assert "not found" in msg["no_wav"] and str(voices["missing"]) in msg["no_wav"]
+    assert "truncated" in msg["truncated"] and "truncated.wav" in msg["truncated"]
+    assert "16000 Hz" in msg["rate16k"] and "24000" in msg["rate16k"]
+    assert msg["empty"] == "empty text"
+    assert "Klingon" in msg["klingon"] and "english" in msg["klingon"]
+    assert not list(first_run["out"].glob("no_wav.*")) and not list(first_run["out"].glob("klingon.*"))
+    # The last segment of the job came after a bad one and was still computed.
+    assert first_run["events"][-1]["segment"] == "icl2" and first_run["events"][-1]["event"] == "result"
+
+
+def test_cross_decode_reproduces_the_generated_wav_exactly(first_run, segments):
+    answers = {e["item"]: e for e in first_run["decoded"]}
+    assert all(e["event"] == "result" for e in answers.values()), answers
+    for sid, seg in segments.items():
+        own = _result(first_run, seg)
+        again = read_result(answers[sid]["path"])
+        assert np.array_equal(again.codes, own.codes) and np.array_equal(again.ref_codes, own.ref_codes)
+        assert again.wav.dtype == np.float32 and again.wav.shape == own.wav.shape, sid
+        assert np.array_equal(again.wav, own.wav), f"{sid}: max diff {np.abs(again.wav - own.wav).max()}"
+    # Another request's reference codes as left context change the audio (what donor detection relies on).
+    icl = _result(first_run, segments["icl"]).wav
+    mixed = read_result(answers["mixed"]["path"]).wav
+    n = min(len(icl), len(mixed))
+    assert np.abs(icl[:n] - mixed[:n]).max() > 0.05
+
+
+def test_cached_results_are_answered_without_loading_a_model(first_run, tiny, segments, tmp_path):
+    out = tmp_path / "copy"
+    shutil.copytree(first_run["out"], out)
+    # Only the base model: a custom_voice segment that is not cached names what is missing.
+    runner = start_runner([str(tiny / "base")])
+    try:
+        new_custom = segment("custom_new", "Not cached.", task="custom_voice", speaker="bob")
+        with Stopwatch() as sw:
+            events = generate(runner, [segments["icl"], segments["xvec"], new_custom], out)
+        tail = runner.log_tail(200)
+    finally:
+        runner.close()
+    results = by_segment(events, "result")
+    assert results["icl"]["cached"] is True and results["xvec"]["cached"] is True
+    err = by_segment(events, "error")["custom_new"]
+    assert err["kind"] == "bad_input" and "no custom_voice checkpoint" in err["message"]
+    assert not any(e["event"] == "progress" for e in events)
+    assert "imported qwen_tts" not in tail and "loaded" not in tail
+    assert sw.seconds < 3
+
+
+def test_run_to_run_determinism_on_recomputing_damaged_results(first_run, tiny, segments, tmp_path):
+    """A second process recomputes the damaged results: bitwise what the first process wrote."""
+    out = tmp_path / "damaged"
+    shutil.copytree(first_run["out"], out)
+    icl, xvec, custom = segments["icl"], segments["xvec"], segments["custom"]
+    npz = out / f"{icl.id}.{icl.hash[:16]}.npz"
+    npz.write_bytes(npz.read_bytes()[:-100])  # truncated
+    (out / f"{xvec.id}.{xvec.hash[:16]}.json").unlink()  # sidecar lost (crash between the writes)
+    runner = start_runner(all_models(tiny))
+    try:
+        events = generate(runner, [icl, xvec, custom], out)
+    finally:
+        runner.close()
+    results = by_segment(events, "result")
+    assert results["icl"]["cached"] is False and results["xvec"]["cached"] is False
+    assert results["custom"]["cached"] is True
+    for seg in (icl, xvec):
+        a, b = _result(first_run, seg), read_result(out / f"{seg.id}.{seg.hash[:16]}.json")
+        assert np.array_equal(a.codes, b.codes) and np.array_equal(a.ref_codes, b.ref_codes)
+        assert np.array_equal(a.wav, b.wav)
+
+
+def test_kill_9_mid_job_then_rerun_computes_only_the_missing(tiny, voices, tmp_path):
+    v = voice(voices["good"])
+    segs = [segment(f"k{i}", f"Sentence number {i}.", voice=v, decode={**DECODE, "max_new_tokens": 24})
+            for i in range(3)]
+    out = tmp_path / "killed"
+    runner = start_runner(all_models(tiny))
+    first = None
+    try:
+        for ev in runner.request("generate", timeout=300, segments=[s.to_job() for s in segs], out_dir=str(out),
+                                 concurrency=1):
+            if ev["event"] == "result":
+                first = ev
+                runner.kill()  # SIGKILL to the runner's process group
+                break
+        with pytest.raises(RunnerDied):
+            list(runner.request("generate", segments=[], out_dir=str(out)))
+    finally:
+        runner.kill()
+    assert first is not None and first["segment"] == "k0"
+    done_before = {p.name.split(".")[0] for p in out.glob("*.json")}
+    assert "k0" in done_before and len(done_before) < 3
+    sidecar_before = (out / f"k0.{segs[0].hash[:16]}.json").read_bytes()
+
+    runner = start_runner(all_models(tiny))
+    try:
+        events = generate(runner, segs, out)
+    finally:
+        runner.close()
+    results = by_segment(events, "result")
+    assert set(results) == {"k0", "k1", "k2"}
+    assert {sid for sid, e in results.items() if e["cached"]} == done_before
+    assert (out / f"k0.{segs[0].hash[:16]}.json").read_bytes() == sidecar_before  # not rewritten
+    for s in segs:
+        assert read_result(out / f"{s.id}.{s.hash[:16]}.json").codes.shape == (23, 16)
+    assert not list(out.glob("*.tmp"))
+
+
+def test_concurrency_other_than_1_is_refused(tiny, segments, tmp_path):
+    runner = start_runner([str(tiny / "base")])
+    try:
+        events = generate(runner, [segments["icl"]], tmp_path, concurrency=4)
+    finally:
+        runner.close()
+    err = by_segment(events, "error")["icl"]
+    assert err["kind"] == "bad_input" and "concurrency 1" in err["message"]
+
+
+def test_checkpoint_without_weights_is_refused_at_start(tiny, tmp_path):
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny / "base", broken)
+    (broken / "model.safetensors").unlink()
+    with pytest.raises(RunnerDied) as info:
+        start_runner([str(broken)])
+    assert "exited with status 2" in str(info.value)
+    assert "model.safetensors" in info.value.tail and str(broken) in info.value.tail
+
