@@ -6,10 +6,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 
 from . import __version__
-from .errors import EXIT_BAD_INPUT, EXIT_INFRA, DifftestError
+from .errors import EXIT_BAD_INPUT, EXIT_INFRA, BadInput, DifftestError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -39,6 +40,29 @@ def cmd_compare(args) -> int:
                                  initial_frames=args.chunks[0], chunk_frames=args.chunks[1])
     path = write_report(args.out, report)
     _print_summary(summary_lines(report), path, args)
+    return report["exit_code"]
+
+
+def cmd_run(args) -> int:
+    from pathlib import Path
+
+    from .candidate_http import ORDERS, PATTERNS  # noqa: F401  (choices below)
+    from .policy import load_policy
+    from .reference import ReferenceOptions
+    from .run import CandidateSpec, RunOptions, print_summary, run
+    from .suite import load_suite
+
+    suite = load_suite(args.suite)
+    policy = load_policy(args.policy)
+    spec = CandidateSpec.parse(args.candidate, args.capture_dir)
+    if args.concurrency < 1:
+        raise BadInput("--concurrency must be at least 1")
+    opts = RunOptions(concurrency=args.concurrency, pattern=args.pattern, order=args.order,
+                      voice_mode=args.voices, store=Path(args.store),
+                      reference=ReferenceOptions(models=args.reference_model, python=args.reference_python,
+                                                 device=args.device, dtype=args.dtype))
+    report = run(suite, spec, Path(args.out), policy, opts)
+    print_summary(report, Path(args.out))
     return report["exit_code"]
 
 
@@ -78,6 +102,35 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--json", action="store_true", help="print only the report path as JSON")
     c.set_defaults(func=cmd_compare)
 
+    r = sub.add_parser("run", help="reference vs candidate at 1 and N on a suite: report.json, verdict, exit code")
+    r.add_argument("suite", help="suite YAML file")
+    r.add_argument("--candidate", required=True,
+                   help="a server URL speaking vLLM-Omni's speech API, or cpu-engine[:DEFECT] "
+                        "(the CPU test engine, the negative control)")
+    r.add_argument("--capture-dir", help="where a URL candidate writes its capture files (DIFFTEST_CAPTURE_DIR)")
+    r.add_argument("--concurrency", "-n", type=int, default=4)
+    r.add_argument("--pattern", default="barrier", choices=("barrier", "pool", "staggered"))
+    r.add_argument("--order", default="suite", choices=("suite", "permuted", "mixed", "long-first"))
+    r.add_argument("--voices", default="inline", choices=("inline", "registered"),
+                   help="send reference audio with each request, or register voices first")
+    r.add_argument("--out", required=True, help="run folder: results, report.json, summary.md, logs")
+    r.add_argument("--store", default=os.environ.get("DIFFTEST_STORE", "difftest-store"),
+                   help="reference result store, shared across runs (default ./difftest-store or $DIFFTEST_STORE)")
+    r.add_argument("--policy", help="policy YAML (default: the built-in one)")
+    r.add_argument("--reference-model", action="append", default=[],
+                   help="reference checkpoint folder or HF id, one per model type (default: the suite's model)")
+    r.add_argument("--reference-python", help="the reference environment's interpreter")
+    r.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="reference runner device")
+    r.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="reference runner dtype")
+    r.set_defaults(func=cmd_run)
+
+    from .handoff.cli import add_handoff_parser
+
+    add_handoff_parser(sub)
+
+    sub.add_parser("reference", help="compute (or find cached) qwen-tts reference results for a suite "
+                                     "(see difftest reference --help)")
+
     v = sub.add_parser("validate", help="validate suite files")
     v.add_argument("suites", nargs="+")
     v.set_defaults(func=cmd_validate)
@@ -85,6 +138,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["reference"]:  # its own parser, shared with `python -m difftest.reference`
+        from .reference import main as reference_main
+
+        return reference_main(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="difftest: %(levelname)s: %(message)s")

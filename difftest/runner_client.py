@@ -49,6 +49,8 @@ class RunnerProcess:
 
     # -- lifecycle -----------------------------------------------------
     def start(self) -> dict:
+        if self.log_path:
+            self.log_path.parent.mkdir(parents=True, exist_ok=True)
         env = dict(os.environ if self.env is None else self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         try:

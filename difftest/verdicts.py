@@ -195,9 +195,11 @@ def _vocoder_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> 
     if scores:
         donor = min(scores, key=scores.get)
         if scores[donor] <= policy.donor_max_ratio * own:
+            ties = [p for p in scores if p != donor and scores[p] == scores[donor]]
+            same = f" (as well with {', '.join(ties)}'s: the same voice)" if ties else ""
             return [_Finding("contamination",
                              f"chunks {_ranges(bad)} decode as if with {donor}'s reference codes "
-                             f"(log-mel distance {scores[donor]:.3g} against {own:.3g} with its own)",
+                             f"(log-mel distance {scores[donor]:.3g} against {own:.3g} with its own){same}",
                              frame=frame, chunk=chunk, stage="handoff", donor=donor)]
     return [_Finding("vocoder_defect",
                      f"candidate audio leaves the reference vocoder's output on its own codes from chunk {chunk} "
@@ -217,9 +219,10 @@ def _handoff_findings(ev: Evidence, comps: dict) -> list[_Finding]:
                           "matches_peer": donors[0] if donors else None,
                           "own_from": "control" if own_src is ev.control else "reference"}
     if donors:
+        same = f" (as are {', '.join(donors[1:])}'s: the same voice)" if len(donors) > 1 else ""
         return [_Finding("contamination",
                          f"the candidate used {donors[0]}'s reference codes ({len(cand.ref_codes)} frames) "
-                         f"instead of its own ({len(own)} frames)",
+                         f"instead of its own ({len(own)} frames){same}",
                          frame=0, chunk=0, stage="handoff", donor=donors[0])]
     if own_src is ev.control:
         return [_Finding("concurrency_defect",

@@ -1,0 +1,285 @@
+"""`difftest run`: the whole job, from a suite to a verdict.
+
+suite -> reference (store or runner) -> candidate at 1 and at N -> cross-decodes
+through the reference vocoder (own reference codes; each co-batched request's
+where the vocoder check fails) -> verdicts -> report.json, summary, MLflow.
+
+Everything lands on disk as soon as it exists, so a run interrupted anywhere
+and started again with the same --out reuses every finished result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from . import __version__
+from .candidate_http import run_candidate
+from .errors import BadInput, InfraError
+from .launcher import ServerProcess, free_port
+from .policy import Policy
+from .progress import Progress
+from .reference import REPO, ReferenceOptions, reference_python, run_reference, runner_argv, tiny_checkpoints
+from .report import build_report, summary_lines, write_report
+from .results import CorruptResult, Result, ResultStore, _atomic_write, _ext, read_result
+from .runner_client import RunnerDied, RunnerProcess
+from .speech_client import SpeechClient
+from .suite import Suite
+from .verdicts import Evidence, classify
+
+CPU_ENGINE = "cpu-engine"
+
+
+@dataclass
+class CandidateSpec:
+    """What to test: a server URL (with an optional capture dir) or the CPU test engine started here."""
+
+    kind: str  # "url" or "cpu-engine"
+    url: str | None = None
+    defect: str | None = None
+    capture_dir: Path | None = None
+
+    @classmethod
+    def parse(cls, text: str, capture_dir: str | None = None) -> "CandidateSpec":
+        if text == CPU_ENGINE or text.startswith(CPU_ENGINE + ":"):
+            defect = text.split(":", 1)[1] if ":" in text else None
+            return cls("cpu-engine", defect=defect or None)
+        if text.startswith(("http://", "https://")):
+            return cls("url", url=text.rstrip("/"), capture_dir=Path(capture_dir) if capture_dir else None)
+        raise BadInput(f"--candidate {text!r}: expected a server URL (http://host:port) or "
+                       f"{CPU_ENGINE}[:DEFECT] (the CPU test engine, not vLLM-Omni)")
+
+    @property
+    def label(self) -> str:
+        if self.kind == "cpu-engine":
+            return "difftest-cpu-engine" + (f":{self.defect}" if self.defect else "")
+        return self.url
+
+
+@dataclass
+class RunOptions:
+    concurrency: int = 4
+    pattern: str = "barrier"
+    order: str = "suite"
+    voice_mode: str = "inline"
+    store: Path = Path("difftest-store")
+    reference: ReferenceOptions = field(default_factory=ReferenceOptions)
+    request_timeout: float = 600.0
+    engine_health_timeout: float = 300.0
+
+
+def _segments_with_codes(results: dict) -> dict:
+    return {k: r for k, r in results.items() if r.has_codes and len(r.codes)}
+
+
+class _Vocoder:
+    """Cross-decodes through the reference runner's `decode` job, cached on disk under the run."""
+
+    def __init__(self, runner: RunnerProcess, out: Path, timeout: float):
+        self.runner, self.out, self.timeout = runner, out, timeout
+        self.out.mkdir(parents=True, exist_ok=True)
+
+    def decode(self, items: dict[str, tuple[str, np.ndarray, np.ndarray]]) -> dict[str, Result | str]:
+        """name -> (segment id, codes, ref codes); returns name -> Result, or an error message.
+
+        Outputs are named by the content of their inputs, so a re-run reuses them
+        and changed codes never reuse a stale decode."""
+        done: dict[str, Result | str] = {}
+        todo, names = [], {}
+        for name, (sid, codes, ref) in items.items():
+            stem = self.out / f"{name}.{_codes_key(codes, ref)[:16]}"
+            try:
+                done[name] = read_result(_ext(stem, ".json"))
+                continue
+            except CorruptResult:
+                pass
+            src = _ext(stem, ".in.npz")
+            np.savez(src, codes=codes, ref_codes=ref)
+            todo.append({"name": name, "input": str(src), "out": str(stem), "segment_id": sid})
+            names[name] = stem
+        if not todo:
+            return done
+        try:
+            for ev in self.runner.request("decode", timeout=self.timeout, items=todo):
+                name = ev.get("item") or ev.get("segment")
+                if name not in names:
+                    continue
+                if ev.get("event") == "result":
+                    try:
+                        done[name] = read_result(ev["path"])
+                    except CorruptResult as e:
+                        done[name] = str(e)
+                elif ev.get("event") == "error":
+                    done[name] = ev.get("message", "decode failed")
+        except RunnerDied as e:
+            for name in names:
+                done.setdefault(name, f"reference runner died during cross-decode: {str(e).splitlines()[0]}")
+        for name in names:
+            done.setdefault(name, "the reference runner did not answer this decode")
+        return done
+
+
+def _codes_key(codes: np.ndarray, ref: np.ndarray) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    for a in (codes, ref):
+        a = np.ascontiguousarray(a, dtype=np.int64)
+        h.update(str(a.shape).encode())
+        h.update(a.tobytes())
+    return h.hexdigest()
+
+
+def _start_candidate(spec: CandidateSpec, out: Path, models: list[str], python: Path, opts: RunOptions,
+                     stack: ExitStack) -> tuple[SpeechClient, Path | None, dict]:
+    if spec.kind == "url":
+        client = SpeechClient(spec.url, timeout=opts.request_timeout)
+        if not client.health():
+            raise InfraError(f"candidate {spec.url} is not healthy (GET /health)")
+        return client, spec.capture_dir, {"label": spec.label, "url": spec.url}
+    capture = out / "capture"
+    capture.mkdir(parents=True, exist_ok=True)
+    port = free_port()
+    argv = [str(python), "-m", "runners.cpu_engine", "--port", str(port)]
+    for m in models:
+        argv += ["--model", m]
+    if spec.defect:
+        argv += ["--defect", spec.defect]
+    env = dict(os.environ, DIFFTEST_CAPTURE_DIR=str(capture), HF_HUB_OFFLINE="1")
+    srv = ServerProcess(argv, f"http://127.0.0.1:{port}", out / "logs" / "cpu-engine.log", env=env, cwd=REPO,
+                        health_timeout=opts.engine_health_timeout, name="the CPU test engine")
+    stack.enter_context(srv)
+    client = SpeechClient(srv.url, timeout=opts.request_timeout)
+    info = {"label": spec.label, "engine": "difftest CPU test engine (not vLLM-Omni)", "defect": spec.defect,
+            "start_seconds": round(srv.started_s or 0.0, 2)}
+    return client, capture, info
+
+
+def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunOptions) -> dict:
+    """Run everything; returns report.json's content (already written under `out`)."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+    python = reference_python(opts.reference.python)
+    store = ResultStore(opts.store)
+    models = list(opts.reference.models) or (
+        tiny_checkpoints(store.root, python) if suite.model == "tiny" else [suite.model])
+    ref_opts = ReferenceOptions(**{**opts.reference.__dict__, "models": models})
+    _atomic_write(out / "run.json", json.dumps({
+        "suite": str(suite.path), "suite_hash": suite.hash, "candidate": spec.label,
+        "concurrency": opts.concurrency, "pattern": opts.pattern, "order": opts.order,
+        "store": str(store.root.resolve()), "models": models, "difftest_version": __version__,
+    }, indent=1).encode())
+
+    with ExitStack() as stack:
+        runner = RunnerProcess(runner_argv(python, models, ref_opts), env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                               log_path=out / "logs" / "reference-runner.log", cwd=REPO)
+        try:
+            runner.start()
+        except RunnerDied as e:
+            raise InfraError(f"the reference runner did not start: {e}") from None
+        stack.callback(runner.close)
+
+        t0 = time.perf_counter()
+        ref_run = run_reference(suite, store.root, ref_opts, runner=runner)
+        timings["reference_s"] = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        client, capture, cand_info = _start_candidate(spec, out, models, python, opts, stack)
+        timings["candidate_start_s"] = time.perf_counter() - t0
+        outcomes = {}
+        for n in sorted({1, opts.concurrency}):
+            progress = Progress(len(suite.segments), label=f"candidate c={n}")
+            t0 = time.perf_counter()
+            outcomes[n] = run_candidate(
+                suite.segments, client, out / "results" / f"candidate-c{n}", concurrency=n,
+                pattern=opts.pattern, order=opts.order, voice_mode=opts.voice_mode, capture_dir=capture,
+                label=spec.label, provenance=cand_info, run_tag=f"c{n}",
+                on_result=lambda seg, r, p=progress: p.segment(seg.id, audio_seconds=r.seconds,
+                                                              seconds=r.timings.get("request_seconds", 0.0)))
+            for sid, err in outcomes[n].errors.items():
+                progress.segment(sid, error=err["message"])
+            progress.close()
+            timings[f"candidate_c{n}_s"] = time.perf_counter() - t0
+        cand, ctrl = outcomes[opts.concurrency], outcomes[1]
+
+        # Each segment's own reference codes: what the candidate makes of its voice alone (c=1),
+        # else what qwen-tts makes of it.
+        def own_ref(sid):
+            c = ctrl.results.get(sid)
+            if c is not None and c.has_codes:
+                return c.ref_codes
+            r = ref_run.results.get(sid)
+            return r.ref_codes if r is not None else np.zeros((0, 16), np.int64)
+
+        t0 = time.perf_counter()
+        vocoder = _Vocoder(runner, out / "results" / "cross", opts.reference.timeout)
+        with_codes = _segments_with_codes(cand.results)
+        cross = vocoder.decode({f"{sid}.own": (sid, r.codes, own_ref(sid)) for sid, r in with_codes.items()})
+        peers_of = {}
+        for wave in cand.batches:
+            for sid in wave:
+                peers_of[sid] = [p for p in wave if p != sid]
+
+        def evidence(sid, donors=None):
+            errors = []
+            if sid in ref_run.failures:
+                f = ref_run.failures[sid]
+                errors.append({"source": "reference", "message": f.message,
+                               "kind": "bad_input" if f.kind == "bad_input" else "infrastructure"})
+            for label, o in (("candidate", cand), ("control", ctrl)):
+                if sid in o.errors:
+                    errors.append({**o.errors[sid], "source": label})
+            x = cross.get(f"{sid}.own")
+            if isinstance(x, str):
+                errors.append({"source": "cross-decode", "kind": "infrastructure", "message": x})
+                x = None
+            return Evidence(sid, ref_run.results.get(sid), cand.results.get(sid), ctrl.results.get(sid), x,
+                            donors or {}, {p: own_ref(p) for p in peers_of.get(sid, [])}, errors,
+                            suite.chunks["initial_frames"], suite.chunks["frames"])
+
+        verdicts = {s.id: classify(evidence(s.id), policy) for s in suite.segments}
+        # Donor search where the vocoder check failed: decode with each co-batched request's reference.
+        need = {}
+        for sid, v in verdicts.items():
+            if "vocoder" in v.comparisons and sid in with_codes and v.verdict in ("vocoder_defect", "contamination"):
+                for p in peers_of.get(sid, []):
+                    rc = own_ref(p)
+                    if len(rc):
+                        need[f"{sid}.donor-{p}"] = (sid, with_codes[sid].codes, rc)
+        if need:
+            donors = vocoder.decode(need)
+            for sid in {k.split(".donor-")[0] for k in need}:
+                found = {k.split(".donor-")[1]: r for k, r in donors.items()
+                         if k.startswith(f"{sid}.donor-") and isinstance(r, Result)}
+                verdicts[sid] = classify(evidence(sid, found), policy)
+        timings["cross_decode_s"] = time.perf_counter() - t0
+
+    ordered = [verdicts[s.id] for s in suite.segments]
+    timings["total_s"] = time.perf_counter() - t_start
+    report = build_report(
+        ordered, policy,
+        suite={"name": suite.name, "path": str(suite.path), "hash": suite.hash, "segments": len(suite.segments)},
+        reference={"label": "qwen-tts", "fingerprint": ref_run.fingerprint, "provenance": ref_run.provenance,
+                   "cached_segments": len(ref_run.cached)},
+        candidate={**cand_info, "pattern": opts.pattern, "order": opts.order, "voice_mode": opts.voice_mode,
+                   "batches": cand.batches},
+        concurrency=opts.concurrency,
+        provenance={"difftest": __version__, "timings": {k: round(v, 3) for k, v in timings.items()}},
+        warnings=[f"{sid}: reference: {f.message}" for sid, f in ref_run.failures.items()],
+    )
+    write_report(out, report)
+    return report
+
+
+def print_summary(report: dict, out: Path, stream=sys.stdout) -> None:
+    print("\n".join(summary_lines(report)), file=stream)
+    print(f"report: {Path(out) / 'report.json'}", file=stream)
