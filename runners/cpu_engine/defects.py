@@ -1,0 +1,102 @@
+"""The defects the CPU engine can plant (`--defect NAME`), each from a real vLLM-Omni bug family.
+
+Every defect is a small switch at the one place where the real bug lived; the
+rest of the engine is the clean path. Where each one acts:
+
+- `ref-leak` (the seed: issue #4370, fixed by PR #4373; the fallback it rides on is
+  still open as #4355). `make_omni_output` collapses every request's
+  `codes.ref` into one last-writer-wins variable and emits it as a length-1
+  list; `to_payload_element`'s by-position lookup
+  (`element[idx] if idx < len(element) else element[0]`) then hands that one
+  reference to every request of the batch. Each utterance's onset is decoded
+  with another request's voice as left context. At concurrency 1 (one request a
+  batch) the one reference is the request's own: invisible.
+  Acts in: handoff.make_omni_output.
+- `shared-rng` (PR #4869 / #4850: concurrent requests interleaving one global
+  RNG; #4883 / PR #4889 per-row generators; #6361 seeded co-batch divergence).
+  Sampled requests are batched together and draw from one generator, seeded
+  once per batch with the first request's seed. The clean engine runs each
+  sampled request alone with `torch.manual_seed(its seed)`. Visible with
+  do_sample at concurrency > 1 only; greedy requests are unaffected.
+  Acts in: the scheduler's batch key and engine._talker.
+- `batch-mixup` (#4316 / PR #4415: MOSS-TTS stage 1 decoded request 0's codes
+  for the whole batch; #1411 / #1417: offline batched Qwen3-TTS with
+  `runtime_info[0]` / `audio_tensors[0]` hard-coded). The per-request lookup
+  slices request 0's codes for every request; each keeps its own reference
+  codes. Invisible at concurrency 1.
+  Acts in: handoff.to_payload_element.
+- `chunk-boundary` (#2439 / PR #2480: chunk-boundary noise from too little
+  left context; raised 25 -> 72). The vocoder's chunked decode uses a left
+  context of 4 frames instead of qwen-tts's 25. Visible whenever reference +
+  generated codes exceed one 300-frame chunk (the audiobook suite), at any
+  concurrency; the codes are untouched.
+  Acts in: engine._vocoder.
+- `ref-in-output` (#4421 / PR #4429: non-async voice clone leaked the reference
+  audio into the output because the trim length travelled on a different
+  channel). The stage input carries the trim under another key than the
+  vocoder reads, so the reference part is never cut: the answer is longer by
+  the reference's frames and starts with the reference re-synthesised. Any
+  concurrency, in-context voice clones only.
+  Acts in: handoff.talker2code2wav.
+- `off-by-one` (vLLM-Omni's `talker2code2wav_full_payload` crops to
+  `len(output_token_ids) - 1` frames; research §3 "Off-by-one at max-length
+  stops"). Planted as: a request that stopped at max_new_tokens (no EOS) loses
+  its last generated frame before the vocoder. The captured codes are one frame
+  short and the audio 1920 samples short. Any concurrency.
+  Acts in: handoff.talker2code2wav.
+
+Research references: /work/shared/research/vllm-omni-internals.md sections 1.5, 3 and 4.
+"""
+
+from __future__ import annotations
+
+DEFECTS: dict[str, dict] = {
+    "ref-leak": {
+        "family": ["#4370", "#4373", "#4355"],
+        "summary": "one reference (last writer wins) handed to every request of a batch via the element[0] fallback",
+        "concurrency_only": True,
+    },
+    "shared-rng": {
+        "family": ["#4869", "#4850", "#4889", "#6361"],
+        "summary": "sampled requests batched together draw from one generator seeded once per batch",
+        "concurrency_only": True,
+    },
+    "batch-mixup": {
+        "family": ["#4316", "#4415", "#1411", "#1417"],
+        "summary": "request 0's codes decoded for every request of the batch",
+        "concurrency_only": True,
+    },
+    "chunk-boundary": {
+        "family": ["#2439", "#2480"],
+        "summary": "vocoder chunked decode with 4 frames of left context instead of 25",
+        "concurrency_only": False,
+    },
+    "ref-in-output": {
+        "family": ["#4421", "#4429"],
+        "summary": "the reference part of an in-context voice clone is not trimmed from the output",
+        "concurrency_only": False,
+    },
+    "off-by-one": {
+        "family": ["len(output_token_ids)-1 crop in talker2code2wav_full_payload"],
+        "summary": "the last generated frame is dropped when a request stops at max_new_tokens",
+        "concurrency_only": False,
+    },
+}
+
+# chunk-boundary: the vocoder's chunked decode, clean and defective.
+DECODE_CHUNK_FRAMES = 300
+DECODE_LEFT_CONTEXT = 25
+DEFECT_LEFT_CONTEXT = 4
+
+
+def check(name: str | None) -> str | None:
+    """The defect name, validated (None: the clean engine)."""
+    if name in (None, "", "none"):
+        return None
+    if name not in DEFECTS:
+        raise ValueError(f"unknown defect {name!r} (known: {', '.join(DEFECTS)})")
+    return name
+
+
+def describe(name: str | None) -> dict | None:
+    return None if name is None else {"name": name, **DEFECTS[name]}

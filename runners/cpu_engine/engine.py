@@ -1,0 +1,220 @@
+"""The torch side of the CPU engine: a batch of requests through qwen-tts, split between stages.
+
+One batch = one task and one set of decode parameters (the scheduler sees to
+it). It runs in three steps, the way vLLM-Omni's two-stage pipeline does:
+
+1. Talker step. qwen-tts's batched API (`generate_voice_clone` /
+   `generate_custom_voice` / `generate_voice_design` with lists) runs the
+   talker and the code predictor for all requests together. Voice-clone
+   prompts are built one per request with `create_voice_clone_prompt` (a
+   prompt built for a batch encodes the references zero-padded together,
+   which changes their last frame). The batched call's own vocoder call
+   (`speech_tokenizer.decode`, shadowed on the instance for the duration)
+   only records its input and returns zeros; the generated codes come from
+   the reference runner's capture of `model.generate`.
+2. Hand-off (handoff.py): one batch payload, a per-request lookup by
+   position, the vocoder input with the reference codes prepended.
+3. Vocoder step. The official vocoder, `speech_tokenizer.decode`, batched
+   over the requests, on reference + generated codes (chunked 300/25 inside,
+   as qwen-tts does), then the reference part cut by the length of the
+   reference codes the vocoder actually got.
+
+Models are loaded through runners.reference.QwenTTSEngine (same loader, same
+code capture). The module lock serialises batches of every engine in the
+process: the shadowed methods are instance state.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runners.reference.checkpoint import Checkpoint
+from runners.reference.engine import QwenTTSEngine
+
+from . import defects, handoff
+from .api import SpeechJob
+
+MODEL_LOCK = threading.Lock()
+PROMPT_CACHE_SIZE = 64
+
+
+@dataclass
+class Output:
+    codes: np.ndarray  # (T, 16) as handed to the vocoder
+    ref_codes: np.ndarray  # (R, 16) as handed to the vocoder
+    wav: np.ndarray  # float32, the vocoder output after the reference cut (what is served)
+    sample_rate: int
+    generated_frames: int  # what the talker produced for this request
+    timings: dict = field(default_factory=dict)
+
+
+@dataclass
+class SubtalkerSampling:
+    """Deploy-level sub-talker settings (vLLM-Omni: stage-0 `subtalker_sampling_params`; they
+    cannot be set per request). Default greedy, as difftest's deploy overlay sets it."""
+    do_sample: bool = False
+    temperature: float = 0.9
+    top_k: int = 50
+    top_p: float = 1.0
+
+    def kwargs(self) -> dict:
+        d = {"subtalker_dosample": self.do_sample}
+        if self.do_sample:
+            d.update(subtalker_temperature=self.temperature, subtalker_top_k=self.top_k, subtalker_top_p=self.top_p)
+        return d
+
+
+class BatchEngine:
+    def __init__(self, checkpoints: dict[str, Checkpoint], *, defect: str | None = None,
+                 subtalker: SubtalkerSampling | None = None, qwen: QwenTTSEngine | None = None,
+                 fail_on: str | None = None):
+        self.checkpoints = checkpoints
+        self.defect = defects.check(defect)
+        self.subtalker = subtalker or SubtalkerSampling()
+        self.qwen = qwen or QwenTTSEngine(checkpoints, device="cpu", dtype="float32", threads=1)
+        self.fail_on = fail_on  # test hook: a request whose input contains it raises inside the engine
+        self._prompts: OrderedDict = OrderedDict()
+
+    def load(self) -> None:
+        with MODEL_LOCK:
+            for task in self.checkpoints:
+                self.qwen.model(task)
+
+    @property
+    def torch(self):
+        return self.qwen._import()
+
+    # -- a batch ---------------------------------------------------------
+    def run_batch(self, jobs: list[SpeechJob]) -> list[Output]:
+        if not jobs:
+            return []
+        task = jobs[0].task
+        if any(j.task != task for j in jobs):
+            raise RuntimeError("a batch mixes tasks (scheduler bug)")
+        if self.fail_on:
+            for j in jobs:
+                if self.fail_on in j.text:
+                    raise RuntimeError(f"injected engine failure for input {j.text!r} (DIFFTEST_ENGINE_FAIL_ON)")
+        with MODEL_LOCK:
+            t0 = time.perf_counter()
+            codes, refs, at_max = self._talker(jobs)
+            t1 = time.perf_counter()
+            payload = handoff.make_omni_output(codes, refs, stopped_at_max=at_max,
+                                               ref_leak=self.defect == "ref-leak")
+            stage_inputs = []
+            for i in range(len(jobs)):
+                element = handoff.to_payload_element(payload, i, batch_mixup=self.defect == "batch-mixup")
+                stage_inputs.append(handoff.talker2code2wav(
+                    element, drop_last_at_max=self.defect == "off-by-one",
+                    trim_key="meta.ref_code_len" if self.defect == "ref-in-output" else "meta.left_context_size"))
+            wavs, sr = self._vocoder(task, stage_inputs)
+            t2 = time.perf_counter()
+        timings = {"talker_s": round(t1 - t0, 4), "vocoder_s": round(t2 - t1, 4), "batch_size": len(jobs)}
+        return [Output(codes=s["codes"], ref_codes=s["ref_codes"], wav=w, sample_rate=sr,
+                       generated_frames=int(c.shape[0]), timings=dict(timings))
+                for s, w, c in zip(stage_inputs, wavs, codes)]
+
+    # -- step 1: the talker ---------------------------------------------
+    def _prompt(self, tts, job: SpeechJob):
+        key = (job.voice_sha256, job.ref_text, job.xvector_only)
+        item = self._prompts.get(key)
+        if item is None:
+            item = tts.create_voice_clone_prompt(ref_audio=str(job.voice_wav), ref_text=job.ref_text,
+                                                 x_vector_only_mode=job.xvector_only)[0]
+            self._prompts[key] = item
+            while len(self._prompts) > PROMPT_CACHE_SIZE:
+                self._prompts.popitem(last=False)
+        else:
+            self._prompts.move_to_end(key)
+        return item
+
+    def _generate_kwargs(self, job: SpeechJob) -> dict:
+        kw = {"do_sample": job.do_sample, "repetition_penalty": job.repetition_penalty,
+              "max_new_tokens": job.max_new_tokens, "non_streaming_mode": job.non_streaming_mode}
+        if job.do_sample:
+            kw.update(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p)
+        kw.update(self.subtalker.kwargs())
+        return kw
+
+    def _talker(self, jobs: list[SpeechJob]):
+        torch = self.torch
+        task = jobs[0].task
+        tts = self.qwen.model(task)
+        capture = self.qwen._models[task][1]
+        kwargs = self._generate_kwargs(jobs[0])
+        texts = [j.text for j in jobs]
+        languages = [j.language for j in jobs]
+        refs: list[np.ndarray | None] = [None] * len(jobs)
+        if task == "voice_clone":
+            items = [self._prompt(tts, j) for j in jobs]
+            refs = [None if it.ref_code is None else it.ref_code.detach().cpu().numpy().astype(np.int64)
+                    for it in items]
+
+        vocoder_calls = []
+
+        def talker_only_decode(encoded):
+            # The batched call's own vocoder pass: record what it would decode, return zeros
+            # (the vocoder runs later, per request, after the hand-off).
+            vocoder_calls.append([int(e["audio_codes"].shape[0]) for e in encoded])
+            return [np.zeros(int(e["audio_codes"].shape[0]) * 1920, np.float32) for e in encoded], 24000
+
+        st = tts.model.speech_tokenizer
+        st.decode = talker_only_decode  # an instance attribute shadows the bound method
+        capture.codes = None
+        try:
+            # Clean: a sampled request is always alone here, seeded with its own seed, which is
+            # exactly the reference's `torch.manual_seed(seed)` before the call. shared-rng: a
+            # batch of sampled requests, one generator seeded once with the first request's seed.
+            torch.manual_seed(int(jobs[0].seed))
+            if task == "voice_clone":
+                tts.generate_voice_clone(text=texts, language=languages, voice_clone_prompt=items, **kwargs)
+            elif task == "custom_voice":
+                tts.generate_custom_voice(text=texts, speaker=[j.speaker for j in jobs], language=languages,
+                                          instruct=[j.instructions for j in jobs], **kwargs)
+            else:
+                tts.generate_voice_design(text=texts, instruct=[j.instructions for j in jobs], language=languages,
+                                          **kwargs)
+        finally:
+            del st.decode
+        if capture.codes is None or len(capture.codes) != len(jobs):
+            raise RuntimeError(f"qwen-tts returned {0 if capture.codes is None else len(capture.codes)} code "
+                               f"sequences for a batch of {len(jobs)}")
+        codes = [c.numpy().astype(np.int64) for c in capture.codes]
+        # qwen-tts gives N-1 frames for N talker tokens when no EOS came: a max-length stop.
+        at_max = [c.shape[0] >= j.max_new_tokens - 1 for c, j in zip(codes, jobs)]
+        return codes, refs, at_max
+
+    # -- step 3: the vocoder --------------------------------------------
+    def _vocoder(self, task: str, stage_inputs: list[dict]) -> tuple[list[np.ndarray], int]:
+        torch = self.torch
+        tts = self.qwen.model(task)
+        st = tts.model.speech_tokenizer
+        sr = int(st.get_output_sample_rate())
+        wavs: list[np.ndarray] = [np.zeros(0, np.float32)] * len(stage_inputs)
+        todo = [i for i, s in enumerate(stage_inputs) if s["decoder_input"].shape[0] > 0]
+        if not todo:
+            return wavs, sr
+        decoder = st.model.decoder
+        if self.defect == "chunk-boundary":
+            inner = type(decoder).chunked_decode
+
+            def short_context_chunked_decode(codes, chunk_size=defects.DECODE_CHUNK_FRAMES, left_context_size=None):
+                return inner(decoder, codes, chunk_size=chunk_size, left_context_size=defects.DEFECT_LEFT_CONTEXT)
+
+            decoder.chunked_decode = short_context_chunked_decode
+        try:
+            decoded, sr = st.decode([{"audio_codes": torch.from_numpy(stage_inputs[i]["decoder_input"])}
+                                     for i in todo])
+        finally:
+            if self.defect == "chunk-boundary":
+                del decoder.chunked_decode
+        for i, wav in zip(todo, decoded):
+            s = stage_inputs[i]
+            left = int(s.get("meta.left_context_size", 0))  # ref-in-output: the trim went elsewhere
+            wavs[i] = np.asarray(handoff.trim_reference(wav, left, s["decoder_input"].shape[0]), dtype=np.float32)
+        return wavs, int(sr)

@@ -1,0 +1,417 @@
+"""The CPU test engine's torch-free parts: the hand-off, the scheduler, request validation, and the
+HTTP surface with a stand-in for the model (tests/test_cpu_engine.py runs the real one)."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from difftest import wavio
+from difftest.speech_client import SpeechClient, SpeechError
+from runners.cpu_engine import ENGINE_NAME, LABEL, handoff
+from runners.cpu_engine.api import BadRequest, ModelInfo, VoiceStore, parse_speech, parse_voice_upload
+from runners.cpu_engine.defects import DEFECTS, check
+from runners.cpu_engine.scheduler import Batcher
+from runners.cpu_engine.server import EngineServer
+
+SR = 24000
+MODELS = {
+    "voice_clone": ModelInfo("voice_clone", frozenset({"auto", "english", "german"}), frozenset()),
+    "custom_voice": ModelInfo("custom_voice", frozenset({"auto", "english"}), frozenset({"alice", "bob"})),
+    "voice_design": ModelInfo("voice_design", frozenset({"auto", "english"}), frozenset()),
+}
+
+
+def codes(n: int, base: int) -> np.ndarray:
+    return (np.arange(n * 16, dtype=np.int64).reshape(n, 16) + base) % 2048
+
+
+def wav_bytes(seconds=0.5, sr=SR, channels=1, subtype="pcm16") -> bytes:
+    x = (0.3 * np.sin(np.arange(int(seconds * sr)) / 7.0)).astype(np.float32)
+    data = wavio.encode(x, sr, subtype)
+    if channels == 2:  # rewrite the header as stereo (same bytes: half as many frames)
+        data = data[:22] + (2).to_bytes(2, "little") + data[24:28] + (sr * 4).to_bytes(4, "little") \
+            + (4).to_bytes(2, "little") + data[34:]
+    return data
+
+
+def data_url(data: bytes) -> str:
+    return "data:audio/wav;base64," + base64.b64encode(data).decode()
+
+
+# -- the hand-off ---------------------------------------------------------
+def test_clean_handoff_keeps_each_request_its_own_reference():
+    c = [codes(3, 0), codes(5, 100), codes(2, 200)]
+    refs = [codes(4, 1000), None, codes(6, 1500)]
+    payload = handoff.make_omni_output(c, refs)
+    assert payload["codes.audio"].shape == (10, 16)
+    assert [r.shape[0] for r in payload["codes.ref"]] == [4, 0, 6]  # batch-aligned, empty placeholder (#4373)
+    for i in range(3):
+        el = handoff.to_payload_element(payload, i)
+        np.testing.assert_array_equal(el["codes.audio"], c[i])
+        stage = handoff.talker2code2wav(el)
+        want_ref = refs[i] if refs[i] is not None else np.zeros((0, 16), np.int64)
+        np.testing.assert_array_equal(stage["ref_codes"], want_ref)
+        np.testing.assert_array_equal(stage["decoder_input"], np.concatenate([want_ref, c[i]]))
+        assert stage["meta.left_context_size"] == want_ref.shape[0]
+
+
+def test_ref_leak_hands_the_last_writers_reference_to_every_request():
+    c = [codes(3, 0), codes(3, 100), codes(3, 200)]
+    refs = [codes(4, 1000), None, codes(6, 1500)]
+    payload = handoff.make_omni_output(c, refs, ref_leak=True)
+    assert len(payload["codes.ref"]) == 1  # one slot, last writer wins
+    for i in range(3):  # the element[0] fallback: everyone gets request 2's reference, even request 1
+        stage = handoff.talker2code2wav(handoff.to_payload_element(payload, i))
+        np.testing.assert_array_equal(stage["ref_codes"], refs[2])
+        np.testing.assert_array_equal(stage["codes"], c[i])  # the codes are still right
+    alone = handoff.make_omni_output([c[0]], [refs[0]], ref_leak=True)  # concurrency 1: its own
+    np.testing.assert_array_equal(handoff.talker2code2wav(handoff.to_payload_element(alone, 0))["ref_codes"], refs[0])
+
+
+def test_pick_is_vllm_omnis_lookup_with_its_fallback():
+    assert handoff.pick(["a", "b"], 1) == "b"
+    assert handoff.pick(["a"], 3) == "a"
+    assert handoff.pick([], 0) is None
+
+
+def test_batch_mixup_gives_everyone_request_zeros_codes():
+    c = [codes(3, 0), codes(5, 100)]
+    refs = [codes(2, 1000), codes(4, 1500)]
+    payload = handoff.make_omni_output(c, refs)
+    el = handoff.to_payload_element(payload, 1, batch_mixup=True)
+    np.testing.assert_array_equal(el["codes.audio"], c[0])
+    np.testing.assert_array_equal(el["codes.ref"], refs[1])
+
+
+def test_off_by_one_and_untrimmed_reference():
+    payload = handoff.make_omni_output([codes(5, 0), codes(5, 9)], [codes(2, 1000), codes(2, 1000)],
+                                       stopped_at_max=[True, False])
+    dropped = handoff.talker2code2wav(handoff.to_payload_element(payload, 0), drop_last_at_max=True)
+    kept = handoff.talker2code2wav(handoff.to_payload_element(payload, 1), drop_last_at_max=True)
+    assert dropped["codes"].shape[0] == 4 and kept["codes"].shape[0] == 5  # only a max-length stop loses a frame
+    lost = handoff.talker2code2wav(handoff.to_payload_element(payload, 0), trim_key="meta.ref_code_len")
+    assert "meta.left_context_size" not in lost  # the vocoder finds no trim (#4421)
+
+
+def test_trim_uses_qwen_tts_float_cut():
+    wav = np.arange(49 * 1920, dtype=np.float32)
+    assert handoff.trim_reference(wav, 1, 49).shape[0] == 48 * 1920 + 1  # int(1/49*94080) = 1919
+    assert handoff.trim_reference(wav, 0, 49).shape[0] == 49 * 1920
+    assert handoff.trim_reference(wav[: 10 * 1920], 4, 10)[0] == 4 * 1920
+
+
+def test_defect_names():
+    assert set(DEFECTS) == {"ref-leak", "shared-rng", "batch-mixup", "chunk-boundary", "ref-in-output", "off-by-one"}
+    assert check("none") is None and check(None) is None
+    with pytest.raises(ValueError, match="unknown defect"):
+        check("everything")
+
+
+# -- the scheduler ----------------------------------------------------------
+class Recorder:
+    def __init__(self, delay=0.0, fail=None):
+        self.batches, self.delay, self.fail = [], delay, fail
+
+    def __call__(self, jobs):
+        self.batches.append(list(jobs))
+        time.sleep(self.delay)
+        if self.fail and any(self.fail in j for j in jobs):
+            raise RuntimeError(f"boom on {self.fail}")
+        return [j.upper() for j in jobs]
+
+
+def submit_all(b: Batcher, items):
+    return [b.submit(job, key) for job, key in items]
+
+
+def test_batches_compatible_requests_up_to_max_and_in_arrival_order():
+    rec = Recorder()
+    b = Batcher(rec, max_batch=3, window_s=0.2)
+    pend = submit_all(b, [("a", 1), ("b", 1), ("x", 2), ("c", 1), ("d", 1), ("y", 2)])
+    b.start()
+    assert [p.wait(5) for p in pend] == ["A", "B", "X", "C", "D", "Y"]
+    b.stop()
+    assert rec.batches == [["a", "b", "c"], ["x", "y"], ["d"]]
+    assert (pend[0].batch_size, pend[0].batch_index, pend[3].batch_index) == (3, 0, 2)
+
+
+def test_a_request_with_no_key_runs_alone_and_the_window_waits_for_stragglers():
+    rec = Recorder()
+    b = Batcher(rec, max_batch=8, window_s=0.3).start()
+    p1 = b.submit("s1", None)
+    p2 = b.submit("s2", None)
+    first = b.submit("g1", "k")
+    time.sleep(0.1)
+    late = b.submit("g2", "k")  # within the window of g1
+    for p in (p1, p2, first, late):
+        p.wait(5)
+    b.stop()
+    assert ["s1"] in rec.batches and ["s2"] in rec.batches and ["g1", "g2"] in rec.batches
+
+
+def test_a_failing_batch_is_retried_one_by_one():
+    rec = Recorder(fail="bad")
+    b = Batcher(rec, max_batch=4, window_s=0.2)
+    pend = submit_all(b, [("ok1", 1), ("bad", 1), ("ok2", 1)])
+    b.start()
+    assert pend[0].wait(5) == "OK1" and pend[2].wait(5) == "OK2"
+    with pytest.raises(RuntimeError, match="boom on bad"):
+        pend[1].wait(5)
+    b.stop()
+    assert rec.batches[0] == ["ok1", "bad", "ok2"] and ["bad"] in rec.batches
+
+
+# -- request validation -------------------------------------------------------
+@pytest.fixture
+def store(tmp_path):
+    s = VoiceStore(tmp_path / "voices")
+    s.register("amy", wav_bytes(), "Hello there.")
+    s.register("xv", wav_bytes(0.3), None)
+    return s
+
+
+def base_body(**kw):
+    b = {"input": "Hi.", "task_type": "Base", "language": "English", "ref_audio": data_url(wav_bytes()),
+         "ref_text": "Reference.", "seed": 3, "max_new_tokens": 12,
+         "extra_params": {"difftest_tag": "t-1", "temperature": 0.0, "repetition_penalty": 1.0}}
+    b.update(kw)
+    return b
+
+
+def test_parses_every_field_difftest_sends(store):
+    job = parse_speech(base_body(non_streaming_mode=True), MODELS, store)
+    assert (job.task, job.language, job.seed, job.max_new_tokens, job.do_sample) == ("voice_clone", "English", 3, 12, False)
+    assert (job.repetition_penalty, job.non_streaming_mode, job.tag, job.ref_text) == (1.0, True, "t-1", "Reference.")
+    assert job.voice_wav.read_bytes() == wav_bytes() and job.temperature is None
+    sampled = parse_speech(base_body(extra_params={"temperature": 0.7, "top_k": 20, "top_p": 0.9,
+                                                   "repetition_penalty": 1.05}), MODELS, store)
+    assert (sampled.do_sample, sampled.temperature, sampled.top_k, sampled.top_p) == (True, 0.7, 20, 0.9)
+    assert sampled.batch_key() is None and sampled.batch_key(share_sampled=True) is not None
+    reg = parse_speech({"input": "Hi.", "task_type": "Base", "voice": "AMY"}, MODELS, store)
+    assert (reg.voice_name, reg.ref_text, reg.xvector_only) == ("amy", "Hello there.", False)
+    assert parse_speech({"input": "Hi.", "voice": "xv"}, MODELS, store).xvector_only  # uploaded without text
+    cv = parse_speech({"input": "Hi.", "task_type": "CustomVoice", "voice": "Alice", "instructions": "Happy."},
+                      MODELS, store)
+    assert (cv.task, cv.speaker, cv.instructions, cv.non_streaming_mode) == ("custom_voice", "alice", "Happy.", True)
+    vd = parse_speech({"input": "Hi.", "task_type": "VoiceDesign", "instructions": "Calm."}, MODELS, store)
+    assert (vd.task, vd.instructions, vd.response_format) == ("voice_design", "Calm.", "wav")
+    # greedy requests batch whatever their seeds; different decode parameters do not
+    assert parse_speech(base_body(seed=9), MODELS, store).batch_key() == parse_speech(base_body(), MODELS,
+                                                                                       store).batch_key()
+    assert parse_speech(base_body(max_new_tokens=13), MODELS, store).batch_key() != parse_speech(
+        base_body(), MODELS, store).batch_key()
+
+
+@pytest.mark.parametrize("change, field", [
+    ({"input": "  "}, "input"),
+    ({"input": None}, "input"),
+    ({"task_type": "Karaoke"}, "task_type"),
+    ({"response_format": "mp3"}, "response_format"),
+    ({"ref_audio": "data:audio/wav;base64,@@@not base64"}, "ref_audio"),
+    ({"ref_audio": data_url(b"RIFF....WAVEnope")}, "ref_audio"),
+    ({"ref_audio": data_url(wav_bytes(sr=16000))}, "ref_audio"),
+    ({"ref_audio": data_url(wav_bytes(channels=2))}, "ref_audio"),
+    ({"ref_audio": data_url(wav_bytes(subtype="float"))}, "ref_audio"),
+    ({"ref_audio": "https://example.com/a.wav"}, "ref_audio"),
+    ({"ref_text": None}, "ref_text"),
+    ({"language": "Klingon"}, "language"),
+    ({"seed": -1}, "seed"),
+    ({"seed": "7"}, "seed"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"extra_params": {"difftest_tag": "../../etc/x"}}, "extra_params.difftest_tag"),
+    ({"extra_params": {"top_p": 1.5}}, "extra_params.top_p"),
+    ({"extra_params": []}, "extra_params"),
+    ({"x_vector_only_mode": "yes"}, "x_vector_only_mode"),
+    ({"stream": True}, "stream"),
+])
+def test_bad_fields_are_named(store, change, field):
+    with pytest.raises(BadRequest) as e:
+        parse_speech(base_body(**change), MODELS, store)
+    assert e.value.field == field and e.value.status == 400
+
+
+def test_bad_voices_and_tasks_are_named(store):
+    cases = [
+        ({"input": "Hi.", "task_type": "Base", "voice": "nobody"}, "voice", "unknown voice 'nobody'"),
+        ({"input": "Hi.", "task_type": "CustomVoice", "voice": "carol"}, "voice", "unknown speaker 'carol'"),
+        ({"input": "Hi.", "task_type": "CustomVoice"}, "voice", "needs a speaker"),
+        ({"input": "Hi.", "task_type": "VoiceDesign"}, "instructions", "needs instructions"),
+        ({"input": "Hi.", "task_type": "Base"}, "ref_audio", "needs ref_audio or a registered voice"),
+    ]
+    for body, field, text in cases:
+        with pytest.raises(BadRequest, match=text) as e:
+            parse_speech(body, MODELS, store)
+        assert e.value.field == field
+    with pytest.raises(BadRequest, match="needs a custom_voice checkpoint") as e:
+        parse_speech({"input": "Hi.", "task_type": "CustomVoice", "voice": "alice"},
+                     {"voice_clone": MODELS["voice_clone"]}, store)
+    assert e.value.field == "task_type"
+
+
+def multipart(fields: dict, files: dict) -> tuple[str, bytes]:
+    boundary = "XyZ123boundary"
+    parts = [f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+             for k, v in fields.items()]
+    for k, (fname, data) in files.items():
+        parts.append(f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"; filename="{fname}"\r\n'
+                     f'Content-Type: audio/wav\r\n\r\n'.encode() + data + b"\r\n")
+    return f"multipart/form-data; boundary={boundary}", b"".join(parts) + f"--{boundary}--\r\n".encode()
+
+
+def test_voice_upload_parsing():
+    ctype, body = multipart({"name": "Amy", "consent": "true", "ref_text": "Hello."}, {"audio_sample": ("a.wav", wav_bytes())})
+    form = parse_voice_upload(ctype, body)
+    assert (form["name"], form["ref_text"], form["audio"]) == ("amy", "Hello.", wav_bytes())
+    bad = [
+        (({"name": "amy", "consent": "true"}, {}), "audio_sample"),
+        (({"consent": "true"}, {"audio_sample": ("a.wav", wav_bytes())}), "name"),
+        (({"name": "amy"}, {"audio_sample": ("a.wav", wav_bytes())}), "consent"),
+        (({"name": "amy", "consent": "false"}, {"audio_sample": ("a.wav", wav_bytes())}), "consent"),
+        (({"name": "a b/c", "consent": "true"}, {"audio_sample": ("a.wav", wav_bytes())}), "name"),
+        (({"name": "amy", "consent": "true"}, {"audio_sample": ("a.wav", wav_bytes(sr=22050))}), "audio_sample"),
+        (({"name": "amy", "consent": "true"}, {"audio_sample": ("a.wav", b"not a wav")}), "audio_sample"),
+    ]
+    for (fields, files), field in bad:
+        with pytest.raises(BadRequest) as e:
+            parse_voice_upload(*multipart(fields, files))
+        assert e.value.field == field, (fields, e.value)
+    with pytest.raises(BadRequest) as e:
+        parse_voice_upload("application/json", b"{}")
+    assert e.value.status == 415
+
+
+def test_voice_upload_keeps_binary_audio_byte_for_byte():
+    rng = np.random.default_rng(0)
+    for i in range(5):
+        head = wavio.encode(np.zeros(12000 + i, np.float32), SR, "pcm16")[:44]
+        data = head + bytes(rng.choice([0, 10, 13, 45, 255], size=2 * (12000 + i)).astype(np.uint8))  # CR/LF-heavy
+        assert parse_voice_upload(*multipart({"name": "a", "consent": "true"}, {"audio_sample": ("a.wav", data)}))[
+            "audio"] == data
+
+
+# -- the HTTP surface with a stand-in model ------------------------------------
+@dataclass
+class FakeOut:
+    codes: np.ndarray
+    ref_codes: np.ndarray
+    wav: np.ndarray
+    sample_rate: int = SR
+
+
+def fake_execute(jobs):
+    out = []
+    for j in jobs:
+        if "explode" in j.text:
+            raise RuntimeError("the model exploded")
+        n = j.max_new_tokens - 1
+        wav = (0.5 * np.sin(np.arange(n * 1920) * (0.01 + 0.001 * len(j.text)))).astype(np.float32)
+        ref = codes(3, 7) if j.task == "voice_clone" and not j.xvector_only else np.zeros((0, 16), np.int64)
+        out.append(FakeOut(codes(n, len(j.text)), ref, wav))
+    return out
+
+
+@pytest.fixture
+def fake_server(tmp_path):
+    ident = {"engine": ENGINE_NAME, "label": LABEL, "defect": None, "models": {}}
+    srv = EngineServer(fake_execute, MODELS, identity=ident, capture_dir=tmp_path / "capture", batch_window_ms=20,
+                       voices=VoiceStore(tmp_path / "voices")).start()
+    yield srv
+    srv.stop()
+
+
+def post(url: str, path: str, body: bytes, ctype="application/json") -> tuple[int, dict, bytes]:
+    host, port = url.split("//")[1].split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=30)
+    conn.request("POST", path, body=body, headers={"Content-Type": ctype})
+    r = conn.getresponse()
+    data = r.read()
+    conn.close()
+    return r.status, dict(r.getheaders()), data
+
+
+def test_http_errors_are_json_naming_the_field_and_the_server_goes_on(fake_server):
+    url = fake_server.url
+    cases = [
+        (b"{not json", None, 400),
+        (json.dumps({"task_type": "Base"}).encode(), "input", 400),
+        (json.dumps(base_body(response_format="flac")).encode(), "response_format", 400),
+        (json.dumps(base_body(task_type="Sing")).encode(), "task_type", 400),
+        (json.dumps({"input": "Hi.", "task_type": "Base", "voice": "ghost"}).encode(), "voice", 400),
+        (json.dumps(base_body(ref_audio="data:audio/wav;base64,!!")).encode(), "ref_audio", 400),
+        (json.dumps(base_body(input="please explode")).encode(), None, 500),
+    ]
+    for body, field, status in cases:
+        code, _, data = post(url, "/v1/audio/speech", body)
+        err = json.loads(data)["error"]
+        assert code == status and err["param"] == field and err["code"] == status, (body[:60], data)
+        if field:
+            assert err["message"].startswith(field)
+    assert "the model exploded" in json.loads(post(url, "/v1/audio/speech",
+                                                   json.dumps(base_body(input="explode"))
+                                                   .encode())[2])["error"]["message"]
+    assert post(url, "/v1/nothing", b"{}")[0] == 404
+    assert SpeechClient(url).health()
+    assert SpeechClient(url).speech(base_body()).audio[:4] == b"RIFF"
+
+
+def test_http_capture_is_written_before_the_answer_and_matches_it(fake_server, tmp_path):
+    client = SpeechClient(fake_server.url)
+    for fmt in ("wav", "pcm"):
+        tag = f"cap-{fmt}"
+        ans = client.speech(base_body(response_format=fmt, extra_params={"difftest_tag": tag, "temperature": 0}))
+        cap = tmp_path / "capture" / f"{tag}.npz"
+        assert cap.exists()  # already there when the answer arrives
+        with np.load(cap, allow_pickle=False) as z:
+            assert z["codes"].shape == (11, 16) and z["codes"].dtype == np.int64
+            assert z["ref_codes"].shape == (3, 16) and z["wav"].dtype == np.float32
+            served = wavio.read(ans.audio)[0] if fmt == "wav" else np.frombuffer(ans.audio, "<i2") / 32768.0
+            assert np.abs(np.rint(served * 32768) - wavio.pcm16(z["wav"])).max() <= 1
+        assert ans.headers["content-type"] == ("audio/wav" if fmt == "wav" else "audio/pcm")
+    assert not list((tmp_path / "capture").glob("*.tmp")) and not list((tmp_path / "capture").glob(".*"))
+
+
+def test_http_voices_identity_and_concurrent_batching(fake_server):
+    url = fake_server.url
+    ctype, body = multipart({"name": "amy", "consent": "true", "ref_text": "Hello."},
+                            {"audio_sample": ("a.wav", wav_bytes())})
+    code, _, data = post(url, "/v1/audio/voices", body, ctype)
+    assert code == 200 and json.loads(data)["voice"]["mode"] == "icl"
+    ctype, body = multipart({"name": "amy", "consent": "true"}, {})
+    code, _, data = post(url, "/v1/audio/voices", body, ctype)
+    assert code == 400 and json.loads(data)["error"]["param"] == "audio_sample"
+    conn = http.client.HTTPConnection(*url.split("//")[1].split(":"))
+    conn.request("GET", "/v1/audio/voices")
+    voices = json.loads(conn.getresponse().read())
+    assert "amy" in voices["voices"] and "alice" in voices["voices"]
+    conn.request("GET", "/health")
+    assert json.loads(conn.getresponse().read()) == {"status": "healthy", "engine": ENGINE_NAME, "defect": None}
+    conn.request("GET", "/v1/engine")
+    assert json.loads(conn.getresponse().read())["label"] == "difftest CPU test engine (not vLLM-Omni)"
+
+    client = SpeechClient(url)
+    barrier = threading.Barrier(4)
+    answers = [None] * 4
+
+    def one(i):
+        barrier.wait()
+        answers[i] = client.speech({"input": f"Hello number {i}.", "voice": "amy", "seed": 0, "max_new_tokens": 8,
+                                    "extra_params": {"temperature": 0}})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    sizes = [int(a.headers["x-difftest-batch-size"]) for a in answers]
+    assert max(sizes) > 1 and sum(1 for a in answers if a.audio[:4] == b"RIFF") == 4
+    with pytest.raises(SpeechError) as e:
+        client.speech({"input": "Hi.", "voice": "amy", "response_format": "opus"})
+    assert e.value.status == 400
