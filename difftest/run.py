@@ -27,7 +27,7 @@ from .launcher import ServerProcess, free_port
 from .policy import Policy
 from .progress import Progress
 from .reference import REPO, ReferenceOptions, reference_python, run_reference, runner_argv, tiny_checkpoints
-from .report import build_report, summary_lines, write_report
+from .report import build_report, overall, summary_lines, write_report
 from .results import CorruptResult, Result, ResultStore, _atomic_write, _ext, read_result
 from .runner_client import RunnerDied, RunnerProcess
 from .speech_client import SpeechClient
@@ -169,6 +169,8 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
     t_start = time.perf_counter()
     timings: dict[str, float] = {}
     python = reference_python(opts.reference.python)
+    if spec.kind == "url" and not SpeechClient(spec.url, connect_retries=1).health():
+        raise InfraError(f"candidate {spec.url} is not healthy (GET /health)")  # before any model work
     store = ResultStore(opts.store)
     models = list(opts.reference.models) or (
         tiny_checkpoints(store.root, python) if suite.model == "tiny" else [suite.model])
@@ -264,6 +266,12 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         timings["cross_decode_s"] = time.perf_counter() - t0
 
     ordered = [verdicts[s.id] for s in suite.segments]
+    # The candidate at concurrency 1 judged on its own against the reference: a defect that only
+    # concurrency causes must leave this clean (no extra model work: every input is already here).
+    at_one = [classify(Evidence(s.id, ref_run.results.get(s.id), ctrl.results.get(s.id),
+                                errors=[{**ctrl.errors[s.id], "source": "control"}] if s.id in ctrl.errors else [],
+                                initial_frames=suite.chunks["initial_frames"], chunk_frames=suite.chunks["frames"]),
+                       policy) for s in suite.segments]
     timings["total_s"] = time.perf_counter() - t_start
     report = build_report(
         ordered, policy,
@@ -276,10 +284,20 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         provenance={"difftest": __version__, "timings": {k: round(v, 3) for k, v in timings.items()}},
         warnings=[f"{sid}: reference: {f.message}" for sid, f in ref_run.failures.items()],
     )
+    report["at_concurrency_1"] = {
+        "verdict": overall(at_one, policy)[0],
+        "segments": [{"id": v.id, "verdict": v.verdict, "first_divergent_chunk": v.first_divergent_chunk,
+                      "summary": v.summary} for v in at_one],
+    }
     write_report(out, report)
     return report
 
 
 def print_summary(report: dict, out: Path, stream=sys.stdout) -> None:
     print("\n".join(summary_lines(report)), file=stream)
+    one = report.get("at_concurrency_1")
+    if one and report.get("concurrency", 1) > 1:
+        bad = [s["id"] for s in one["segments"] if s["verdict"] not in ("identical", "numeric_drift")]
+        print(f"  at concurrency 1 alone: {one['verdict']}" + (f" ({', '.join(bad)} not clean)" if bad else ""),
+              file=stream)
     print(f"report: {Path(out) / 'report.json'}", file=stream)
