@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import sys
+from pathlib import Path
 
 from . import __version__
 from .errors import EXIT_BAD_INPUT, EXIT_INFRA, BadInput, DifftestError
@@ -64,6 +65,34 @@ def cmd_run(args) -> int:
     report = run(suite, spec, Path(args.out), policy, opts)
     print_summary(report, Path(args.out))
     return report["exit_code"]
+
+
+def cmd_selfcheck(args) -> int:
+    from pathlib import Path
+
+    from .policy import load_policy
+    from .reference import ReferenceOptions
+    from .run import RunOptions
+    from .selfcheck import CHECKS, DEFECTS, selfcheck, table
+    from .suite import load_suite
+
+    suite = load_suite(args.suite)
+    policy = load_policy(args.policy)
+    wanted = set(DEFECTS) if args.defects == "all" else {d.strip() for d in args.defects.split(",") if d.strip()}
+    unknown = wanted - set(DEFECTS)
+    if unknown:
+        raise BadInput(f"--defects: unknown {', '.join(sorted(unknown))} (known: {', '.join(DEFECTS)})")
+    checks = [c for c in CHECKS if c.defect is None or c.defect in wanted]
+    if not any(c.variant == "sampled" and c.defect for c in checks):
+        checks = [c for c in checks if not (c.defect is None and c.variant == "sampled")]
+    opts = RunOptions(concurrency=args.concurrency, store=Path(args.store),
+                      reference=ReferenceOptions(python=args.reference_python))
+    rows = selfcheck(suite, Path(args.out), policy, opts, checks)
+    print(table(rows))
+    bad = [r["check"] for r in rows if not r["ok"]]
+    print(f"selfcheck: {'FAILED: ' + ', '.join(bad) if bad else 'every planted defect caught, clean engine clean'}"
+          f" ({Path(args.out) / 'selfcheck.json'})")
+    return 1 if bad else 0
 
 
 def cmd_validate(args) -> int:
@@ -130,6 +159,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("reference", help="compute (or find cached) qwen-tts reference results for a suite "
                                      "(see difftest reference --help)")
+
+    sc = sub.add_parser("selfcheck", help="catch every planted defect of the CPU test engine, and flag nothing "
+                                           "on the clean one, before trusting a gate on this machine")
+    sc.add_argument("--suite", default=str(Path(__file__).resolve().parents[1] / "cases" / "suites" / "smoke.yaml"))
+    sc.add_argument("--defects", default="all", help="comma-separated defects to plant (default all); "
+                                                     "the clean engine always runs")
+    sc.add_argument("--concurrency", "-n", type=int, default=4)
+    sc.add_argument("--out", required=True)
+    sc.add_argument("--store", default=os.environ.get("DIFFTEST_STORE", "difftest-store"))
+    sc.add_argument("--policy")
+    sc.add_argument("--reference-python")
+    sc.set_defaults(func=cmd_selfcheck)
 
     v = sub.add_parser("validate", help="validate suite files")
     v.add_argument("suites", nargs="+")

@@ -14,6 +14,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,6 +138,21 @@ def _codes_key(codes: np.ndarray, ref: np.ndarray) -> str:
     return h.hexdigest()
 
 
+def start_reference_runner(python: Path, models: list[str], ref_opts: ReferenceOptions, log: Path) -> RunnerProcess:
+    runner = RunnerProcess(runner_argv(python, models, ref_opts), env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                           log_path=log, cwd=REPO)
+    try:
+        runner.start()
+    except RunnerDied as e:
+        raise InfraError(f"the reference runner did not start: {e}") from None
+    return runner
+
+
+def resolve_models(suite: Suite, opts: RunOptions, python: Path) -> list[str]:
+    return list(opts.reference.models) or (
+        tiny_checkpoints(ResultStore(opts.store).root, python) if suite.model == "tiny" else [suite.model])
+
+
 def _start_candidate(spec: CandidateSpec, out: Path, models: list[str], python: Path, opts: RunOptions,
                      stack: ExitStack) -> tuple[SpeechClient, Path | None, dict]:
     if spec.kind == "url":
@@ -162,18 +178,22 @@ def _start_candidate(spec: CandidateSpec, out: Path, models: list[str], python: 
     return client, capture, info
 
 
-def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunOptions) -> dict:
-    """Run everything; returns report.json's content (already written under `out`)."""
+def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunOptions,
+        runner: RunnerProcess | None = None) -> dict:
+    """Run everything; returns report.json's content (already written under `out`).
+
+    `runner`: a reference runner already started (with the models this run needs), to share one
+    between runs; it is left running. Otherwise one is started and stopped here."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
+    run_id = uuid.uuid4().hex[:8]  # tags capture files: engines may serve several runs at once
     timings: dict[str, float] = {}
     python = reference_python(opts.reference.python)
     if spec.kind == "url" and not SpeechClient(spec.url, connect_retries=1).health():
         raise InfraError(f"candidate {spec.url} is not healthy (GET /health)")  # before any model work
     store = ResultStore(opts.store)
-    models = list(opts.reference.models) or (
-        tiny_checkpoints(store.root, python) if suite.model == "tiny" else [suite.model])
+    models = resolve_models(suite, opts, python)
     ref_opts = ReferenceOptions(**{**opts.reference.__dict__, "models": models})
     _atomic_write(out / "run.json", json.dumps({
         "suite": str(suite.path), "suite_hash": suite.hash, "candidate": spec.label,
@@ -182,13 +202,9 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
     }, indent=1).encode())
 
     with ExitStack() as stack:
-        runner = RunnerProcess(runner_argv(python, models, ref_opts), env=dict(os.environ, HF_HUB_OFFLINE="1"),
-                               log_path=out / "logs" / "reference-runner.log", cwd=REPO)
-        try:
-            runner.start()
-        except RunnerDied as e:
-            raise InfraError(f"the reference runner did not start: {e}") from None
-        stack.callback(runner.close)
+        if runner is None:
+            runner = start_reference_runner(python, models, ref_opts, out / "logs" / "reference-runner.log")
+            stack.callback(runner.close)
 
         t0 = time.perf_counter()
         ref_run = run_reference(suite, store.root, ref_opts, runner=runner)
@@ -204,7 +220,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
             outcomes[n] = run_candidate(
                 suite.segments, client, out / "results" / f"candidate-c{n}", concurrency=n,
                 pattern=opts.pattern, order=opts.order, voice_mode=opts.voice_mode, capture_dir=capture,
-                label=spec.label, provenance=cand_info, run_tag=f"c{n}",
+                label=spec.label, provenance=cand_info, run_tag=f"{run_id}c{n}",
                 on_result=lambda seg, r, p=progress: p.segment(seg.id, audio_seconds=r.seconds,
                                                               seconds=r.timings.get("request_seconds", 0.0)))
             for sid, err in outcomes[n].errors.items():

@@ -172,15 +172,17 @@ def _vocoder_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> 
     cand, cross = ev.candidate, ev.cross_own
     audio = _Audio(cross, cand, ev, policy, mels)
     comps["vocoder"] = audio.to_json()
+    allowed = policy.tier_index("vocoder")
+    frame, chunk = audio.first_bad(allowed, policy)
     if audio.length_gap:
         frames = audio.length_gap / 1920
         extra = (f"; the extra {frames:.0f} frames equal the reference codes' length: reference audio left in the output?"
                  if len(cand.ref_codes) and round(frames) == len(cand.ref_codes) and cand.codes.size else "")
+        if frame is None:  # the common part agrees: the difference starts where one side ends
+            frame = min(audio.len_a, audio.len_b) // 1920
         return [_Finding("vocoder_length",
                          f"candidate audio has {audio.len_b} samples, its codes decode to {audio.len_a}{extra}",
-                         frame=min(audio.len_a, audio.len_b) // 1920, stage="vocoder")]
-    allowed = policy.tier_index("vocoder")
-    frame, chunk = audio.first_bad(allowed, policy)
+                         frame=frame, chunk=chunk, stage="vocoder")]
     if chunk is None:
         return []
     bad = audio.bad_chunks(allowed)

@@ -1,0 +1,172 @@
+"""`difftest selfcheck`: does this tester, on this machine, catch the defects we know?
+
+Runs a suite against the CPU test engine, clean and with each planted defect,
+and checks each run's verdicts against what the defect must cause. A tester
+that flags the clean engine, or lets a defect escape, is not to be trusted as
+a gate. One engine process hosts every variant and one reference runner
+serves every run, so the cost is the decoding, not the start-ups.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from contextlib import ExitStack
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from .errors import BadInput
+from .launcher import ServerProcess, free_port
+from .policy import Policy
+from .reference import REPO, ReferenceOptions, reference_python
+from .results import _atomic_write, load_result_set
+from .run import CandidateSpec, RunOptions, resolve_models, run, start_reference_runner
+from .speech_client import SpeechClient
+from .suite import Suite, content_hash
+
+CLEAN = {"identical", "numeric_drift"}
+
+
+@dataclass(frozen=True)
+class Check:
+    name: str
+    defect: str | None  # None: the clean engine
+    variant: str  # greedy | sampled | long
+    expect: frozenset  # verdicts that count as catching it (empty: must pass)
+    concurrency_only: bool  # must be invisible at concurrency 1
+
+
+CHECKS = (
+    Check("clean", None, "greedy", frozenset(), False),
+    Check("clean, sampled", None, "sampled", frozenset(), False),
+    Check("ref-leak", "ref-leak", "greedy", frozenset({"contamination"}), True),
+    Check("shared-rng", "shared-rng", "sampled", frozenset({"concurrency_defect"}), True),
+    Check("batch-mixup", "batch-mixup", "greedy", frozenset({"concurrency_defect", "contamination"}), True),
+    Check("chunk-boundary", "chunk-boundary", "long", frozenset({"vocoder_defect"}), False),
+    Check("ref-in-output", "ref-in-output", "greedy", frozenset({"length_mismatch"}), False),
+    Check("off-by-one", "off-by-one", "greedy", frozenset({"length_mismatch"}), False),
+)
+DEFECTS = tuple(c.defect for c in CHECKS if c.defect)
+
+
+def variant(suite: Suite, kind: str) -> Suite:
+    """The suite as a check needs it: greedy as is; `sampled` (seeded talker sampling: the RNG
+    families only show there); `long` (two segments whose decoder input crosses qwen-tts's
+    300-frame chunked decode, where chunk-boundary defects live)."""
+    if kind == "greedy":
+        return suite
+    segs = []
+    for s in suite.segments:
+        if kind == "sampled":
+            decode = {**s.decode, "do_sample": True, "temperature": 0.9, "top_k": 50}
+        elif kind == "long":
+            if len(segs) == 2 or s.voice is None:
+                continue
+            ref_frames = -(-s.voice.n_samples // 1920)
+            decode = {**s.decode, "max_new_tokens": max(s.decode["max_new_tokens"], 312 - ref_frames)}
+        else:
+            raise ValueError(kind)
+        seg = replace(s, decode=decode)
+        segs.append(replace(seg, hash=content_hash(seg.fingerprint())))
+    return replace(suite, name=f"{suite.name}-{kind}", segments=segs,
+                   hash=content_hash({"base": suite.hash, "variant": kind}))
+
+
+def _leak_truth(out: Path, n: int) -> dict[str, list[str]]:
+    """Whose reference codes each request's vocoder really got at N (from the capture files)."""
+    at_n, _ = load_result_set(out / "results" / f"candidate-c{n}")
+    at_1, _ = load_result_set(out / "results" / "candidate-c1")
+    truth = {}
+    for sid, r in at_n.items():
+        owners = [o for o, c in at_1.items() if c.has_codes and np.array_equal(c.ref_codes, r.ref_codes)]
+        if r.has_codes and len(r.ref_codes) and sid not in owners:
+            truth[sid] = owners
+    return truth
+
+
+def judge(check: Check, report: dict, out: Path) -> dict:
+    segs = report["segments"]
+    verdicts = sorted({s["verdict"] for s in segs})
+    at_one = report.get("at_concurrency_1", {}).get("verdict")
+    hits = [s for s in segs if s["verdict"] in check.expect]
+    row = {"check": check.name, "defect": check.defect, "verdict": report["verdict"], "verdicts": verdicts,
+           "at_concurrency_1": at_one, "chunk": None, "stage": None, "donor": None, "donor_right": None}
+    if hits:
+        first = min(hits, key=lambda s: (s["first_divergent_chunk"] is None, s["first_divergent_chunk"] or 0))
+        row.update(chunk=first["first_divergent_chunk"], stage=first["stage"])
+    if check.defect is None:
+        row["ok"] = report["verdict"] == "pass" and at_one == "pass"
+        row["problem"] = None if row["ok"] else "the clean engine was flagged"
+        return row
+    caught = report["verdict"] == "fail" and bool(hits)
+    if check.concurrency_only:
+        quiet_at_one = at_one == "pass"
+    else:
+        quiet_at_one = True  # visible at 1 as well; nothing to require
+    row["ok"] = caught and quiet_at_one
+    row["problem"] = (None if row["ok"] else "escaped" if not caught
+                      else "flagged at concurrency 1, where it cannot act")
+    donors = [s for s in hits if s["donor"]]
+    if donors:
+        truth = _leak_truth(out, report["concurrency"])
+        row["donor"] = donors[0]["donor"]
+        row["donor_right"] = all(s["donor"] in truth.get(s["id"], []) for s in donors)
+        if not row["donor_right"]:
+            row["ok"], row["problem"] = False, "wrong donor named"
+    return row
+
+
+def selfcheck(suite: Suite, out: Path, policy: Policy, opts: RunOptions, checks=CHECKS,
+              stream=sys.stderr) -> list[dict]:
+    out = Path(out)
+    python = reference_python(opts.reference.python)
+    models = resolve_models(suite, opts, python)
+    ref_opts = ReferenceOptions(**{**opts.reference.__dict__, "models": models})
+    rows = []
+    with ExitStack() as stack:
+        ports = {c.defect or "none": free_port() for c in checks}
+        capture = out / "capture"
+        capture.mkdir(parents=True, exist_ok=True)
+        argv = [str(python), "-m", "runners.cpu_engine.multi"]
+        for m in models:
+            argv += ["--model", m]
+        for name, port in ports.items():
+            argv += ["--serve", f"{name}={port}"]
+        first = next(iter(ports.values()))
+        stack.enter_context(ServerProcess(
+            argv, f"http://127.0.0.1:{first}", out / "logs" / "cpu-engines.log", cwd=REPO,
+            env=dict(os.environ, DIFFTEST_CAPTURE_DIR=str(capture), HF_HUB_OFFLINE="1"),
+            health_timeout=opts.engine_health_timeout, name="the CPU test engines"))
+        for name, port in ports.items():
+            if not SpeechClient(f"http://127.0.0.1:{port}", connect_retries=5).health():
+                raise BadInput(f"CPU test engine for {name} did not come up on port {port}")
+        runner = start_reference_runner(python, models, ref_opts, out / "logs" / "reference-runner.log")
+        stack.callback(runner.close)
+        for check in checks:
+            print(f"== selfcheck: {check.name} ({check.variant}, concurrency {opts.concurrency})", file=stream)
+            spec = CandidateSpec("url", url=f"http://127.0.0.1:{ports[check.defect or 'none']}", capture_dir=capture)
+            run_dir = out / check.name.replace(", ", "-")
+            report = run(variant(suite, check.variant), spec, run_dir, policy, opts, runner=runner)
+            rows.append({**judge(check, report, run_dir), "report": str(run_dir / "report.json")})
+    _atomic_write(out / "selfcheck.json", (json.dumps({"suite": suite.name, "concurrency": opts.concurrency,
+                                                        "checks": rows}, indent=1) + "\n").encode())
+    return rows
+
+
+def table(rows: list[dict]) -> str:
+    head = ("check", "caught", "verdicts", "at c=1", "chunk", "stage", "donor")
+    lines = []
+    for r in rows:
+        if r["defect"] is None:
+            caught = "clean: ok" if r["ok"] else "FLAGGED"
+        else:
+            caught = "yes" if r["ok"] else f"NO ({r['problem']})"
+        donor = "" if r["donor"] is None else f"{r['donor']} ({'right' if r['donor_right'] else 'WRONG'})"
+        lines.append((r["check"], caught, ",".join(r["verdicts"]), r["at_concurrency_1"] or "",
+                      "" if r["chunk"] is None else str(r["chunk"]), r["stage"] or "", donor))
+    widths = [max(len(x[i]) for x in [head, *lines]) for i in range(len(head))]
+    fmt = "  ".join(f"{{:<{w}}}" for w in widths)
+    return "\n".join(fmt.format(*x).rstrip() for x in [head, *lines])
