@@ -64,6 +64,10 @@ def cmd_run(args) -> int:
                                                  device=args.device, dtype=args.dtype))
     report = run(suite, spec, Path(args.out), policy, opts)
     print_summary(report, Path(args.out))
+    if not args.no_mlflow:
+        from .tracking import log_run
+
+        log_run(args.out, args.tracking_uri)  # unreachable: one warning, `difftest log OUT` uploads later
     return report["exit_code"]
 
 
@@ -151,6 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--reference-python", help="the reference environment's interpreter")
     r.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="reference runner device")
     r.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="reference runner dtype")
+    r.add_argument("--tracking-uri", help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else "
+                                          "sqlite:///./mlflow.db in the working folder)")
+    r.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
     r.set_defaults(func=cmd_run)
 
     from .handoff.cli import add_handoff_parser
@@ -171,6 +178,12 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--policy")
     sc.add_argument("--reference-python")
     sc.set_defaults(func=cmd_selfcheck)
+
+    from .gate import add_gate_parser
+    from .tracking import add_log_parser
+
+    add_log_parser(sub)
+    add_gate_parser(sub)
 
     v = sub.add_parser("validate", help="validate suite files")
     v.add_argument("suites", nargs="+")

@@ -18,6 +18,7 @@ VERDICTS = (
     "identical", "numeric_drift", "code_divergence", "audio_divergence", "length_mismatch",
     "concurrency_defect", "vocoder_defect", "contamination", "error",
 )
+RUN_VERDICTS = ("pass", "fail", "error")  # a report's overall verdict
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,10 @@ class Policy:
     donor_max_ratio: float
     fail_on: frozenset
     source: str = ""
+    # `difftest gate --baseline-version`: which baseline runs count, and whether a segment that
+    # already failed in the baseline (a known failure) fails the gate.
+    baseline_verdicts: frozenset = frozenset({"pass", "fail"})
+    known_failures_fail: bool = False
 
     def tier_index(self, comparison: str) -> int:
         return TIERS.index(self.require[comparison])
@@ -42,7 +47,9 @@ class Policy:
             "tiers": {"quantisation_max_abs": self.quantisation_max_abs, "close_max_abs": self.close_max_abs,
                       "close_snr_db": self.close_snr_db, "close_logmel": self.close_logmel},
             "require": dict(self.require), "donor": {"max_ratio": self.donor_max_ratio},
-            "fail_on": sorted(self.fail_on), "source": self.source,
+            "fail_on": sorted(self.fail_on),
+            "baseline": {"verdicts": sorted(self.baseline_verdicts), "known_failures_fail": self.known_failures_fail},
+            "source": self.source,
         }
 
 
@@ -83,9 +90,18 @@ def load_policy(path: str | Path | None = None) -> Policy:
     for v in fail_on:
         if v not in VERDICTS:
             bad("fail_on", f"unknown verdict {v!r} (known: {', '.join(VERDICTS)})")
+    baseline = raw.get("baseline") or {}
+    if not isinstance(baseline, dict):
+        bad("baseline", "expected a mapping")
+    run_verdicts = baseline.get("verdicts", ["pass", "fail"])
+    if not isinstance(run_verdicts, list) or not run_verdicts or any(v not in RUN_VERDICTS for v in run_verdicts):
+        bad("baseline.verdicts", f"expected a non-empty list of {', '.join(RUN_VERDICTS)}, got {run_verdicts!r}")
+    known_fail = baseline.get("known_failures_fail", False)
+    if not isinstance(known_fail, bool):
+        bad("baseline.known_failures_fail", f"expected true or false, got {known_fail!r}")
     return Policy(vals["quantisation_max_abs"], vals["close_max_abs"], vals["close_snr_db"],
                   vals["close_logmel"], {c: require[c] for c in ("concurrency", "vocoder", "drift")},
-                  float(ratio), frozenset(fail_on), str(path))
+                  float(ratio), frozenset(fail_on), str(path), frozenset(run_verdicts), known_fail)
 
 
 def chunk_tiers(m: ChunkMetrics, policy: Policy, quantised: bool = False) -> np.ndarray:

@@ -11,3 +11,42 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/toy.py, the vo
 def policy():
     from difftest.policy import load_policy
     return load_policy()
+
+
+def _require_mlflow():
+    try:
+        import mlflow  # noqa: F401
+    except ImportError:
+        pytest.fail("mlflow is not installed in this environment: run scripts/test.sh "
+                    "(it installs the 'test' extra, which includes mlflow)", pytrace=False)
+
+
+# MLflow fixtures (tests/mlflow_support.py). mlflow is imported only when a test asks for one.
+@pytest.fixture(scope="session")
+def mlflow_server(tmp_path_factory, _empty_mlflow_store):
+    """A real `mlflow server` on loopback for the whole session; yields its URI."""
+    from mlflow_support import serve
+
+    with serve(tmp_path_factory.mktemp("mlflow-server"), store=_empty_mlflow_store) as uri:
+        yield uri
+
+
+@pytest.fixture(scope="session")
+def _empty_mlflow_store(tmp_path_factory):
+    _require_mlflow()
+    from mlflow_support import make_empty_store
+
+    return make_empty_store(tmp_path_factory.mktemp("mlflow-template"))
+
+
+@pytest.fixture
+def mlflow_cwd(tmp_path, monkeypatch, _empty_mlflow_store):
+    """A working folder holding an empty sqlite store: where difftest's default URI points."""
+    from mlflow_support import copy_store
+
+    cwd = tmp_path / "cwd"
+    cwd.mkdir()
+    copy_store(_empty_mlflow_store, cwd)
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    return cwd

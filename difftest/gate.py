@@ -1,0 +1,162 @@
+"""`difftest gate OUT`: the CI decision on a run, with the exit codes of contract 7.
+
+The policy says which segment verdicts fail. With `--baseline-version V` the run is also held
+against the latest run of candidate version V logged to MLflow on the same suite hash and
+device: a segment failing now that was clean there is a regression (fails the gate); one that
+failed there too is a known failure (reported; fails only under `baseline.known_failures_fail`).
+Without a baseline, MLflow is not needed at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+from . import mlflow_records as rec
+from .errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput, InfraError
+from .gate_output import headline, junit_xml, markdown
+from .policy import Policy, load_policy
+from .results import _atomic_write
+from .tracking import TrackingUnavailable, child_runs, mlflow_client, read_report, resolve_tracking_uri
+
+# Per segment: pass, fixed (failed in the baseline, clean now), known, regression, new (failing,
+# absent from the baseline), fail (failing, no baseline asked for), error (infrastructure or bad input).
+FAILING = ("regression", "new", "fail")
+
+
+@dataclass
+class Baseline:
+    run_id: str
+    version: str
+    verdict: str
+    started: str
+    tracking_uri: str
+    verdicts: dict = field(default_factory=dict)  # segment id -> verdict
+
+
+@dataclass
+class SegmentGate:
+    segment: dict  # the report's segment entry
+    status: str
+    baseline_verdict: str | None = None
+
+    @property
+    def id(self) -> str:
+        return self.segment["id"]
+
+
+@dataclass
+class GateResult:
+    verdict: str  # pass, fail, error
+    exit_code: int
+    segments: list
+    baseline: Baseline | None
+    known_failures_fail: bool
+
+    def count(self, status: str) -> int:
+        return sum(1 for s in self.segments if s.status == status)
+
+    def fails(self, s: SegmentGate) -> bool:
+        return s.status in FAILING or (s.status == "known" and self.known_failures_fail)
+
+
+def _status(seg: dict, policy: Policy, baseline: Baseline | None) -> tuple[str, str | None]:
+    verdict = seg["verdict"]
+    prev = baseline.verdicts.get(seg["id"]) if baseline else None
+    if verdict == "error" and seg.get("error_kind") != "candidate":  # the candidate's own errors are divergences
+        return "error", prev
+    if not policy.fails(verdict):
+        return ("fixed" if prev is not None and policy.fails(prev) else "pass"), prev
+    if baseline is None:
+        return "fail", None
+    if prev is None:
+        return "new", None
+    return ("known" if policy.fails(prev) else "regression"), prev
+
+
+def decide(report: dict, policy: Policy, baseline: Baseline | None = None) -> GateResult:
+    rows = [SegmentGate(seg, *_status(seg, policy, baseline)) for seg in report["segments"]]
+    result = GateResult("pass", EXIT_PASS, rows, baseline, policy.known_failures_fail)
+    kinds = {s.segment.get("error_kind") or "infrastructure" for s in rows if s.status == "error"}
+    if "infrastructure" in kinds or (report.get("verdict") == "error" and not kinds):
+        result.verdict, result.exit_code = "error", EXIT_INFRA
+    elif kinds:
+        result.verdict, result.exit_code = "error", EXIT_BAD_INPUT
+    elif any(result.fails(s) for s in rows):
+        result.verdict, result.exit_code = "fail", EXIT_FAIL
+    return result
+
+
+def find_baseline(client, report: dict, report_sha256: str, version: str, policy: Policy, tracking_uri: str = ""):
+    """The latest finished parent run of candidate `version` with the report's suite hash and
+    device (both absent counts as equal) and a verdict the policy accepts; None if there is none."""
+    if "'" in version:
+        raise BadInput(f"--baseline-version {version!r}: quotes are not allowed")
+    exps = [e.experiment_id for e in client.search_experiments(filter_string="name LIKE 'difftest/%'")]
+    if not exps:
+        return None
+    want = rec.canonical_tags(report)
+    query = f"tags.`{rec.KIND}` = 'run' and tags.`candidate.version` = '{version}' and attributes.status = 'FINISHED'"
+    runs = client.search_runs(exps, query, order_by=["attributes.start_time DESC"], max_results=1000)
+    for run in runs:
+        t = run.data.tags
+        if (t.get(rec.REPORT_SHA) != report_sha256 and t.get("verdict") in policy.baseline_verdicts
+                and t.get("suite.hash") == want.get("suite.hash") and t.get("device") == want.get("device")):
+            verdicts = {c.data.tags["segment.id"]: c.data.tags.get("verdict") for c in child_runs(client, run)
+                        if "segment.id" in c.data.tags}
+            started = datetime.fromtimestamp(run.info.start_time / 1000, timezone.utc).isoformat(timespec="seconds")
+            return Baseline(run.info.run_id, version, t.get("verdict"), started, tracking_uri, verdicts)
+    return None
+
+
+def main_gate(args) -> int:
+    out = Path(args.out)
+    report, sha = read_report(out)
+    if not report.get("segments"):
+        raise BadInput(f"{out / 'report.json'}: no segments to gate on")
+    policy = load_policy(args.policy)
+    baseline = None
+    if args.baseline_version:
+        uri = resolve_tracking_uri(args.tracking_uri)
+        try:
+            with mlflow_client(uri) as client:
+                baseline = find_baseline(client, report, sha, args.baseline_version, policy, uri)
+        except TrackingUnavailable as e:
+            raise InfraError(f"cannot read the baseline from MLflow at {uri}: {e}") from None
+        if baseline is None:
+            want = rec.canonical_tags(report)
+            raise BadInput(f"no baseline: MLflow at {uri} has no finished run of candidate version "
+                           f"{args.baseline_version!r} on suite hash {want.get('suite.hash', '(none)')} and device "
+                           f"{want.get('device', '(none)')} with verdict in {sorted(policy.baseline_verdicts)}")
+    result = decide(report, policy, baseline)
+    junit = Path(args.junit) if args.junit else out / "junit.xml"
+    md = Path(args.markdown) if args.markdown else out / "gate.md"
+    for path, data in ((junit, junit_xml(report, result)), (md, markdown(report, result, policy).encode())):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _atomic_write(path, data)
+    print("\n".join(headline(report, result)))
+    print(f"junit: {junit}\nmarkdown: {md}")
+    return result.exit_code
+
+
+def add_gate_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("gate", help="decide pass/fail for CI from a run's report, optionally against a baseline",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="a difftest output folder (holds report.json)")
+    p.add_argument("--policy", help="policy YAML (default: the built-in difftest/default_policy.yaml)")
+    p.add_argument("--baseline-version", metavar="V", help="compare with the latest logged run of candidate version V")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI for the baseline "
+                                          "(default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db)")
+    p.add_argument("--junit", metavar="PATH", help="JUnit XML output (default: OUT/junit.xml)")
+    p.add_argument("--markdown", metavar="PATH", help="Markdown summary output (default: OUT/gate.md)")
+    p.set_defaults(func=main_gate)
+    return p
+
+
+if __name__ == "__main__":
+    from .tracking import run_standalone
+
+    sys.exit(run_standalone(add_gate_parser, "gate"))

@@ -1,0 +1,112 @@
+"""Listenable evidence for a diverged segment: its waveforms as float WAVs and a picture of
+where the candidate's spectrum leaves the reference's. Read from the result sidecars that
+report.json names; written into a staging folder that MLflow then uploads as is."""
+
+from __future__ import annotations
+
+import logging
+import re
+from pathlib import Path
+
+import numpy as np
+
+from . import wavio
+from .compare_audio import MEL_HOP, log_mel
+from .results import CorruptResult, read_result
+from .suite import SAMPLES_PER_FRAME
+
+log = logging.getLogger(__name__)
+
+ROLES = ("reference", "candidate", "control", "cross_own")
+
+
+def safe_name(segment_id: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "_", segment_id) or "_"
+
+
+def _sidecar(path: str, out_dir: Path) -> Path:
+    p = Path(path)
+    return p if p.is_absolute() else out_dir / p
+
+
+def load_segment_audio(seg: dict, out_dir: Path) -> dict:
+    """role -> Result for the roles whose sidecar can be read; a bad one is skipped with a warning.
+    The cross-decode with the named donor's reference codes comes as `cross_donor`."""
+    arts = seg.get("artifacts") or {}
+    wanted = {r: arts[r] for r in ROLES if arts.get(r)}
+    if seg.get("donor") and arts.get(f"cross_donor:{seg['donor']}"):
+        wanted["cross_donor"] = arts[f"cross_donor:{seg['donor']}"]
+    out = {}
+    for role, path in wanted.items():
+        try:
+            out[role] = read_result(_sidecar(path, out_dir))
+        except CorruptResult as e:
+            log.warning("segment %s: %s audio not logged: %s", seg["id"], role, e)
+    return out
+
+
+def write_segment_media(seg: dict, out_dir: Path, staging: Path, *, picture: bool = True) -> list[str]:
+    """Write audio/<segment>/{role}.wav, difference.wav and specdiff/<segment>.png under staging;
+    returns the relative paths written."""
+    audio = load_segment_audio(seg, out_dir)
+    name = safe_name(seg["id"])
+    folder = staging / "audio" / name
+    written = []
+    for role, r in audio.items():
+        folder.mkdir(parents=True, exist_ok=True)
+        wavio.write(folder / f"{role}.wav", r.wav, r.sample_rate)
+        written.append(f"audio/{name}/{role}.wav")
+    ref, cand = audio.get("reference"), audio.get("candidate")
+    if ref is None or cand is None:
+        return written
+    n = min(len(ref.wav), len(cand.wav))
+    wavio.write(folder / "difference.wav", cand.wav[:n] - ref.wav[:n], cand.sample_rate)
+    written.append(f"audio/{name}/difference.wav")
+    if picture:
+        png = staging / "specdiff" / f"{name}.png"
+        if spectrogram_difference(ref.wav, cand.wav, cand.sample_rate, png, seg):
+            written.append(f"specdiff/{name}.png")
+    return written
+
+
+def spectrogram_difference(ref: np.ndarray, cand: np.ndarray, sample_rate: int, path: Path, seg: dict) -> bool:
+    """Reference and candidate log-mel spectrograms and their difference, one above the other,
+    with the first divergent frame marked. False (and nothing written) without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # no display; must precede pyplot
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed: no spectrogram picture (pip install 'difftest[mlflow]')")
+        return False
+    a, b = log_mel(ref, sample_rate), log_mel(cand, sample_rate)
+    n = min(len(a), len(b))
+    diff = b[:n] - a[:n]
+    seconds = MEL_HOP / sample_rate
+    lim = (float(np.abs(diff).max()) if diff.size else 0.0) or 1.0
+    # Fixed margins: constrained layout costs about 1 s per figure, more than everything else.
+    fig, axes = plt.subplots(3, 1, figsize=(10, 6.5), sharex=True)
+    fig.subplots_adjust(left=0.07, right=0.97, top=0.91, bottom=0.08, hspace=0.35)
+    panels = ((a, "reference", "magma", None), (b, "candidate", "magma", None),
+              (diff, "candidate - reference (log-mel)", "RdBu_r", lim))
+    for ax, (m, title, cmap, v) in zip(axes, panels):
+        if len(m) == 0:
+            ax.set_title(f"{title}: empty")
+            continue
+        im = ax.imshow(m.T, origin="lower", aspect="auto", cmap=cmap, interpolation="nearest",
+                       extent=(0, len(m) * seconds, 0, m.shape[1]), vmin=-v if v else None, vmax=v)
+        ax.set_title(title, fontsize=9)
+        ax.set_ylabel("mel band")
+        fig.colorbar(im, ax=ax, pad=0.01, fraction=0.03)
+        if seg.get("first_divergent_frame") is not None:
+            ax.axvline(seg["first_divergent_frame"] * SAMPLES_PER_FRAME / sample_rate, color="lime", ls="--", lw=1)
+    axes[-1].set_xlabel("seconds")
+    where = [f"chunk {seg['first_divergent_chunk']}" if seg.get("first_divergent_chunk") is not None else "",
+             seg.get("stage") or "", f"donor {seg['donor']}" if seg.get("donor") else ""]
+    where = ", ".join(w for w in where if w)
+    fig.suptitle(f"{seg['id']}: {seg['verdict']}" + (f" ({where})" if where else ""), fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=72)
+    plt.close(fig)
+    return True

@@ -1,0 +1,343 @@
+"""`difftest log OUT`: a run's report and evidence into MLflow.
+
+One experiment per suite (`difftest/<suite name>`, `difftest/adhoc` without one), one parent
+run per report.json (tags: provenance; metrics: verdict counts), one child run per segment
+(tags: verdict, stage, donor, first divergent chunk; metrics per chunk with step = chunk
+index), and for every diverged segment its audio and a spectrogram difference. What is
+recorded is defined in mlflow_records.py.
+
+Only report.json and the result sidecars it names are read; OUT gets one file, mlflow.json,
+which records where the report was logged, or that the upload is still pending because
+MLflow could not be reached. Logging a report twice reuses its run (found by the report's
+sha256), so `difftest log` is safe to repeat. mlflow is imported only here and in gate.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as _dt
+import hashlib
+import json
+import logging
+import os
+import shutil
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import warnings
+from pathlib import Path
+
+from . import mlflow_records as rec
+from .errors import EXIT_INFRA, EXIT_PASS, BadInput, DifftestError
+from .results import _atomic_write
+from .segment_media import write_segment_media
+
+log = logging.getLogger(__name__)
+
+STATE = "mlflow.json"
+STATE_FORMAT = "difftest.mlflow/1"
+PROBE_TIMEOUT_S = 3.0
+# While difftest talks to MLflow, unless the user set them: one retry and 20 s per request, so
+# a server that dies mid-upload costs seconds, not MLflow's default of minutes of backoff; and
+# no "View run" lines on stdout (MLflow prints two, after a get_run, for every run it ends).
+MLFLOW_ENV_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1",
+                       "MLFLOW_HTTP_REQUEST_TIMEOUT": "20", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
+# Sent on to the parent run's artifacts when present: what the gate and the report wrote.
+PARENT_FILES = ("report.json", "summary.md", "junit.xml", "gate.md")
+
+
+class TrackingUnavailable(Exception):
+    """MLflow could not be used: not installed, not reachable, or it failed mid-upload."""
+
+
+def default_tracking_uri() -> str:
+    return f"sqlite:///{Path.cwd().resolve() / 'mlflow.db'}"
+
+
+def resolve_tracking_uri(explicit: str | None = None, state: dict | None = None) -> str:
+    """--tracking-uri, else $MLFLOW_TRACKING_URI, else the server a pending upload was meant
+    for, else a sqlite store in the working folder (artifacts under ./mlruns)."""
+    pending = (state or {}).get("pending") or {}
+    return explicit or os.environ.get("MLFLOW_TRACKING_URI") or pending.get("tracking_uri") or default_tracking_uri()
+
+
+def read_report(out_dir: Path) -> tuple[dict, str]:
+    path = Path(out_dir) / "report.json"
+    try:
+        blob = path.read_bytes()
+        report = json.loads(blob)
+    except FileNotFoundError:
+        raise BadInput(f"{path}: no report.json (is {out_dir} a difftest output folder?)") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadInput(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(report, dict) or not str(report.get("format", "")).startswith("difftest.report/"):
+        raise BadInput(f"{path}: not a difftest report")
+    return report, hashlib.sha256(blob).hexdigest()
+
+
+def read_state(out_dir: Path) -> dict:
+    try:
+        state = json.loads((Path(out_dir) / STATE).read_text())
+    except (FileNotFoundError, ValueError, UnicodeDecodeError):
+        return {"format": STATE_FORMAT, "runs": []}
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        return {"format": STATE_FORMAT, "runs": []}
+    return state
+
+
+def _write_state(out_dir: Path, state: dict) -> None:
+    _atomic_write(Path(out_dir) / STATE, (json.dumps(state, indent=1, sort_keys=True) + "\n").encode())
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+@contextlib.contextmanager
+def _env_defaults(values: dict):
+    added = [k for k in values if k not in os.environ]
+    os.environ.update({k: values[k] for k in added})
+    try:
+        yield
+    finally:
+        for k in added:
+            os.environ.pop(k, None)
+
+
+@contextlib.contextmanager
+def _quiet(*names: str):
+    """Hide MLflow's and alembic's INFO chatter (database creation) around a call."""
+    loggers = [logging.getLogger(n) for n in names]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        for lg, lvl in zip(loggers, levels):
+            lg.setLevel(lvl)
+
+
+def _probe(uri: str) -> None:
+    """Fail within seconds when nothing answers at an HTTP tracking URI. Any HTTP answer,
+    even an error status, means a server is there."""
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=PROBE_TIMEOUT_S).close()
+    except urllib.error.HTTPError:
+        return
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise TrackingUnavailable(f"no MLflow server answers at {uri} ({reason})") from None
+
+
+@contextlib.contextmanager
+def mlflow_client(uri: str):
+    """An MlflowClient for `uri`; anything that goes wrong talking to MLflow inside the block
+    comes out as TrackingUnavailable."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")  # this tester sends nothing elsewhere
+    try:
+        from mlflow import MlflowClient
+        from mlflow.exceptions import MlflowException
+        from requests.exceptions import RequestException
+    except ImportError:
+        raise TrackingUnavailable("mlflow is not installed (pip install 'difftest[mlflow]')") from None
+    if uri.startswith(("http://", "https://")):
+        _probe(uri)
+    with _env_defaults(MLFLOW_ENV_DEFAULTS), _quiet("mlflow.store.db.utils", "alembic"):
+        try:
+            yield MlflowClient(tracking_uri=uri)
+        except (MlflowException, RequestException, OSError) as e:
+            raise TrackingUnavailable(f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from e
+
+
+def _search_all(client, experiment_ids: list[str], filter_string: str, **kw) -> list:
+    runs, token = [], None
+    while True:
+        page = client.search_runs(experiment_ids, filter_string, max_results=1000, page_token=token, **kw)
+        runs.extend(page)
+        token = page.token
+        if not token:
+            return runs
+
+
+def child_runs(client, parent) -> list:
+    return _search_all(client, [parent.info.experiment_id], f"tags.`{rec.PARENT}` = '{parent.info.run_id}'")
+
+
+def _experiment_id(client, name: str) -> str:
+    exp = client.get_experiment_by_name(name)
+    if exp is None:
+        return client.create_experiment(name, tags={rec.KIND: "suite"})
+    if exp.lifecycle_stage == "deleted":
+        client.restore_experiment(exp.experiment_id)
+    return exp.experiment_id
+
+
+def _log_batched(client, run_id: str, metrics=(), params=None, tags=None) -> None:
+    from mlflow.entities import Metric, Param, RunTag
+
+    ts = int(time.time() * 1000)
+    metric_list = [Metric(k, v, ts, step) for k, v, step in metrics]
+    param_list = [Param(k, str(v)) for k, v in (params or {}).items()]
+    tag_list = [RunTag(k, v) for k, v in (tags or {}).items()]
+    for m, p, t in rec.batches(metric_list, tag_list, param_list):
+        client.log_batch(run_id, metrics=m, params=p, tags=t)
+
+
+def _reusable(client, run_id: str | None, sha: str):
+    """The run if it is a finished, live parent run of this very report."""
+    if not run_id:
+        return None
+    from mlflow.exceptions import MlflowException
+
+    try:
+        run = client.get_run(run_id)
+    except MlflowException:
+        return None
+    ok = (run.info.lifecycle_stage == "active" and run.info.status == "FINISHED"
+          and run.data.tags.get(rec.REPORT_SHA) == sha)
+    return run if ok else None
+
+
+def _previous_upload(client, exp_id: str, sha: str, state: dict, uri: str):
+    """A finished parent run of this report, from mlflow.json or by the report's hash. Leftovers
+    of an upload that broke off (not FINISHED) are deleted, children included."""
+    for r in state.get("runs", []):
+        if r.get("tracking_uri") == uri and (run := _reusable(client, r.get("run_id"), sha)):
+            return run
+    found = None
+    for run in _search_all(client, [exp_id], f"tags.`{rec.REPORT_SHA}` = '{sha}'"):
+        if found is None and run.info.status == "FINISHED":
+            found = run
+        elif run.info.status != "FINISHED":
+            for child in child_runs(client, run):
+                client.delete_run(child.info.run_id)
+            client.delete_run(run.info.run_id)
+    return found
+
+
+def _stage_artifacts(report: dict, out: Path, staging: Path) -> None:
+    for name in PARENT_FILES:
+        if (out / name).is_file():
+            shutil.copyfile(out / name, staging / name)
+    for seg in report.get("segments") or []:
+        if seg.get("verdict") not in rec.CLEAN:
+            write_segment_media(seg, out, staging)
+
+
+def _upload(client, out: Path, report: dict, sha: str, experiment: str, extra_tags: dict, state: dict, uri: str):
+    exp_id = _experiment_id(client, experiment)
+    prior = _previous_upload(client, exp_id, sha, state, uri)
+    if prior is not None:
+        log.info("%s is already logged as run %s", out, prior.info.run_id)
+        return prior.info.run_id, prior.info.experiment_id
+    tags = rec.parent_tags(report, sha, {"difftest.out_dir": str(out.resolve()), **extra_tags})
+    label = tags.get("candidate.label", "candidate")
+    name = f"{label} c{report.get('concurrency') or '?'} {report.get('verdict', '?')}"
+    # Born with its kind and report hash, so a broken-off upload is found and replaced next time.
+    parent = client.create_run(exp_id, run_name=name, tags={rec.KIND: "run", rec.REPORT_SHA: sha}).info.run_id
+    try:
+        _log_batched(client, parent, [(k, v, 0) for k, v in rec.parent_metrics(report).items()],
+                     rec.parent_params(report), tags)
+        for seg in report.get("segments") or []:
+            child = client.create_run(exp_id, run_name=seg["id"], tags=rec.segment_tags(seg, report, parent, tags))
+            _log_batched(client, child.info.run_id, rec.segment_metrics(seg))
+            client.set_terminated(child.info.run_id, "FINISHED")
+        with tempfile.TemporaryDirectory(prefix="difftest-mlflow-") as staging:
+            _stage_artifacts(report, out, Path(staging))
+            client.log_artifacts(parent, staging)
+        rows = rec.divergence_rows(report)
+        if rows:
+            with warnings.catch_warnings():  # pandas' deprecation chatter from inside log_table
+                warnings.simplefilter("ignore")
+                client.log_table(parent, data={k: [r[k] for r in rows] for k in rows[0]},
+                                 artifact_file="divergences.json")
+        client.set_terminated(parent, "FINISHED")
+    except BaseException:
+        with contextlib.suppress(Exception):
+            client.set_terminated(parent, "FAILED")
+        raise
+    return parent, exp_id
+
+
+def _log_run(out_dir, tracking_uri=None, *, experiment=None, tags=None) -> tuple[str | None, str]:
+    out = Path(out_dir)
+    report, sha = read_report(out)
+    state = read_state(out)
+    uri = resolve_tracking_uri(tracking_uri, state)
+    experiment = experiment or rec.experiment_name(report)
+    try:
+        with mlflow_client(uri) as client:
+            run_id, exp_id = _upload(client, out, report, sha, experiment, dict(tags or {}), state, uri)
+    except TrackingUnavailable as e:
+        print(f"difftest: warning: could not log {out} to MLflow at {uri}: {e}. Nothing is lost: "
+              f"upload later with `difftest log {out} --tracking-uri {uri}`.", file=sys.stderr)
+        state["pending"] = {"tracking_uri": uri, "experiment": experiment, "report_sha256": sha,
+                            "reason": str(e), "since": _now()}
+        _write_state(out, state)
+        return None, uri
+    state["runs"] = [r for r in state.get("runs", []) if r.get("tracking_uri") != uri] + [
+        {"tracking_uri": uri, "experiment": experiment, "experiment_id": exp_id, "run_id": run_id,
+         "report_sha256": sha, "logged": _now()}]
+    state.pop("pending", None)  # uploaded, if to another server than first meant
+    _write_state(out, state)
+    return run_id, uri
+
+
+def log_run(out_dir, tracking_uri=None, *, experiment=None, tags=None) -> str | None:
+    """Log OUT (report.json and what it names) to MLflow; the parent run id, or None (with one
+    warning on stderr and a pending note in OUT/mlflow.json) when MLflow cannot be used.
+    Raises BadInput when OUT holds no readable report.json."""
+    return _log_run(out_dir, tracking_uri, experiment=experiment, tags=tags)[0]
+
+
+def _tag(text: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep or not key:
+        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
+    return key, value
+
+
+def main_log(args) -> int:
+    run_id, uri = _log_run(args.out, args.tracking_uri, experiment=args.experiment, tags=dict(args.tag))
+    if run_id is None:
+        return EXIT_INFRA
+    state = read_state(Path(args.out))
+    exp_id = next((r["experiment_id"] for r in state["runs"] if r["run_id"] == run_id), None)
+    where = f"{uri.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}" if uri.startswith("http") else uri
+    print(f"logged {args.out}: MLflow run {run_id} ({where})")
+    return EXIT_PASS
+
+
+def add_log_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("log", help="log a run's report, metrics and diverged audio to MLflow",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("out", help="a difftest output folder (holds report.json)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the URI of "
+                                          "a pending upload, else sqlite:///<cwd>/mlflow.db with artifacts in ./mlruns)")
+    p.add_argument("--experiment", help="experiment name (default: difftest/<suite name>, or difftest/adhoc)")
+    p.add_argument("--tag", type=_tag, action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra tag on the parent run; overrides one taken from the report (repeatable)")
+    p.set_defaults(func=main_log)
+    return p
+
+
+def run_standalone(add_parser, name: str, argv=None) -> int:
+    """One subcommand as its own program (`python -m difftest.tracking OUT`), with the
+    difftest CLI's exit codes, for use before or outside `difftest`."""
+    ap = argparse.ArgumentParser(prog="difftest")
+    add_parser(ap.add_subparsers(dest="command", required=True))
+    args = ap.parse_args([name, *(sys.argv[1:] if argv is None else argv)])
+    logging.basicConfig(level=logging.WARNING, format="difftest: %(levelname)s: %(message)s")
+    try:
+        return args.func(args)
+    except DifftestError as e:
+        print(f"difftest: error: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(run_standalone(add_log_parser, "log"))

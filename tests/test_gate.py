@@ -1,0 +1,182 @@
+"""`difftest gate`: exit codes, JUnit XML and Markdown, and the baseline read back from a real
+MLflow (sqlite in the working folder, and a real server)."""
+
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+
+import pytest
+from mlflow_support import closed_uri, make_report
+
+from difftest.errors import BadInput
+from difftest.gate import add_gate_parser
+from difftest.policy import DEFAULT_POLICY, load_policy
+from difftest.tracking import run_standalone
+
+
+def gate(*args) -> int:
+    return run_standalone(add_gate_parser, "gate", [str(a) for a in args])
+
+
+def junit_cases(path):
+    """segment id -> (outcome, type, message) where outcome is pass, failure, error or skipped."""
+    root = ET.parse(path).getroot()
+    assert root.tag == "testsuites"
+    out = {}
+    for case in root.iter("testcase"):
+        kids = [k for k in case if k.tag in ("failure", "error", "skipped")]
+        assert len(kids) <= 1
+        k = kids[0] if kids else None
+        out[case.get("name")] = ("pass", None, None) if k is None else (k.tag, k.get("type"), k.get("message"))
+    return root, out
+
+
+def policy_file(tmp_path, **baseline) -> str:
+    lines = DEFAULT_POLICY.read_text().split("\nbaseline:")[0]
+    body = "".join(f"  {k}: {str(v).lower() if isinstance(v, bool) else v}\n" for k, v in baseline.items())
+    path = tmp_path / "policy.yaml"
+    path.write_text(lines + "\nbaseline:\n" + body)
+    return str(path)
+
+
+def test_policy_baseline_section(tmp_path):
+    p = load_policy()
+    assert p.known_failures_fail is False and p.baseline_verdicts == {"pass", "fail"}
+    assert p.as_dict()["baseline"] == {"verdicts": ["fail", "pass"], "known_failures_fail": False}
+    p = load_policy(policy_file(tmp_path, verdicts="[pass]", known_failures_fail=True))
+    assert p.known_failures_fail is True and p.baseline_verdicts == {"pass"}
+    without = tmp_path / "old.yaml"  # a policy written before the section existed still loads
+    without.write_text(DEFAULT_POLICY.read_text().split("\nbaseline:")[0])
+    assert load_policy(without).known_failures_fail is False
+    for bad in ({"verdicts": "[passed]"}, {"verdicts": "[]"}, {"known_failures_fail": "'yes'"}):
+        with pytest.raises(BadInput, match="baseline"):
+            load_policy(policy_file(tmp_path, **bad))
+
+
+def test_gate_pass_and_fail_without_baseline(tmp_path, capsys):
+    clean = make_report(tmp_path, "clean")
+    assert gate(clean) == 0
+    root, cases = junit_cases(clean / "junit.xml")
+    assert cases == {f"s{i}": ("pass", None, None) for i in range(3)}
+    assert root.get("tests") == "3" and root.get("failures") == "0"
+    assert (clean / "gate.md").read_text().startswith("## ✅ difftest gate: pass")
+
+    leak = make_report(tmp_path, "leak", leak_into=("s0", "s1"))
+    junit, md = tmp_path / "ci" / "j.xml", tmp_path / "ci" / "summary.md"
+    capsys.readouterr()
+    assert gate(leak, "--junit", junit, "--markdown", md) == 1
+    assert capsys.readouterr().out.startswith("GATE FAIL: 3 segments of suite adhoc: 2 failing, 1 passing")
+    root, cases = junit_cases(junit)
+    assert root.get("failures") == "2" and root.find("testsuite").get("failures") == "2"
+    assert cases["s2"] == ("pass", None, None)
+    for sid in ("s0", "s1"):
+        outcome, kind, message = cases[sid]
+        assert (outcome, kind) == ("failure", "contamination")
+        assert message.startswith("contamination at chunk 0, stage handoff, donor s2: the candidate used s2's")
+    text = root.find(".//testcase[@name='s0']/failure").text
+    assert "first divergent chunk: 0 (frame 0)" in text and "donor: s2" in text
+    props = {p.get("name"): p.get("value") for p in root.iter("property")}
+    assert props["gate.verdict"] == "fail" and props["candidate.version"] == "0.30.0" and props["device"] == "cpu"
+    summary = md.read_text()
+    assert summary.startswith("## ❌ difftest gate: fail") and "| s0 | **failing** | contamination | 0 | handoff | s2 |" in summary
+    assert not (leak / "junit.xml").exists()
+
+
+def test_gate_infrastructure_error_exits_3_and_bad_input_2(tmp_path, capsys):
+    broken = make_report(tmp_path, "broken", nan_reference=True)
+    assert gate(broken) == 3
+    _, cases = junit_cases(broken / "junit.xml")
+    assert cases["s0"][0] == "error" and "NaN" in cases["s0"][2]
+    assert (broken / "gate.md").read_text().startswith("## ⚠️ difftest gate: error")
+    assert gate(tmp_path / "nowhere") == 2
+    assert "no report.json" in capsys.readouterr().err
+    assert gate(broken, "--policy", tmp_path / "missing.yaml") == 2
+
+
+def test_regression_known_and_fixed_against_a_logged_baseline(mlflow_cwd, tmp_path, capsys):
+    from difftest.tracking import log_run
+
+    assert log_run(make_report(tmp_path, "base", leak_into=("s0",), version="0.30.0"))
+    now = make_report(tmp_path, "now", leak_into=("s0", "s1"), version="0.31.0")
+    assert gate(now, "--baseline-version", "0.30.0") == 1
+    root, cases = junit_cases(now / "junit.xml")
+    assert cases["s0"][0] == "skipped" and "known failure (contamination in baseline 0.30.0)" in cases["s0"][2]
+    assert cases["s1"][:2] == ("failure", "contamination") and cases["s1"][2].startswith("regression: contamination at chunk 0")
+    assert "(identical in baseline 0.30.0)" in cases["s1"][2]
+    assert cases["s2"] == ("pass", None, None)
+    assert (root.get("failures"), root.get("skipped")) == ("1", "1")
+    props = {p.get("name"): p.get("value") for p in root.iter("property")}
+    assert props["baseline.version"] == "0.30.0" and props["baseline.run_id"]
+    md = (now / "gate.md").read_text()
+    assert md.index("| s1 | **regression** |") < md.index("| s0 | known failure |")
+    assert "baseline: candidate 0.30.0, run " in md
+
+    # a known failure alone passes, unless the policy says known failures fail
+    same = make_report(tmp_path, "same", leak_into=("s0",), version="0.31.0")
+    assert gate(same, "--baseline-version", "0.30.0") == 0
+    assert gate(same, "--baseline-version", "0.30.0", "--policy", policy_file(tmp_path, known_failures_fail=True)) == 1
+    _, cases = junit_cases(same / "junit.xml")
+    assert cases["s0"][:2] == ("failure", "contamination") and cases["s0"][2].startswith("known failure: ")
+
+    fixed = make_report(tmp_path, "fixed", version="0.31.0")
+    assert gate(fixed, "--baseline-version", "0.30.0") == 0
+    assert "| s0 | fixed | identical |" in (fixed / "gate.md").read_text()
+
+
+def test_baseline_is_the_latest_matching_run(mlflow_cwd, tmp_path, capsys):
+    from difftest.tracking import log_run
+
+    suite = {"name": "toy", "hash": "5017e" * 8}
+    log_run(make_report(tmp_path, "b-pass", suite=suite))  # older: all clean
+    log_run(make_report(tmp_path, "b-fail", leak_into=("s0",), suite=suite))  # latest: s0 failed
+    log_run(make_report(tmp_path, "gpu", leak_into=("s0", "s1"), suite=suite, device="cuda:H200"))
+    log_run(make_report(tmp_path, "other-suite", suite={"name": "toy", "hash": "0" * 40}))
+    now = make_report(tmp_path, "now", leak_into=("s0",), version="0.31.0", suite=suite)
+    assert gate(now, "--baseline-version", "0.30.0") == 0  # against b-fail: s0 is known
+    _, cases = junit_cases(now / "junit.xml")
+    assert cases["s0"][0] == "skipped"
+
+    # only runs that passed, when the policy asks for that: against b-pass, s0 is a regression
+    assert gate(now, "--baseline-version", "0.30.0", "--policy", policy_file(tmp_path, verdicts="[pass]")) == 1
+    _, cases = junit_cases(now / "junit.xml")
+    assert cases["s0"][2].startswith("regression:")
+
+    # a missing baseline (no run on this device) is bad input, and nothing is written
+    on_gpu = make_report(tmp_path, "now-gpu", leak_into=("s0",), version="0.31.0", suite=suite, device="cuda:H100")
+    capsys.readouterr()
+    assert gate(on_gpu, "--baseline-version", "0.30.0") == 2
+    err = capsys.readouterr().err
+    assert "no baseline" in err and "'0.30.0'" in err and "cuda:H100" in err
+    assert not (on_gpu / "junit.xml").exists()
+    assert gate(now, "--baseline-version", "9.9") == 2
+
+
+def test_gate_against_a_server_baseline(tmp_path, mlflow_server, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    from difftest.tracking import log_run
+
+    assert log_run(make_report(tmp_path, "base", version="0.29.0"), mlflow_server)
+    now = make_report(tmp_path, "now", leak_into=("s1",), version="0.31.0")
+    p = subprocess.run([sys.executable, "-m", "difftest.gate", str(now), "--baseline-version", "0.29.0",
+                        "--tracking-uri", mlflow_server], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr
+    assert "1 regression" in p.stdout
+    _, cases = junit_cases(now / "junit.xml")
+    assert cases["s1"][0] == "failure" and cases["s1"][2].startswith("regression:")
+
+
+def test_gate_with_mlflow_down_is_infrastructure(tmp_path, capsys):
+    now = make_report(tmp_path, "now")
+    assert gate(now, "--baseline-version", "0.30.0", "--tracking-uri", closed_uri()) == 3
+    assert "cannot read the baseline" in capsys.readouterr().err
+
+
+def test_core_and_gate_work_without_mlflow(tmp_path):
+    leak = make_report(tmp_path, "leak", leak_into=("s0",))
+    code = ("import sys; import difftest.tracking, difftest.gate;"
+            "assert 'mlflow' not in sys.modules and 'matplotlib' not in sys.modules, 'imported eagerly';"
+            "sys.modules['mlflow'] = None;"  # as if not installed
+            "sys.exit(difftest.tracking.run_standalone(difftest.gate.add_gate_parser, 'gate', sys.argv[1:]))")
+    p = subprocess.run([sys.executable, "-c", code, str(leak)], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stderr
+    assert p.stdout.startswith("GATE FAIL") and (leak / "junit.xml").is_file()

@@ -1,0 +1,249 @@
+"""`difftest log`: reports into a real MLflow (sqlite store in the working folder, and a real
+`mlflow server`), checked by reading back what MLflow stored."""
+
+import hashlib
+import json
+import math
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from mlflow import MlflowClient  # noqa: E402  (installed by the test extra; scripts/test.sh)
+from mlflow_support import closed_uri, make_report  # noqa: E402
+
+from difftest import mlflow_records as rec  # noqa: E402
+from difftest import wavio  # noqa: E402
+from difftest.results import read_result  # noqa: E402
+from difftest.tracking import STATE, add_log_parser, log_run, run_standalone  # noqa: E402
+
+
+def difftest_log(*args) -> int:
+    return run_standalone(add_log_parser, "log", [str(a) for a in args])
+
+
+def parent_runs(client, experiment="difftest/adhoc"):
+    exp = client.get_experiment_by_name(experiment)
+    return client.search_runs([exp.experiment_id], f"tags.`{rec.KIND}` = 'run'")
+
+
+def children(client, run):
+    return client.search_runs([run.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run.info.run_id}'")
+
+
+def history(client, run_id, key):
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def check_logged(client, run_id, out, tmp_path):
+    """Everything `difftest log` promises for the leak report, read back from MLflow."""
+    report = json.loads((out / "report.json").read_text())
+    run = client.get_run(run_id)
+    assert run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "difftest/adhoc"
+    tags = run.data.tags
+    assert {k: tags.get(k) for k in ("difftest.kind", "candidate.label", "candidate.version", "candidate.commit",
+                                     "vllm_omni.version", "vllm.version", "qwen_tts.version", "torch.version",
+                                     "device", "checkpoint.sha256", "concurrency", "verdict", "difftest.version")} == {
+        "difftest.kind": "run", "candidate.label": "cand", "candidate.version": "0.30.0",
+        "candidate.commit": "c0ffee0300", "vllm_omni.version": "0.30.0", "vllm.version": "0.30.1",
+        "qwen_tts.version": "0.1.1", "torch.version": "2.10.0", "device": "cpu", "checkpoint.sha256": "ab" * 32,
+        "concurrency": "3", "verdict": "fail", "difftest.version": report["difftest_version"]}
+    assert tags["deploy_config"] == '{"greedy":true}'
+    assert tags["reference.provenance.versions.qwen-tts"] == "0.1.1"  # the full provenance, flattened
+    assert tags[rec.REPORT_SHA] == hashlib.sha256((out / "report.json").read_bytes()).hexdigest()
+    m = run.data.metrics
+    assert (m["count.contamination"], m["count.identical"], m["count.error"], m["failing"], m["pass"], m["segments"]) \
+        == (2, 1, 0, 2, 0, 3)
+
+    kids = {c.info.run_name: c for c in children(client, run)}
+    assert sorted(kids) == ["s0", "s1", "s2"]
+    for seg in report["segments"]:
+        kid = kids[seg["id"]]
+        assert kid.info.status == "FINISHED"
+        t = kid.data.tags
+        assert (t["segment.id"], t["verdict"], t.get("stage"), t.get("donor"), t.get("first_divergent_chunk")) == (
+            seg["id"], seg["verdict"], seg["stage"], seg["donor"],
+            None if seg["first_divergent_chunk"] is None else str(seg["first_divergent_chunk"]))
+        assert t["candidate.version"] == "0.30.0" and t["device"] == "cpu"
+        assert kid.data.metrics["bit_exact"] == (1.0 if seg["verdict"] == "identical" else 0.0)
+        # every per-chunk list in the report is a metric history with step = chunk index
+        n_series = 0
+        for comp, body in seg["comparisons"].items():
+            series = dict(body.get("chunks") or {})
+            if "chunk_agreement" in body:
+                series["chunk_agreement"] = body["chunk_agreement"]
+            for name, values in series.items():
+                got = history(client, kid.info.run_id, f"{comp}.{name}")
+                assert [s for s, _ in got] == list(range(len(values)))
+                assert np.allclose([v for _, v in got], values, rtol=1e-12, atol=0)
+                n_series += 1
+            if "tiers" in body:
+                assert [v for _, v in history(client, kid.info.run_id, f"{comp}.tier")] == [
+                    float(["identical", "within_quantisation", "close", "diverged"].index(x)) for x in body["tiers"]]
+        assert n_series >= 6  # codes, concurrency codes, concurrency audio at least
+    assert [v for _, v in history(client, kids["s0"].info.run_id, "codes.chunk_agreement")] == [1.0, 1.0, 1.0]
+
+    # artifacts: the report, and audio plus a spectrogram difference for each diverged segment only
+    top = {f.path for f in client.list_artifacts(run_id)}
+    assert {"report.json", "summary.md", "audio", "specdiff", "divergences.json"} <= top
+    assert {f.path for f in client.list_artifacts(run_id, "audio")} == {"audio/s0", "audio/s1"}
+    assert {f.path for f in client.list_artifacts(run_id, "specdiff")} == {"specdiff/s0.png", "specdiff/s1.png"}
+    local = tmp_path / "downloaded"
+    local.mkdir()
+    client.download_artifacts(run_id, "audio/s0", str(local))
+    client.download_artifacts(run_id, "specdiff/s0.png", str(local))
+    client.download_artifacts(run_id, "report.json", str(local))
+    client.download_artifacts(run_id, "divergences.json", str(local))
+    assert (local / "report.json").read_bytes() == (out / "report.json").read_bytes()
+    assert (local / "s0.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    wavs = {p.stem: wavio.read(p) for p in (local / "s0").glob("*.wav")}
+    assert sorted(wavs) == ["candidate", "control", "difference", "reference"]
+    s0 = next(s for s in report["segments"] if s["id"] == "s0")
+    ref, cand = (read_result(s0["artifacts"][r]) for r in ("reference", "candidate"))
+    assert len(wavs["reference"][0]) == len(ref.wav) and len(wavs["candidate"][0]) == len(cand.wav)
+    assert wavs["candidate"][1].format == "float" and wavs["candidate"][1].sample_rate == 24000
+    assert np.array_equal(wavs["candidate"][0], cand.wav)
+    n = min(len(ref.wav), len(cand.wav))
+    assert np.array_equal(wavs["difference"][0], cand.wav[:n] - ref.wav[:n]) and np.abs(wavs["difference"][0]).max() > 0
+    table = json.loads((local / "divergences.json").read_text())
+    rows = [dict(zip(table["columns"], r)) for r in table["data"]]
+    assert sorted((r["segment"], r["verdict"], r["donor"], r["first_divergent_chunk"]) for r in rows) == [
+        ("s0", "contamination", "s2", 0), ("s1", "contamination", "s2", 0)]
+    return run
+
+
+@pytest.mark.parametrize("store", ["default_sqlite", "server"])
+def test_log_writes_what_the_report_says(store, tmp_path, monkeypatch, request):
+    out = make_report(tmp_path, "leak", leak_into=("s0", "s1"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    if store == "server":
+        uri = request.getfixturevalue("mlflow_server")
+    else:  # a fresh working folder: no store yet, no setup
+        cwd = tmp_path / "fresh"
+        cwd.mkdir()
+        monkeypatch.chdir(cwd)
+        uri = None
+    run_id = log_run(out, uri)
+    assert run_id
+    if store == "default_sqlite":
+        assert (cwd / "mlflow.db").is_file() and any((cwd / "mlruns").rglob("report.json"))
+        uri = f"sqlite:///{cwd / 'mlflow.db'}"
+    check_logged(MlflowClient(uri), run_id, out, tmp_path)
+    state = json.loads((out / STATE).read_text())
+    assert [(r["tracking_uri"], r["run_id"], r["experiment"]) for r in state["runs"]] == [(uri, run_id, "difftest/adhoc")]
+    assert "pending" not in state
+
+
+def test_logging_twice_reuses_the_run(mlflow_cwd, tmp_path):
+    out = make_report(tmp_path, "leak", leak_into=("s0",))
+    client = MlflowClient(f"sqlite:///{mlflow_cwd / 'mlflow.db'}")
+    first = log_run(out)
+    assert difftest_log(out) == 0
+    (out / STATE).unlink()  # without its note, the run is found by the report's hash
+    assert log_run(out) == first
+    runs = parent_runs(client)
+    assert [r.info.run_id for r in runs] == [first] and len(children(client, runs[0])) == 3
+
+    # an upload that broke off (parent never finished) is replaced, not kept beside the new one
+    (out / STATE).unlink()
+    client.set_terminated(first, "FAILED")
+    second = log_run(out)
+    assert second != first
+    assert [r.info.run_id for r in parent_runs(client)] == [second]
+    assert client.get_run(first).info.lifecycle_stage == "deleted"
+    assert len(children(client, client.get_run(second))) == 3
+
+
+def test_suite_experiment_extra_tags_and_clean_run(mlflow_cwd, tmp_path):
+    out = make_report(tmp_path, "clean", suite={"name": "toy", "hash": "f00d" * 16})
+    run_id = log_run(out, tags={"gate": "nightly", "candidate.version": "0.30.0-rc1"})
+    client = MlflowClient(f"sqlite:///{mlflow_cwd / 'mlflow.db'}")
+    run = client.get_run(run_id)
+    assert client.get_experiment(run.info.experiment_id).name == "difftest/toy"
+    t = run.data.tags
+    assert (t["suite.name"], t["suite.hash"], t["gate"], t["candidate.version"], t["verdict"]) == (
+        "toy", "f00d" * 16, "nightly", "0.30.0-rc1", "pass")
+    assert run.data.metrics["pass"] == 1.0 and run.data.metrics["count.identical"] == 3
+    kids = children(client, run)
+    assert len(kids) == 3 and all(k.data.metrics["bit_exact"] == 1.0 for k in kids)
+    assert {k.data.tags["suite.hash"] for k in kids} == {"f00d" * 16}
+    top = {f.path for f in client.list_artifacts(run_id)}
+    assert "audio" not in top and "divergences.json" not in top and "report.json" in top
+
+
+def test_infinities_are_capped_and_long_segments_batched(mlflow_cwd, tmp_path):
+    out = make_report(tmp_path, "clean")
+    path = out / "report.json"
+    report = json.loads(path.read_text())
+    seg = report["segments"][0]
+    seg["comparisons"]["audio"]["chunks"]["snr_db"][0] = math.inf
+    k = 300  # 300 chunks x (4 metrics + tier) = 1500 metrics: more than one log_batch may carry
+    long = {"max_abs": [i * 1e-3 for i in range(k)], "rms": [1.0] * k, "snr_db": [-math.inf] + [50.0] * (k - 1),
+            "logmel": [0.5] * k}
+    long["rms"][1] = math.nan
+    seg["comparisons"]["long"] = {"chunks": long, "tiers": ["close"] * k}
+    path.write_text(json.dumps(report))  # Infinity and NaN, as a careless writer would leave them
+    run_id = log_run(out)
+    client = MlflowClient(f"sqlite:///{mlflow_cwd / 'mlflow.db'}")
+    kid = next(c for c in children(client, client.get_run(run_id)) if c.info.run_name == seg["id"])
+    assert history(client, kid.info.run_id, "audio.snr_db")[0] == (0, 100.0)
+    maxabs = history(client, kid.info.run_id, "long.max_abs")
+    assert len(maxabs) == k and maxabs[-1] == (k - 1, (k - 1) * 1e-3)
+    assert history(client, kid.info.run_id, "long.snr_db")[0] == (0, -100.0)
+    assert [s for s, _ in history(client, kid.info.run_id, "long.rms")] == [0] + list(range(2, k))  # NaN dropped
+    assert len(history(client, kid.info.run_id, "long.tier")) == k
+
+
+def test_unreachable_server_leaves_a_pending_note_then_uploads(tmp_path, mlflow_server, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = make_report(tmp_path, "leak", leak_into=("s0",))
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    stat = (out / "report.json").stat()
+    down = closed_uri()
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "-m", "difftest.tracking", str(out), "--tracking-uri", down],
+                       capture_output=True, text=True, timeout=120)
+    elapsed = time.monotonic() - t0
+    assert p.returncode == 3, p.stderr
+    warnings = [line for line in p.stderr.splitlines() if line.strip()]
+    assert len(warnings) == 1 and warnings[0].startswith("difftest: warning:") and down in warnings[0]
+    assert "difftest log" in warnings[0]
+    assert elapsed < 30  # mostly importing mlflow; no retries against a closed port
+    after = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert after.pop(STATE) and after == before
+    assert (out / "report.json").stat().st_mtime_ns == stat.st_mtime_ns
+    pending = json.loads((out / STATE).read_text())["pending"]
+    assert pending["tracking_uri"] == down and "no MLflow server answers" in pending["reason"]
+
+    # `difftest log OUT` alone retries where the upload was meant to go: still down, still fast
+    t0 = time.monotonic()
+    assert difftest_log(out) == 3
+    assert time.monotonic() - t0 < 10
+
+    assert difftest_log(out, "--tracking-uri", mlflow_server) == 0
+    state = json.loads((out / STATE).read_text())
+    assert "pending" not in state and state["runs"][0]["tracking_uri"] == mlflow_server
+    client = MlflowClient(mlflow_server)
+    run = client.get_run(state["runs"][0]["run_id"])
+    assert run.info.status == "FINISHED" and run.data.tags["verdict"] == "fail"
+    assert (out / "report.json").read_bytes() == before["report.json"]
+
+
+def test_without_mlflow_installed_the_upload_is_pending(tmp_path, monkeypatch, capsys):
+    out = make_report(tmp_path, "clean")
+    monkeypatch.setitem(sys.modules, "mlflow", None)  # `import mlflow` now fails
+    assert log_run(out, "sqlite:///" + str(tmp_path / "x.db")) is None
+    assert "mlflow is not installed" in capsys.readouterr().err
+    assert json.loads((out / STATE).read_text())["pending"]["reason"].startswith("mlflow is not installed")
+    assert not (tmp_path / "x.db").exists()
+
+
+def test_bad_output_folder_is_bad_input(tmp_path, capsys):
+    assert difftest_log(tmp_path) == 2
+    assert "no report.json" in capsys.readouterr().err
+    (tmp_path / "report.json").write_text("{}")
+    assert difftest_log(tmp_path) == 2
+    assert not (tmp_path / STATE).exists()
