@@ -193,7 +193,9 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
     if spec.kind == "url" and not SpeechClient(spec.url, connect_retries=1).health():
         raise InfraError(f"candidate {spec.url} is not healthy (GET /health)")  # before any model work
     store = ResultStore(opts.store)
-    models = resolve_models(suite, opts, python)
+    t0 = time.perf_counter()
+    models = resolve_models(suite, opts, python)  # builds the tiny checkpoints on first use
+    timings["checkpoints_s"] = time.perf_counter() - t0
     ref_opts = ReferenceOptions(**{**opts.reference.__dict__, "models": models})
     _atomic_write(out / "run.json", json.dumps({
         "suite": str(suite.path), "suite_hash": suite.hash, "candidate": spec.label,
@@ -203,8 +205,10 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
 
     with ExitStack() as stack:
         if runner is None:
+            t0 = time.perf_counter()
             runner = start_reference_runner(python, models, ref_opts, out / "logs" / "reference-runner.log")
             stack.callback(runner.close)
+            timings["runner_start_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         ref_run = run_reference(suite, store.root, ref_opts, runner=runner)
