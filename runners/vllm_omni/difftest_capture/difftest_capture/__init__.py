@@ -1,0 +1,50 @@
+"""difftest's capture plugin for vLLM-Omni (design contract 5).
+
+Registered under the `vllm_omni.general_plugins` entry point (the API server and
+stage workers load it) and under vLLM's `vllm.general_plugins` (the stage
+engine-core processes load that one; the async-chunk hand-off runs there), so
+`register()` runs in every process of the server, possibly more than once.
+With `DIFFTEST_CAPTURE_DIR` set it wraps
+
+- the talker -> code2wav hand-off (`talker2code2wav_full_payload` and
+  `talker2code2wav_async_chunk`): the codes and reference codes handed to the
+  vocoder, per request;
+- `Qwen3TTSCode2Wav.forward`: the float32 waveform the vocoder made of them;
+
+and writes `<dir>/<tag>.npz` for each request whose `extra_params` carried a
+`difftest_tag`. Signatures and return values are unchanged; a failure to
+capture is logged and the request goes on. Without the variable nothing is
+imported and nothing is patched.
+
+Separately, and only when asked (`DIFFTEST_ACCEPT_LENGTH_FINISH=1`), `length_cap` lets a voice
+clone that reached its `max_new_tokens` be answered with its audio instead of HTTP 500.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+ENV = "DIFFTEST_CAPTURE_DIR"
+TAG_KEY = "difftest_tag"
+
+logger = logging.getLogger("vllm.difftest_capture")
+
+
+def register() -> None:
+    if os.environ.get("DIFFTEST_ACCEPT_LENGTH_FINISH", "").strip() in ("1", "true", "yes"):
+        try:
+            from .length_cap import install as accept_length_finish
+
+            accept_length_finish()
+        except Exception:
+            logger.exception("difftest: DIFFTEST_ACCEPT_LENGTH_FINISH could not be applied")
+    root = os.environ.get(ENV, "").strip()
+    if not root:
+        return
+    try:
+        from .hooks import install
+
+        install(root)
+    except Exception:  # the server must come up even when capture cannot
+        logger.exception("difftest capture: not installed (the server runs without capture)")

@@ -1,0 +1,275 @@
+"""The wrappers: vLLM-Omni's Qwen3-TTS hand-off and vocoder, observed, never changed.
+
+Each wrapper calls the original with the arguments it got and returns exactly
+what the original returned (the same object). Capture runs after the call, on
+copies, inside `try`: an error is logged (once per kind) and the request goes
+on. `functools.wraps` keeps `__name__`, `__module__` and `__wrapped__`, so
+vLLM-Omni's signature check on connector hooks and its lookup of a
+`<name>_batch` peer see the original.
+
+What is written, per tagged request (`<dir>/<tag>.npz`):
+- `codes` (T, 16) int64: the generated frames as handed to the vocoder
+  (after vLLM-Omni's filtering and cropping, without the reference prefix);
+- `ref_codes` (R, 16) int64: the reference frames prepended for the vocoder
+  (full-payload mode: the whole reference; async-chunk mode: the context
+  shipped with the first chunk, at most `ref_code_context_frames`);
+- `wav` float32: the vocoder's output, chunks concatenated, before the HTTP
+  layer quantises it;
+- `chunk_frames` int64: frames per hand-off (one entry in full-payload mode);
+- `handoff`: "full_payload" or "async_chunk".
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import threading
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+
+from . import TAG_KEY
+from .store import CaptureStore, valid_tag
+
+logger = logging.getLogger("vllm.difftest_capture")
+
+NUM_CODE_GROUPS = 16  # Qwen3-TTS 12 Hz: 16 codebooks per frame
+OPEN_REQUESTS = 512  # per-request state kept at most (a request that never says "finished" is dropped last-used)
+MARK = "__difftest_capture__"
+PROC_MODULE = "vllm_omni.model_executor.stage_input_processors.qwen3_tts"
+CODE2WAV_MODULE = "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_code2wav"
+
+_warned: set[str] = set()
+
+
+def _warn_once(kind: str, msg: str, *args) -> None:
+    if kind not in _warned:
+        _warned.add(kind)
+        logger.warning("difftest capture: " + msg, *args, exc_info=True)
+
+
+def _get(obj, *path):
+    """obj["a"]["b"] or obj.a.b, whichever the payload is (dict or msgspec struct); None when absent."""
+    for name in path:
+        if obj is None:
+            return None
+        obj = obj.get(name) if isinstance(obj, dict) else getattr(obj, name, None)
+    return obj
+
+
+def _int(value, default: int = 0) -> int:
+    if value is None:
+        return default
+    if isinstance(value, (list, tuple)):
+        return _int(value[0], default) if value else default
+    if hasattr(value, "reshape") and hasattr(value, "numel"):  # a tensor
+        return int(value.reshape(-1)[0].item()) if value.numel() else default
+    return int(value)
+
+
+def _numpy(t, dtype) -> np.ndarray:
+    return np.array(t.detach().to("cpu").numpy() if hasattr(t, "detach") else t, dtype=dtype, copy=True)
+
+
+def request_tag(request) -> str | None:
+    extra = _get(request, "sampling_params", "extra_args")
+    tag = extra.get(TAG_KEY) if isinstance(extra, dict) else None
+    if tag is None:
+        return None
+    if not valid_tag(tag):
+        _warn_once("bad-tag", "ignoring unusable tag %r", tag)
+        return None
+    return tag
+
+
+def request_id(request) -> str:
+    return str(_get(request, "external_req_id") or _get(request, "request_id") or "")
+
+
+def frames_of(flat: np.ndarray, groups: int = NUM_CODE_GROUPS) -> np.ndarray:
+    """Codebook-major flat codes [Q*F] -> (F, Q)."""
+    if flat.size % groups:
+        raise ValueError(f"{flat.size} codes do not make whole frames of {groups}")
+    return flat.reshape(groups, -1).T.copy()
+
+
+class Capture:
+    """Per-process capture state; one instance per server process."""
+
+    def __init__(self, root: str | Path):
+        self.store = CaptureStore(root)
+        self.lock = threading.Lock()
+        self.streams: OrderedDict[str, dict] = OrderedDict()  # async chunking: request id -> handed over so far
+        self.wavs: OrderedDict[str, list[np.ndarray]] = OrderedDict()  # tag -> the vocoder's chunks so far
+
+    @staticmethod
+    def _bound(d: OrderedDict) -> None:
+        while len(d) > OPEN_REQUESTS:
+            d.popitem(last=False)
+
+    # --- talker -> code2wav ---
+    def full_payload(self, request, pooling_output, payload) -> None:
+        tag = request_tag(request)
+        if tag is None:
+            return
+        flat = _numpy(_get(payload, "codes", "audio"), np.int64).reshape(-1)
+        audio_in = (pooling_output.get("codes.audio") if isinstance(pooling_output, dict) else None)
+        groups = int(audio_in.shape[1]) if getattr(audio_in, "ndim", 0) == 2 and audio_in.shape[1] else NUM_CODE_GROUPS
+        frames = frames_of(flat, groups)
+        ref_frames = _int(_get(payload, "meta", "left_context_size"))
+        self.store.file_handoff(flat, tag, request_id(request))
+        self.store.update(tag, replace=True, codes=frames[ref_frames:], ref_codes=frames[:ref_frames],
+                          chunk_frames=np.array([len(frames) - ref_frames], np.int64),
+                          handoff=np.array("full_payload"))
+
+    def async_chunk(self, request, payload) -> None:
+        rid = request_id(request)
+        with self.lock:
+            state = self.streams.get(rid)
+            if state is None:
+                tag = request_tag(request)
+                if tag is None:
+                    return
+                state = self.streams[rid] = {"tag": tag, "codes": [], "ref": None, "chunks": []}
+                self._bound(self.streams)
+        flat = _numpy(_get(payload, "codes", "audio"), np.int64).reshape(-1)
+        finished = bool(_int(_get(payload, "meta", "finished")))
+        first = not state["chunks"]
+        if flat.size:
+            frames = frames_of(flat)
+            ref_frames = _int(_get(payload, "meta", "left_context_size"))
+            if ref_frames and state["ref"] is None:
+                state["ref"] = frames[:ref_frames]
+            state["codes"].append(frames[ref_frames:])
+            state["chunks"].append(len(frames) - ref_frames)
+            self.store.file_handoff(flat, state["tag"], rid, chunk=len(state["chunks"]) - 1, last=finished)
+        if flat.size or finished:
+            codes = np.concatenate(state["codes"]) if state["codes"] else np.zeros((0, NUM_CODE_GROUPS), np.int64)
+            ref = state["ref"] if state["ref"] is not None else np.zeros((0, NUM_CODE_GROUPS), np.int64)
+            self.store.update(state["tag"], replace=first, codes=codes, ref_codes=ref,
+                              chunk_frames=np.array(state["chunks"], np.int64), handoff=np.array("async_chunk"))
+        if finished:
+            with self.lock:
+                self.streams.pop(rid, None)
+
+    # --- code2wav ---
+    def vocoder(self, model, bound: inspect.BoundArguments, output) -> None:
+        import sys
+
+        args = bound.arguments
+        extra = dict(args.get("kwargs") or {})
+        input_ids = args.get("input_ids")
+        if input_ids is None or input_ids.numel() == 0:
+            return
+        infos = args.get("runtime_additional_information") or args.get("model_intermediate_buffer") or []
+        mod = sys.modules[CODE2WAV_MODULE]
+        per_request = model._split_request_ids(input_ids.reshape(-1).to(dtype=_long()),
+                                               extra.get("seq_token_counts"))
+        internal_ids = list(extra.get("request_ids") or [])
+        wavs = _get(output, "multimodal_outputs")
+        wavs = wavs.get("model_outputs") if isinstance(wavs, dict) else None
+        if wavs is None:
+            return
+        for i, ids in enumerate(per_request):
+            info = infos[i] if i < len(infos) else None
+            flat = _numpy(mod._codec_ids_from_payload_or_input(ids, info), np.int64).reshape(-1)
+            if flat.size == 0 or i >= len(wavs):
+                continue
+            candidates = [_get(info, "meta", "request_id")] + ([internal_ids[i]] if i < len(internal_ids) else [])
+            if isinstance(candidates[0], (list, tuple)):
+                candidates[0] = candidates[0][0] if candidates[0] else None
+            found = self.store.take_handoff(flat, candidates)
+            if found is None:
+                continue
+            tag, chunk, last = found  # the talker side knows the chunk's place; the vocoder's metadata varies
+            wav = _numpy(wavs[i], np.float32).reshape(-1)
+            with self.lock:
+                if chunk == 0:  # a new request under this tag: forget any earlier one's audio
+                    self.wavs.pop(tag, None)
+                chunks = self.wavs.setdefault(tag, [])
+                self.wavs.move_to_end(tag)
+                self._bound(self.wavs)
+                chunks.append(wav)
+                whole = np.concatenate(chunks)
+                if last:
+                    self.wavs.pop(tag, None)
+            self.store.update(tag, wav=whole, sample_rate=np.array(int(getattr(model, "_output_sample_rate", 24000))))
+
+
+def _long():
+    import torch
+
+    return torch.long
+
+
+_capture: Capture | None = None
+
+
+def _wrap_handoff(original, observe):
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def wrapper(*args, **kwargs):
+        result = original(*args, **kwargs)
+        try:
+            if result is not None:
+                observe(sig.bind(*args, **kwargs).arguments, result)
+        except Exception:
+            _warn_once(f"handoff-{original.__name__}", "could not capture %s", original.__name__)
+        return result
+
+    setattr(wrapper, MARK, True)
+    return wrapper
+
+
+def _wrap_forward(original, capture: Capture):
+    sig = inspect.signature(original)
+
+    @functools.wraps(original)
+    def forward(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        try:
+            capture.vocoder(self, sig.bind(self, *args, **kwargs), result)
+        except Exception:
+            _warn_once("vocoder", "could not capture the vocoder output")
+        return result
+
+    setattr(forward, MARK, True)
+    return forward
+
+
+def wrap_stage_functions(module, capture: Capture) -> list[str]:
+    """Wrap the hand-off functions in `module` (the real one, or a test's); returns what was wrapped."""
+    done = []
+    for name, observe in (
+        ("talker2code2wav_full_payload",
+         lambda a, r: capture.full_payload(a.get("request"), a.get("pooling_output"), r)),
+        ("talker2code2wav_async_chunk", lambda a, r: capture.async_chunk(a.get("request"), r)),
+    ):
+        fn = getattr(module, name, None)
+        if fn is None or getattr(fn, MARK, False):
+            continue
+        setattr(module, name, _wrap_handoff(fn, observe))
+        done.append(name)
+    return done
+
+
+def install(root: str | Path) -> Capture:
+    """Patch vLLM-Omni in this process (idempotent) and return the capture state."""
+    global _capture
+    if _capture is None:
+        _capture = Capture(root)
+    import importlib
+
+    proc = importlib.import_module(PROC_MODULE)
+    wrapped = wrap_stage_functions(proc, _capture)
+    c2w = importlib.import_module(CODE2WAV_MODULE)
+    cls = c2w.Qwen3TTSCode2Wav
+    if not getattr(cls.forward, MARK, False):
+        cls.forward = _wrap_forward(cls.forward, _capture)
+        wrapped.append("Qwen3TTSCode2Wav.forward")
+    if wrapped:
+        logger.info("difftest capture: writing to %s (wrapped %s)", root, ", ".join(wrapped))
+    return _capture

@@ -1,0 +1,128 @@
+"""Capture files on disk: numpy only (no torch), shared by every process of the server.
+
+Two processes write to one request's file: the talker stage (codes, reference
+codes) and the vocoder stage (waveform). Each update is a read-merge-write of
+`<dir>/<tag>.npz` under an exclusive lock on `<dir>/.difftest-capture/locks/<tag>`,
+and the write is a temporary file renamed over the old one, so a reader never
+sees a half file and neither writer loses the other's arrays.
+
+The vocoder never sees the request's tag; it sees the codes. The talker side
+therefore files each payload it hands over under the sha256 of its codes
+(`handoff/<sha>`: the tag and request id), and the vocoder side looks its
+input up there.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import io
+import os
+import re
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+_TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
+SIDE = ".difftest-capture"
+
+
+def valid_tag(tag) -> bool:
+    """Tags become file names: letters, digits, '.', '_', '-', at most 200, not starting with a dot."""
+    return isinstance(tag, str) and bool(_TAG.match(tag))
+
+
+def codes_key(flat_codes: np.ndarray) -> str:
+    a = np.ascontiguousarray(np.asarray(flat_codes, dtype=np.int64).reshape(-1))
+    return hashlib.sha256(a.tobytes()).hexdigest()
+
+
+class CaptureStore:
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+        self.side = self.root / SIDE
+        for d in (self.root, self.side / "locks", self.side / "handoff"):
+            d.mkdir(parents=True, exist_ok=True)
+
+    def path(self, tag: str) -> Path:
+        return self.root / f"{tag}.npz"
+
+    @contextmanager
+    def _locked(self, name: str):
+        with open(self.side / "locks" / name, "a+") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+
+    def update(self, tag: str, *, replace: bool = False, **arrays: np.ndarray) -> Path:
+        """Merge `arrays` into `<tag>.npz` (replacing arrays of the same name), atomically.
+
+        `replace`: start the file afresh (a new request reusing a tag drops the old one's arrays)."""
+        if not valid_tag(tag):
+            raise ValueError(f"not a usable capture tag: {tag!r}")
+        path = self.path(tag)
+        with self._locked(tag):
+            merged: dict[str, np.ndarray] = {}
+            if path.exists() and not replace:
+                with np.load(path, allow_pickle=False) as z:
+                    merged = {k: z[k] for k in z.files}
+            merged.update({k: np.asarray(v) for k, v in arrays.items()})
+            buf = io.BytesIO()
+            np.savez(buf, **merged)
+            fd, tmp = tempfile.mkstemp(dir=self.root, prefix=f".{tag}.", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(buf.getvalue())
+                os.chmod(tmp, 0o644)
+                os.replace(tmp, path)
+            except BaseException:
+                try:
+                    os.unlink(tmp)
+                except FileNotFoundError:
+                    pass
+                raise
+        return path
+
+    def file_handoff(self, flat_codes: np.ndarray, tag: str, request_id: str, chunk: int = 0,
+                     last: bool = True) -> str:
+        """Remember which request, which of its chunks, and whether its last, a payload of codes is; returns its key."""
+        key = codes_key(flat_codes)
+        line = f"{tag}\t{request_id}\t{int(chunk)}\t{int(bool(last))}\n"
+        with self._locked("handoff"):
+            with open(self.side / "handoff" / key, "a") as f:
+                f.write(line)
+        return key
+
+    def take_handoff(self, flat_codes: np.ndarray, request_ids=()) -> tuple[str, int, bool] | None:
+        """(tag, chunk index, last chunk?) of the hand-off that carried exactly these codes, or None;
+        the entry is used up.
+
+        Identical codes are expected (the same segment at concurrency 1 and N):
+        an entry is consumed when the vocoder takes it, and among several the
+        one whose request id matches (`rid`, or `rid-<suffix>` for an engine's
+        internal id) wins, else the oldest."""
+        path = self.side / "handoff" / codes_key(flat_codes)
+        ids = [str(r) for r in request_ids if r is not None]
+        with self._locked("handoff"):
+            try:
+                lines = [ln for ln in path.read_text().splitlines() if "\t" in ln]
+            except FileNotFoundError:
+                return None
+            pick = 0
+            for i, ln in enumerate(lines):
+                rid = ln.split("\t")[1]
+                if rid and any(x == rid or x.startswith(rid + "-") for x in ids):
+                    pick = i
+                    break
+            fields = lines.pop(pick).split("\t")
+            if lines:
+                path.write_text("".join(ln + "\n" for ln in lines))
+            else:
+                path.unlink()
+        chunk = int(fields[2]) if len(fields) > 2 else 0
+        last = fields[3] != "0" if len(fields) > 3 else True
+        return fields[0], chunk, last

