@@ -194,6 +194,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_parser(sub)
     add_gate_parser(sub)
 
+    from .dashboard.cli import add_dashboard_parser
+
+    add_dashboard_parser(sub)
+
     v = sub.add_parser("validate", help="validate suite files")
     v.add_argument("suites", nargs="+")
     v.set_defaults(func=cmd_validate)

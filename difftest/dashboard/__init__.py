@@ -1,0 +1,11 @@
+"""`difftest dashboard`: a static site, built from the MLflow store, for the maintainers.
+
+    gather.py   what to show, read from MLflow (runs, their report.json and media, bisects)
+    model.py    per-chunk cells, rates, onset quality, each run's change against the one before
+    pages.py    the HTML pages (html.py escapes; assets.py is the stylesheet)
+    site.py     build(): gather, then write SITE/ (openable from file://, no server, no CDN)
+    cli.py      the subcommand (add_dashboard_parser)
+    browser.py  headless Chromium over the DevTools protocol (the tests look at the site with it)
+
+docs/dashboard.md says what is where.
+"""

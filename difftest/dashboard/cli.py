@@ -1,0 +1,57 @@
+"""`difftest dashboard --out SITE`: a static site for the maintainers, built from the MLflow store.
+
+Every logged run (versions over time, pass or fail, divergence rates, onset quality), a page per
+run (segments × chunks heatmap), a page per diverged segment (audio, spectrogram difference, the
+codes at the first divergent frame, the donor, links into the MLflow UI), and the bisects. It needs
+no server: open SITE/index.html. Run it again on the same SITE to refresh; runs already fetched
+are not downloaded again. docs/dashboard.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..errors import EXIT_INFRA, EXIT_PASS
+
+DEFAULT_UI = "http://127.0.0.1:5000"
+
+
+def main_dashboard(args) -> int:
+    from ..tracking import TrackingUnavailable, resolve_tracking_uri
+    from .site import build
+
+    uri = resolve_tracking_uri(args.tracking_uri)
+    try:
+        built = build(uri, args.out, ui_url=args.mlflow_ui_url, experiments=args.experiment or None, title=args.title)
+    except TrackingUnavailable as e:
+        print(f"difftest: error: could not read MLflow at {uri}: {e}", file=sys.stderr)
+        return EXIT_INFRA
+    for note in built.notes:
+        print(f"difftest dashboard: note: {note}", file=sys.stderr)
+    print(f"dashboard: {built.index} ({built.runs} runs, {built.segment_pages} diverged segment pages, "
+          f"{built.bisects} bisects; open it in a browser, no server needed)")
+    return EXIT_PASS
+
+
+def add_dashboard_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("dashboard", help="build a static HTML dashboard of the runs and bisects in MLflow",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", required=True, metavar="SITE",
+                   help="the site's folder: new, empty, or an earlier dashboard (refreshed in place)")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else "
+                                          "sqlite:///<cwd>/mlflow.db with artifacts in ./mlruns)")
+    p.add_argument("--mlflow-ui-url", default=DEFAULT_UI,
+                   help=f"where the MLflow UI is served, for links to runs (default {DEFAULT_UI})")
+    p.add_argument("--experiment", action="append", default=[], metavar="NAME",
+                   help="only this experiment, e.g. difftest/smoke or difftest/bisect/smoke (repeatable; "
+                        "default: all)")
+    p.add_argument("--title", default="difftest dashboard", help="the name in the page header")
+    p.set_defaults(func=main_dashboard)
+    return p
+
+
+if __name__ == "__main__":
+    from ..tracking import run_standalone
+
+    sys.exit(run_standalone(add_dashboard_parser, "dashboard"))

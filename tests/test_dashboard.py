@@ -1,0 +1,496 @@
+"""`difftest dashboard`: a site built from runs made for real (`difftest compare` on toy result sets,
+logged with `difftest log` into a sqlite store; a bisect recorded by difftest.bisect's own
+session and recorder), opened in a real headless Chromium and checked after layout: verdicts,
+donors, heatmap cells, audio that loads, escaping, the bisect's culprit, links into MLflow.
+
+Screenshots: under the test's tmp folder and copied to test-artifacts/ (git-ignored).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from bisect_support import BROKEN, K, make_fakeomni_repo
+from mlflow_support import REFERENCE_PROVENANCE, candidate_provenance, closed_uri, copy_store
+from toy import toy_codes, toy_decode, toy_result
+
+from difftest.cli import main as difftest_main
+from difftest.results import write_result
+from difftest.segment_media import safe_name
+from difftest.tracking import log_run
+
+ROOT = Path(__file__).resolve().parents[1]
+ARTIFACTS = ROOT / "test-artifacts"
+UI = "http://mlflow.example:5000"
+# Data that must come out as text, never as markup.
+HOSTILE_ID = 'x<img src=y onerror="window.__pwned=1">&amp;'
+HOSTILE_LABEL = "cand<script>window.__pwned=2</script>"
+PWNED = "typeof window.__pwned === 'undefined'"
+
+
+def keep_screenshot(path: Path, name: str) -> None:
+    ARTIFACTS.mkdir(exist_ok=True)  # git-ignored (/test-artifacts/ in .gitignore)
+    shutil.copyfile(path, ARTIFACTS / name)
+
+
+def dashboard(*args, cwd) -> subprocess.CompletedProcess:
+    """`python -m difftest.dashboard` (`difftest dashboard` once difftest/cli.py wires it in)."""
+    return subprocess.run([sys.executable, "-m", "difftest.dashboard", *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=300)
+
+
+def dashboard_here(*args, capsys) -> tuple[int, str, str]:
+    """The same in this process (no second MLflow import): exit code, stdout, stderr."""
+    from difftest.dashboard.cli import add_dashboard_parser
+    from difftest.tracking import run_standalone
+
+    capsys.readouterr()
+    code = run_standalone(add_dashboard_parser, "dashboard", [str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def make_run(root: Path, name: str, *, version: str, suite: str, leak=(), talker=(), frames: int = 30,
+             label: str = "cand", hostile: bool = False) -> Path:
+    """A difftest output folder made by `difftest compare` on toy results. Segments s0, s1, s2 (and
+    HOSTILE_ID); those in `leak` decoded with s2's reference codes (the seed's leak: contamination,
+    donor s2); those in `talker` with three codes changed at frame 7 at concurrency N only
+    (concurrency_defect in the talker)."""
+    base = root / name
+    ref, cand, ctrl = base / "ref", base / "cand", base / "ctrl"
+    ids = ["s0", "s1", "s2"] + ([HOSTILE_ID] if hostile else [])
+    refs = {sid: toy_codes(10 + i, 50 + i) for i, sid in enumerate(ids)}
+    cprov = candidate_provenance(version, "cpu")
+    for i, sid in enumerate(ids):
+        codes = toy_codes(frames, i)
+        own = refs[sid]
+        write_result(ref / sid, toy_result(sid, codes, own, provenance=REFERENCE_PROVENANCE,
+                                           meta={"runner": "reference", "concurrency": 1}))
+        write_result(ctrl / sid, toy_result(sid, codes, own, provenance=cprov, meta={"runner": label, "concurrency": 1}))
+        at_n = codes.copy()
+        if sid in talker:
+            at_n[7, [0, 3, 15]] = (at_n[7, [0, 3, 15]] + 1) % 2048
+        used = refs["s2"] if sid in leak else own
+        write_result(cand / sid, toy_result(sid, at_n, used, wav=toy_decode(at_n, used), provenance=cprov,
+                                            meta={"runner": label, "concurrency": 3}))
+    out = base / "out"
+    assert difftest_main(["compare", str(ref), str(cand), "--control", str(ctrl), "--out", str(out)]) in (0, 1)
+    path = out / "report.json"
+    report = json.loads(path.read_text())
+    report["suite"] = {"name": suite, "hash": f"{suite}-hash", "segments": len(ids)}
+    path.write_text(json.dumps(report, indent=1, sort_keys=True))
+    return out
+
+
+class FakeProber:
+    """Decides the fakeomni history's commits as the real prober would (good before K, skip at
+    BROKEN, bad from K on), without building anything; bad runs name a real report."""
+
+    def __init__(self, repo: Path, shas: list[str], report: Path):
+        self.repo, self.shas, self.report = repo, shas, report
+
+    def probe(self, sha):
+        from difftest.bisect.builds import commit_info
+        from difftest.bisect.probe import ProbeRecord
+        from difftest.bisect.search import BAD, GOOD, SKIP, Vote
+
+        i = self.shas.index(sha)
+        info = commit_info(self.repo, sha)
+        if i == BROKEN:
+            d, why, run = SKIP, "does not build: pip install failed", {"verdict": None, "report": None, "condemned": []}
+        elif i >= K:
+            d, why = BAD, "1 segment(s) condemned"
+            run = {"verdict": "fail", "exit_code": 1, "report": str(self.report),
+                   "condemned": [{"id": "s0", "verdict": "contamination", "first_divergent_chunk": 0,
+                                  "stage": "handoff", "donor": "s2", "summary": "s2's reference codes"}]}
+        else:
+            d, why, run = GOOD, "clean", {"verdict": "pass", "exit_code": 0, "report": None, "condemned": []}
+        runs = [{"repeat": 0, "outcome": d, "reason": why, "seconds": 0.5, **run}]
+        return ProbeRecord(sha, info["subject"], info["date"], Vote(d, (d,), why), runs, {}, 0.5,
+                           "2024-01-11T00:00:00+00:00")
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory, _empty_mlflow_store):
+    """The store (6 runs in two suites, a bisect) and the site built from it."""
+    from mlflow import MlflowClient
+
+    from difftest.bisect.session import Tracking, run_bisect
+
+    root = tmp_path_factory.mktemp("dashboard")
+    store = root / "store"
+    store.mkdir()
+    copy_store(_empty_mlflow_store, store)
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    runs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(store)  # artifacts go to ./mlruns, as with difftest's default URI
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        plan = [("toy", "0.29.0", {}), ("toy", "0.30.0", {"leak": ("s0", "s1"), "talker": (HOSTILE_ID,),
+                                                         "hostile": True, "label": HOSTILE_LABEL}),
+                ("toy-long", "0.30.0", {"leak": ("s1",), "frames": 60}), ("toy", "0.30.1", {"leak": ("s0", "s1")}),
+                ("toy", "0.31.0", {}), ("toy-long", "0.31.0", {"frames": 60})]
+        for suite, version, kw in plan:
+            out = make_run(root, f"{suite}-{version}", version=version, suite=suite, **kw)
+            runs[(suite, version)] = SimpleNamespace(out=out, run_id=log_run(out, uri),
+                                                     report=json.loads((out / "report.json").read_text()))
+            assert runs[(suite, version)].run_id
+        repo = root / "fakeomni"
+        shas = make_fakeomni_repo(repo)
+        code = run_bisect(repo, shas[0], shas[-1], FakeProber(repo, shas, runs[("toy", "0.30.0")].out / "report.json"),
+                          root / "bisect", identity={"recipe": {"name": "fake"}}, suite_name="toy",
+                          tracking=Tracking(uri=uri), stdout=io.StringIO(), stderr=io.StringIO())
+        assert code == 0
+    out = root / "site"
+    p = dashboard("--out", out, "--tracking-uri", uri, "--mlflow-ui-url", UI, cwd=root)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "6 runs" in p.stdout and "1 bisects" in p.stdout
+    client = MlflowClient(uri)
+    bisect_exp = client.get_experiment_by_name("difftest/bisect/toy")
+    bisect_run = client.search_runs([bisect_exp.experiment_id], "tags.`difftest.kind` = 'bisect'")[0]
+    return SimpleNamespace(root=root, store=store, uri=uri, out=out, runs=runs, shas=shas, client=client,
+                           bisect_run=bisect_run, stdout=p.stdout)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    from difftest.dashboard.browser import BrowserError, Chromium, find_chromium
+
+    if find_chromium() is None:
+        pytest.fail("no Chromium: apt-get install -y chromium (scripts/test.sh does it)", pytrace=False)
+    try:
+        with Chromium(width=1400, height=900, log=tmp_path_factory.mktemp("chromium") / "chromium.log") as b:
+            yield b
+    except BrowserError as e:
+        pytest.fail(f"Chromium did not start: {e}", pytrace=False)
+
+
+def open_page(browser, path: Path):
+    page = browser.open(path.resolve().as_uri())
+    assert page.evaluate(PWNED) is True
+    return page
+
+
+def run_page(site, suite, version) -> Path:
+    return site.out / "runs" / site.runs[(suite, version)].run_id / "index.html"
+
+
+def segment_pages(site, suite, version) -> dict[str, Path]:
+    """segment id -> its page: one per segment that is not identical or numeric drift."""
+    from difftest.dashboard.pages import segment_file
+
+    folder = run_page(site, suite, version).parent
+    segs = site.runs[(suite, version)].report["segments"]
+    return {s["id"]: folder / segment_file(i, s["id"]) for i, s in enumerate(segs)
+            if s["verdict"] not in ("identical", "numeric_drift")}
+
+
+INDEX_JS = """(() => {
+  const rows = [...document.querySelectorAll('table.runs tbody tr')];
+  return {
+    title: document.title,
+    text: document.body.innerText,
+    runs: rows.map(r => ({id: r.dataset.run, text: r.innerText,
+                          verdict: r.querySelector('.badge[class*=" r-"]').textContent,
+                          ml: r.querySelector('a.mlflow').href,
+                          link: r.querySelector('td a').getAttribute('href')})),
+    matrix: [...document.querySelectorAll('table.matrix tbody tr')].map(r => r.innerText),
+    bisects: [...document.querySelectorAll('#bisects + table tbody tr')].map(r => r.innerText),
+    svgDots: document.querySelectorAll('svg.trend circle').length,
+    css: getComputedStyle(document.querySelector('header.top')).backgroundColor,
+  };
+})()"""
+
+
+def test_index_shows_versions_verdicts_and_regressions(site, browser, tmp_path):
+    page = open_page(browser, site.out / "index.html")
+    got = page.evaluate(INDEX_JS)
+    assert got["css"] == "rgb(23, 33, 43)"  # the stylesheet loaded from file://
+    assert len(got["runs"]) == 6 and got["svgDots"] == 6
+    by_id = {r["id"]: r for r in got["runs"]}
+    expect = {("toy", "0.29.0"): "PASS", ("toy", "0.30.0"): "FAIL", ("toy-long", "0.30.0"): "FAIL",
+              ("toy", "0.30.1"): "FAIL", ("toy", "0.31.0"): "PASS", ("toy-long", "0.31.0"): "PASS"}
+    for key, verdict in expect.items():
+        run = site.runs[key]
+        row = by_id[run.run_id]
+        assert row["verdict"] == verdict
+        exp_id = site.client.get_run(run.run_id).info.experiment_id
+        assert row["ml"] == f"{UI}/#/experiments/{exp_id}/runs/{run.run_id}"
+        assert row["link"] == f"runs/{run.run_id}/index.html"
+    regressed = by_id[site.runs[("toy", "0.30.0")].run_id]["text"]
+    assert "▲ regressed" in regressed and "contamination" in regressed and "donor s2" in regressed
+    assert "new: s0, s1" in regressed
+    assert "✓ fixed" in by_id[site.runs[("toy", "0.31.0")].run_id]["text"]
+    assert "regressed" not in by_id[site.runs[("toy", "0.30.1")].run_id]["text"]  # failing before too
+    # diverged and failing shares; onset quality: the worst chunk-0 log-mel, and where
+    assert "75%" in regressed  # 3 of 4 segments failing
+    assert by_id[site.runs[("toy", "0.29.0")].run_id]["text"].count("0%") >= 2
+    # versions × suites: newest version first, one column per suite
+    assert [m.split("\n")[0].split()[0] for m in got["matrix"]] == ["0.31.0", "0.30.1", "0.30.0", "0.29.0"]
+    v030 = next(m for m in got["matrix"] if m.startswith("0.30.0"))
+    assert v030.count("FAIL") == 2 and "▲ regressed" in v030
+    assert HOSTILE_LABEL in got["text"]  # shown as text, not run
+    assert len(got["bisects"]) == 1 and site.shas[K][:10] in got["bisects"][0]
+    assert "handoff: keep one reference per batch" in got["bisects"][0]
+    shot = page.screenshot(tmp_path / "index.png")
+    keep_screenshot(shot, "dashboard.png")
+
+
+HEAT_JS = """(() => {
+  const rows = [...document.querySelectorAll('table.heat tbody tr')];
+  return {
+    cells: document.querySelectorAll('table.heat td.cell').length,
+    rows: rows.map(r => ({id: r.dataset.segment, verdict: r.querySelector('.badge').textContent,
+                          cells: r.querySelectorAll('td.cell').length,
+                          onset: [...r.querySelectorAll('td.cell.onset')].map(c => c.dataset.chunk),
+                          colours: [...r.querySelectorAll('td.cell')].map(c => getComputedStyle(c).backgroundColor),
+                          link: (r.querySelector('th a') || {}).textContent || null})),
+    text: document.body.innerText,
+  };
+})()"""
+
+
+def test_run_page_heatmap(site, browser, tmp_path):
+    run = site.runs[("toy", "0.30.0")]
+    page = open_page(browser, run_page(site, "toy", "0.30.0"))
+    got = page.evaluate(HEAT_JS)
+    # 30 frames on the 1,25 schedule: chunks [0,1), [1,26), [26,30): 3 cells per segment, 4 segments
+    assert got["cells"] == 12
+    rows = {r["id"]: r for r in got["rows"]}
+    assert list(rows) == [s["id"] for s in run.report["segments"]] == ["s0", "s1", "s2", HOSTILE_ID]
+    assert {k: (r["verdict"], r["cells"], r["onset"]) for k, r in rows.items()} == {
+        "s0": ("contamination", 3, ["0"]), "s1": ("contamination", 3, ["0"]), "s2": ("identical", 3, []),
+        HOSTILE_ID: ("concurrency_defect", 3, ["1"])}
+    red, green = "rgb(211, 47, 47)", "rgb(46, 125, 50)"
+    assert rows["s2"]["colours"] == [green] * 3  # worst-tier view by default
+    assert rows["s0"]["colours"][0] == red and rows[HOSTILE_ID]["colours"][1] == red
+    assert rows[HOSTILE_ID]["link"] == HOSTILE_ID and rows["s2"]["link"] is None  # clean: no page
+    # the log-mel view: a CSS-only switch
+    page.evaluate("document.getElementById('view-logmel').click()")
+    colours = page.evaluate("[...document.querySelectorAll('tr[data-segment=s2] td.cell')]"
+                            ".map(c => getComputedStyle(c).backgroundColor)")
+    assert colours == [green] * 3  # log-mel 0: the first bucket
+    assert page.evaluate("getComputedStyle(document.querySelector('.legend-logmel')).display") == "flex"
+    assert "candidate at concurrency 1 alone" not in got["text"]  # compare has no at_concurrency_1
+    long_page = open_page(browser, run_page(site, "toy-long", "0.30.0"))
+    assert long_page.evaluate("document.querySelectorAll('table.heat td.cell').length") == 3 * 4  # 60 frames: 4 chunks
+    page.evaluate("document.getElementById('view-worst').click()")
+    keep_screenshot(page.screenshot(tmp_path / "run.png"), "dashboard-run.png")
+
+
+SEGMENT_JS = """(() => ({
+  title: document.title,
+  h1: document.querySelector('h1').innerText,
+  text: document.body.innerText,
+  players: [...document.querySelectorAll('.player')].map(p => p.dataset.role),
+  img: (() => { const i = document.querySelector('img.specdiff'); return i ? [i.naturalWidth, i.complete] : null; })(),
+  codes: [...document.querySelectorAll('table.codes')].map(t => [...t.querySelectorAll('tbody tr')].map(
+            r => [...r.querySelectorAll('td')].map(c => [c.textContent, c.classList.contains('diff')]))),
+  ml: [...document.querySelectorAll('a.mlflow')].map(a => a.href),
+}))()"""
+
+
+def test_contaminated_segment_page(site, browser, tmp_path):
+    from difftest.dashboard.browser import audio_state
+
+    run = site.runs[("toy", "0.30.0")]
+    pages = segment_pages(site, "toy", "0.30.0")
+    assert sorted(pages) == ["s0", "s1", HOSTILE_ID] and all(p.is_file() for p in pages.values())
+    assert sorted(p.name for p in pages["s0"].parent.glob("seg-*.html")) == sorted(p.name for p in pages.values())
+    page = open_page(browser, pages["s0"])
+    got = page.evaluate(SEGMENT_JS)
+    assert got["h1"].startswith("s0") and "contamination" in got["h1"] and "fails the run" in got["h1"]
+    assert "Donor: s2" in got["text"] and "decoded with s2's reference" in got["text"]
+    assert "reference codes handed to the vocoder: 12 frames (s2's) instead of its own 10" in got["text"]
+    # compare makes no cross-decodes: reference, candidate, the candidate at 1, and the difference
+    assert got["players"] == ["reference", "candidate", "control", "difference"]
+    audio = audio_state(page)
+    assert [a["src"] for a in audio] == [f"media/audio/s0/{r}.wav" for r in got["players"]]
+    for a in audio:
+        assert a["error"] is None and abs(a["duration"] - 30 * 1920 / 24000) < 0.01, a
+    loaded = page.loaded_urls()
+    for a in audio:
+        assert loaded.get(a["url"]) == 200, (a["url"], sorted(loaded))
+    assert (page_dir := pages["s0"].parent / "media" / "audio" / "s0" / "difference.wav").is_file(), page_dir
+    assert got["img"] is not None and got["img"][0] > 0  # specdiff/<segment>.png from MLflow, decoded
+    child = next(r for r in site.client.search_runs([site.client.get_run(run.run_id).info.experiment_id],
+                                                    f"tags.`mlflow.parentRunId` = '{run.run_id}'")
+                 if r.data.tags["segment.id"] == "s0")
+    exp = child.info.experiment_id
+    assert got["ml"] == [f"{UI}/#/experiments/{exp}/runs/{run.run_id}",
+                         f"{UI}/#/experiments/{exp}/runs/{child.info.run_id}"]
+    keep_screenshot(page.screenshot(tmp_path / "segment.png"), "dashboard-segment.png")
+
+
+def test_talker_divergence_shows_the_codes_side_by_side_and_escapes_ids(site, browser):
+    pages = segment_pages(site, "toy", "0.30.0")
+    path = pages[HOSTILE_ID]
+    raw = path.read_text()
+    assert "<img src=y" not in raw and "<script>window" not in raw  # escaped in the file itself
+    page = open_page(browser, path)
+    got = page.evaluate(SEGMENT_JS)
+    assert got["h1"].split("\n")[0].startswith(HOSTILE_ID)  # literally, &amp; included
+    assert "concurrency_defect" in got["h1"]
+    codes = got["codes"]
+    assert len(codes) == 2  # against the reference, and against the candidate at concurrency 1
+    report_seg = next(s for s in site.runs[("toy", "0.30.0")].report["segments"] if s["id"] == HOSTILE_ID)
+    a, b = report_seg["comparisons"]["codes"]["codes_at_divergence"]
+    assert report_seg["first_divergent_frame"] == 7
+    ref_row, cand_row = codes[0]
+    assert [int(x) for x, _ in ref_row] == a and [int(x) for x, _ in cand_row] == b and len(a) == 16
+    assert [i for i, (_, diff) in enumerate(cand_row) if diff] == [0, 3, 15]
+    assert "frame 7" in got["text"]
+    audio = page.evaluate("[...document.querySelectorAll('audio')].map(a => a.getAttribute('src'))")
+    folder = safe_name(HOSTILE_ID)  # as difftest log named the artifacts
+    assert folder == "x_img_src_y_onerror__window.__pwned_1___amp_"
+    assert audio and all(s.startswith(f"media/audio/{folder}/") for s in audio)
+
+
+PROBES_JS = """(() => ({
+  rows: [...document.querySelectorAll('table.probes tbody tr')].map(r => ({commit: r.dataset.commit,
+          culprit: r.classList.contains('culprit'), text: r.innerText})),
+  line: [...document.querySelectorAll('.line span')].map(s => s.className),
+  text: document.body.innerText,
+}))()"""
+
+
+def test_bisect_page_shows_probes_and_the_culprit(site, browser, tmp_path):
+    from difftest.bisect import search
+
+    page = open_page(browser, site.out / "bisects" / f"{site.bisect_run.info.run_id}.html")
+    got = page.evaluate(PROBES_JS)
+    shas = site.shas
+    assert f"First bad commit: {shas[K]}" in got["text"].replace("\n", " ")
+    assert "handoff: keep one reference per batch (last writer wins)" in got["text"]
+    # the probes, in the order the search made them
+    order = []
+    search.bisect(shas, lambda c: order.append(c) or (search.SKIP if shas.index(c) == BROKEN
+                                                      else search.BAD if shas.index(c) >= K else search.GOOD))
+    assert [r["commit"] for r in got["rows"]] == order
+    assert [r["commit"] for r in got["rows"] if r["culprit"]] == [shas[K]]
+    decisions = {r["commit"]: r["text"] for r in got["rows"]}
+    assert "skip" in decisions[shas[BROKEN]] and "does not build" in decisions[shas[BROKEN]]
+    assert "bad" in decisions[shas[K]] and "s0 contamination" in decisions[shas[K]]
+    # the commit line: every commit of the range, decided ones coloured, the culprit ringed
+    assert len(got["line"]) == len(shas)
+    assert got["line"][K] == "bad culprit" and got["line"][0] == "good" and got["line"][-1] == "bad"
+    assert got["line"][BROKEN] == "skip" and got["line"][1] == ""  # c1 was never probed
+    keep_screenshot(page.screenshot(tmp_path / "bisect.png"), "dashboard-bisect.png")
+
+
+def test_a_second_build_reuses_what_it_fetched_and_refuses_foreign_folders(site, tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    wav = next((site.out / "runs").glob("*/media/audio/s0/candidate.wav"))
+    before = wav.stat().st_mtime_ns
+    code, out, err = dashboard_here("--out", site.out, "--tracking-uri", site.uri, "--mlflow-ui-url", UI, capsys=capsys)
+    assert code == 0 and "6 runs" in out, err
+    assert wav.stat().st_mtime_ns == before  # not downloaded again
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    code, _, err = dashboard_here("--out", foreign, "--tracking-uri", site.uri, capsys=capsys)
+    assert code == 2 and "not a difftest dashboard" in err
+    assert (foreign / "notes.txt").read_text() == "keep me"
+    code, _, err = dashboard_here("--out", tmp_path / "s", capsys=capsys)  # default URI: ./mlflow.db, absent
+    assert code == 2 and "no MLflow store" in err and not (tmp_path / "mlflow.db").exists()
+    code, _, err = dashboard_here("--out", tmp_path / "s2", "--tracking-uri", closed_uri(), capsys=capsys)
+    assert code == 3 and "could not read MLflow" in err
+
+
+def test_without_report_json_the_segments_come_from_the_child_runs(site, tmp_path, capsys):
+    """The fallback reads child-run tags and metric histories: the same verdicts and tiers."""
+    from difftest.dashboard import model
+    from difftest.dashboard.gather import _report_from_children
+
+    run = site.runs[("toy", "0.30.0")]
+    parent = site.client.get_run(run.run_id)
+    kids = site.client.search_runs([parent.info.experiment_id], f"tags.`mlflow.parentRunId` = '{run.run_id}'")
+    rebuilt = _report_from_children(parent, kids, site.client)
+    assert rebuilt["verdict"] == "fail" and sorted(rebuilt["failing"]) == sorted(run.report["failing"])
+    for want, got in zip(run.report["segments"], rebuilt["segments"]):
+        assert (got["id"], got["verdict"], got["donor"], got["first_divergent_chunk"]) == (
+            want["id"], want["verdict"], want["donor"], want["first_divergent_chunk"])
+        assert [c.tiers for c in model.segment_cells(got)] == [c.tiers for c in model.segment_cells(want)]
+    # and a site built from a store whose report.json is gone says so, and still draws the run
+    store = tmp_path / "store"
+    shutil.copytree(site.store, store)
+    art = Path(parent.info.artifact_uri.replace("file://", ""))
+    moved = store / art.relative_to(site.store) / "report.json"
+    uri = f"sqlite:///{store / 'mlflow.db'}"
+    import sqlite3
+
+    with sqlite3.connect(store / "mlflow.db") as db:  # the copy's artifact locations point into the copy
+        db.execute("UPDATE runs SET artifact_uri = replace(artifact_uri, ?, ?)", (str(site.store), str(store)))
+        db.execute("UPDATE experiments SET artifact_location = replace(artifact_location, ?, ?)",
+                   (str(site.store), str(store)))
+    moved.unlink()
+    code, out, err = dashboard_here("--out", tmp_path / "site", "--tracking-uri", uri, "--experiment", "difftest/toy",
+                                    capsys=capsys)
+    assert code == 0, err
+    assert "segments rebuilt from its child runs" in err and "4 runs" in out
+    html = (tmp_path / "site" / "runs" / run.run_id / "index.html").read_text()
+    assert "rebuilt from the child runs" in html and html.count('<td class="cell ') == 12
+
+
+def test_pages_escape_what_comes_from_data():
+    from difftest.dashboard import pages
+    from difftest.dashboard.gather import Run
+    from difftest.dashboard.html import esc, render
+
+    assert render('<a title="{t}">{t}</a>', t='"><b>') == '<a title="&quot;&gt;&lt;b&gt;">&quot;&gt;&lt;b&gt;</a>'
+    assert esc(esc("<")) == "&lt;"  # escaped once, not twice
+    seg = {"id": "<i>s</i>", "verdict": "<b>v</b>", "summary": "'<script>'", "donor": "\"><svg onload=x>",
+           "first_divergent_chunk": 0, "stage": "<s>", "notes": ["<u>"], "comparisons": {}}
+    report = {"verdict": "fail", "segments": [seg], "failing": [seg["id"]], "warnings": ["<w>"]}
+    run = Run("r1", "1", "difftest/<e>", "n", 0, {"candidate.label": "<l>", "verdict": "fail"}, {}, report,
+              "report.json", texts={seg["id"]: "<t>"})
+    ctx = pages.Context(ui_url="http://x", uri="<uri>", built="now")
+    store = SimpleNamespace(runs=[run], bisects=[], notes=["<n>"])
+    for html_text in (pages.run_page(run, ctx), pages.segment_page(run, 0, seg, ctx), pages.index_page(store, ctx)):
+        for bad in ("<i>s", "<b>v", "<script>", "<svg onload", "<s>", "<u>", "<w>", "<l>", "<t>", "<e>", "<n>", "<uri>"):
+            assert bad not in html_text
+
+
+def test_cells_rates_and_changes():
+    from difftest.dashboard import model
+
+    seg = {"verdict": "contamination", "first_divergent_chunk": 0, "id": "a", "comparisons": {
+        "codes": {"chunk_agreement": [1.0, 0.5]},
+        "vocoder": {"tiers": ["diverged", "close", "identical"], "chunks": {"logmel": [0.5, 0.05, 0.0]}},
+        "audio": {"tiers": ["identical"], "chunks": {"logmel": [0.0]}}}}
+    cells = model.segment_cells(seg)
+    assert [c.worst for c in cells] == [3, 3, 0] and [c.worst_logmel for c in cells] == [0.5, 0.05, 0.0]
+    assert model.chunk0_logmel(seg) == 0.5
+    assert [model.logmel_bucket(x) for x in (0, 0.005, 0.02, 0.1, 0.2, 0.9, 5)] == [0, 1, 2, 3, 4, 5, 6]
+    st = model.run_stats({"segments": [seg, {"id": "b", "verdict": "identical"}], "failing": ["a"]})
+    assert (st.diverged_rate, st.failing_rate, st.chunk0_worst_segment, dict(st.onsets)) == (0.5, 0.5, "a", {0: 1})
+    R = lambda i, t, v, f: SimpleNamespace(run_id=i, experiment_id="1", device="cpu", start_ms=t, verdict=v,  # noqa: E731
+                                           failing=f)
+    ch = model.changes([R("c", 3, "pass", []), R("a", 1, "pass", []), R("b", 2, "fail", ["s0"])])
+    assert (ch["a"].kind, ch["b"].kind, ch["b"].new_failures, ch["c"].kind, ch["c"].gone_failures) == (
+        None, "regressed", ["s0"], "fixed", ["s0"])
+
+
+def test_from_a_tracking_server(mlflow_server, tmp_path, capsys):
+    """The same from a real `mlflow server`: report.json and the media come through its artifact proxy."""
+    out = make_run(tmp_path, "srv", version="0.30.0", suite="dashboard-server", leak=("s0",))
+    run_id = log_run(out, mlflow_server)
+    assert run_id
+    code, stdout, err = dashboard_here("--out", tmp_path / "site", "--tracking-uri", mlflow_server,
+                                       "--experiment", "difftest/dashboard-server", "--mlflow-ui-url", mlflow_server,
+                                       capsys=capsys)
+    assert code == 0 and "1 runs, 1 diverged segment pages" in stdout, err
+    folder = tmp_path / "site" / "runs" / run_id
+    assert json.loads((folder / "report.json").read_text())["verdict"] == "fail"
+    assert {p.name for p in (folder / "media" / "audio" / "s0").iterdir()} == {
+        "reference.wav", "candidate.wav", "control.wav", "difference.wav"}
+    page = (folder / "index.html").read_text()
+    assert f'href="{mlflow_server}/#/experiments/' in page and "rebuilt from" not in page

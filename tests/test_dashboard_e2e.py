@@ -1,0 +1,95 @@
+"""The dashboard on a real `difftest run`: qwen-tts on the tiny checkpoint against the CPU test engine
+with the seed's bug planted (`cpu-engine:ref-leak`, concurrency 4), logged to MLflow by the run
+itself; the site opened in headless Chromium. About 40 s, most of it the run (needs .venv-reference).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from mlflow_support import copy_store
+from reference_support import reference_python
+from test_dashboard import keep_screenshot, open_page
+
+from difftest.dashboard.browser import audio_state
+from difftest.dashboard.pages import segment_file
+
+ROOT = Path(__file__).resolve().parents[1]
+SMOKE = ROOT / "cases" / "suites" / "smoke.yaml"
+UI = "http://127.0.0.1:5000"
+
+
+@pytest.fixture(scope="module")
+def real(tmp_path_factory, _empty_mlflow_store):
+    reference_python()
+    root = tmp_path_factory.mktemp("dashboard-e2e")
+    copy_store(_empty_mlflow_store, root)
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    env_cmd = [sys.executable, "-m", "difftest.cli", "run", str(SMOKE), "--candidate", "cpu-engine:ref-leak", "-n", "4",
+               "--out", str(root / "leak"), "--store", str(root / "store"), "--tracking-uri", uri]
+    p = subprocess.run(env_cmd, cwd=root, capture_output=True, text=True, timeout=900)
+    assert p.returncode == 1, p.stdout + p.stderr[-3000:]
+    report = json.loads((root / "leak" / "report.json").read_text())
+    run_id = json.loads((root / "leak" / "mlflow.json").read_text())["runs"][0]["run_id"]
+    site = root / "site"
+    b = subprocess.run([sys.executable, "-m", "difftest.dashboard", "--out", str(site), "--tracking-uri", uri],
+                       cwd=root, capture_output=True, text=True, timeout=300)
+    assert b.returncode == 0, b.stdout + b.stderr
+    return SimpleNamespace(root=root, site=site, report=report, run_id=run_id)
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory):
+    from difftest.dashboard.browser import Chromium, find_chromium
+
+    if find_chromium() is None:
+        pytest.fail("no Chromium: apt-get install -y chromium (scripts/test.sh does it)", pytrace=False)
+    with Chromium(width=1400, height=900, log=tmp_path_factory.mktemp("chromium") / "chromium.log") as b:
+        yield b
+
+
+def test_real_leak_run_on_the_dashboard(real, browser, tmp_path):
+    from difftest.suite import load_suite
+
+    segs = {s["id"]: s for s in real.report["segments"]}
+    # Which requests leak depends on how the engine batched them (see test_run_e2e): take the report's word.
+    leaked = [k for k, s in segs.items() if s["verdict"] == "contamination"]
+    assert leaked and all(segs[k]["donor"] for k in leaked)
+    first = leaked[0]
+    donor = segs[first]["donor"]
+
+    index = open_page(browser, real.site / "index.html")
+    row = index.evaluate("document.querySelector('table.runs tbody tr').innerText")
+    assert "difftest-cpu-engine:ref-leak" in row and "FAIL" in row and "contamination" in row
+    assert f"donor {donor}" in row and first in row
+
+    run = open_page(browser, real.site / "runs" / real.run_id / "index.html")
+    got = run.evaluate("""(() => ({
+      cells: document.querySelectorAll('table.heat td.cell').length,
+      rows: [...document.querySelectorAll('table.heat tbody tr')].map(r => [r.dataset.segment,
+             r.querySelector('.badge').textContent, r.querySelectorAll('td.cell').length]),
+      text: document.body.innerText}))()""")
+    # 31 frames on the 1,25 schedule: 3 chunks for each of the 4 segments
+    assert got["cells"] == 12
+    assert got["rows"] == [[k, segs[k]["verdict"], 3] for k in ("smoke-01", "smoke-02", "smoke-03", "smoke-04")]
+    assert "candidate at concurrency 1 alone" in got["text"]  # `difftest run` judged c=1 alone: pass
+
+    i = list(segs).index(first)
+    page = open_page(browser, real.site / "runs" / real.run_id / segment_file(i, first))
+    text = page.evaluate("document.body.innerText")
+    suite_text = {seg.id: seg.text for seg in load_suite(SMOKE).segments}
+    assert suite_text[first] in text  # the segment's text, from the suite file
+    assert f"Donor: {donor}" in text
+    roles = page.evaluate("[...document.querySelectorAll('.player')].map(p => p.dataset.role)")
+    assert roles == ["reference", "candidate", "cross_own", "cross_donor", "control", "difference"]
+    for a in audio_state(page):
+        assert a["error"] is None and a["duration"] > 2.0, a
+    # the donor search: decoding with the donor's reference codes explains the audio best
+    donor_rows = page.evaluate("[...document.querySelectorAll('tr.culprit td')].map(td => td.textContent)")
+    assert donor_rows[0] == donor
+    keep_screenshot(page.screenshot(tmp_path / "e2e-segment.png"), "dashboard-e2e-segment.png")
