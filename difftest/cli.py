@@ -173,6 +173,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_handoff_parser(sub)
 
+    from .bisect.cli import add_bisect_parser, add_probe_parser
+
+    add_bisect_parser(sub)
+    add_probe_parser(sub)
+
     sub.add_parser("reference", help="compute (or find cached) qwen-tts reference results for a suite "
                                      "(see difftest reference --help)")
 

@@ -42,6 +42,14 @@ class ServerProcess:
         self.started_s: float | None = None
 
     def start(self) -> "ServerProcess":
+        """Start and wait for health; on any failure or interrupt meanwhile, stop what was started."""
+        try:
+            return self._start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _start(self) -> "ServerProcess":
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
         t0 = time.monotonic()
@@ -63,7 +71,6 @@ class ServerProcess:
                 self.started_s = time.monotonic() - t0
                 return self
             time.sleep(0.25)
-        self.stop()
         raise InfraError(f"{self.name} not healthy after {self.health_timeout:.0f} s; "
                          f"log {self.log_path}:\n{log_tail(self.log_path)}")
 

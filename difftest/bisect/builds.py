@@ -1,0 +1,443 @@
+"""How to start a build: one commit of the repository under test made into a running candidate.
+
+    worktrees = Worktrees(repo, builds_root)
+    build = prepare(recipe, worktrees, sha)                    # cached per commit; BuildFailed: skip it
+    with recipe.launcher(build, LaunchContext(...)) as launcher:
+        spec = launcher.candidate(repeat)                      # a CandidateSpec that `difftest run` can use
+
+A commit becomes a candidate in three steps, each cached or scoped:
+
+1. **Source**: a git worktree of the commit (`<builds>/<sha>/src`, detached), made with real git.
+2. **Environment**: a per-commit venv *overlaid* on a shared base environment
+   (`<builds>/<sha>/env`): `python -m venv --without-pip`, then a `.pth` that adds the
+   base environment's site directories after the overlay's own, then
+   `pip install --no-deps --no-build-isolation -e <worktree>` in compat mode (a plain path
+   entry, which wins over a copy of the same package in the base environment; setuptools'
+   default finder would lose to it). The import location of the recipe's module is
+   checked to be inside the worktree. About 2 s and a few kB per commit; the heavy
+   packages (torch, vllm) stay in the base. A stamp makes a second use free.
+3. **Launch**: the recipe's launcher, a context manager that starts the server(s) with the
+   overlay's interpreter and stops them (whole process tree) on the way out.
+
+Recipes (`RECIPES`):
+
+- `vllm-omni`: a vLLM-Omni source checkout over a vLLM-Omni base environment (on a GPU
+  host the one that already holds vllm, torch and difftest's capture plugin); served by
+  difftest/vllm_omni.py's `start_vllm_omni` with the overlay's interpreter.
+- `cpu-engine`: for tests and CPU machines. The repository under test is a small package
+  (the tests' `fakeomni`) that declares, at each commit, which defect the CPU test engine
+  should plant: `MODULE:FUNCTION` (default `fakeomni:planted_defect`) is called in the
+  commit's environment before each run and answers a defect name or None. The engine
+  (runners/cpu_engine, not vLLM-Omni) runs under the commit's interpreter. A package that
+  answers differently from call to call makes a flaky candidate; one engine per answer
+  is started and kept for the probe's runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import BadInput, InfraError
+from ..launcher import ServerProcess, free_port
+from ..reference import REPO
+from ..results import _atomic_write
+from ..run import CandidateSpec, RunOptions
+from ..suite import Suite
+
+STAMP = ".difftest-build.json"
+STAMP_FORMAT = "difftest.build/1"
+BASE_PTH = "_difftest_base.pth"
+# Compat editable mode: a path entry in a .pth, so the worktree's package comes before a copy
+# of the same package in the base environment (setuptools' default finder comes after it).
+DEFAULT_PIP_ARGS = ("--no-deps", "--no-build-isolation", "--config-settings", "editable_mode=compat")
+
+
+class BuildFailed(InfraError):
+    """This commit cannot become a candidate (no checkout, no install, no import): skip it."""
+
+
+class GitError(BadInput):
+    pass
+
+
+# -- git ----------------------------------------------------------------------------------------
+
+def git(repo: str | Path, *args: str, check: bool = True) -> str:
+    try:
+        p = subprocess.run(["git", "-C", str(repo), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, env={**os.environ, "GIT_TERMINAL_PROMPT": "0"})
+    except OSError as e:
+        raise GitError(f"cannot run git: {e}") from None
+    if check and p.returncode != 0:
+        raise GitError(f"git {' '.join(args)} (in {repo}) failed: {p.stderr.strip() or p.returncode}")
+    return p.stdout.strip()
+
+
+def resolve(repo: str | Path, rev: str) -> str:
+    """The full commit id of `rev` in `repo`."""
+    if not Path(repo).is_dir():
+        raise BadInput(f"--repo {repo}: not a directory")
+    p = subprocess.run(["git", "-C", str(repo), "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}"],
+                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if p.returncode != 0:
+        raise GitError(f"{rev!r} is not a commit in {repo}" + (f" ({p.stderr.strip()})" if p.stderr.strip() else ""))
+    return p.stdout.strip()
+
+
+def commit_info(repo: str | Path, sha: str) -> dict:
+    subject, date, author = git(repo, "log", "-1", "--format=%s%x00%cI%x00%an", sha).split("\0")
+    return {"commit": sha, "subject": subject, "date": date, "author": author}
+
+
+def first_parent_range(repo: str | Path, good: str, bad: str) -> list[str]:
+    """[good, ..., bad]: the commits after `good` on `bad`'s first-parent line, oldest first.
+
+    A merge on that line stands for its whole side branch: name it the culprit, and bisect
+    the branch (or use `git bisect run difftest probe`, which walks the whole graph)."""
+    if good == bad:
+        raise BadInput("--good and --bad are the same commit")
+    p = subprocess.run(["git", "-C", str(repo), "merge-base", "--is-ancestor", good, bad])
+    if p.returncode != 0:
+        raise BadInput(f"--good {good[:12]} is not an ancestor of --bad {bad[:12]}")
+    shas = git(repo, "rev-list", "--first-parent", "--reverse", bad, f"^{good}").split()
+    if not shas or shas[-1] != bad:
+        raise BadInput(f"no first-parent line from {good[:12]} to {bad[:12]}")
+    return [good, *shas]
+
+
+class Worktrees:
+    """One detached git worktree per commit under `<root>/<sha>/src`, kept for reuse."""
+
+    def __init__(self, repo: str | Path, root: str | Path):
+        self.repo = Path(repo).resolve()
+        self.root = Path(root).resolve()
+
+    def dir(self, sha: str) -> Path:
+        return self.root / sha
+
+    def checkout(self, sha: str) -> Path:
+        src = self.dir(sha) / "src"
+        if (src / ".git").exists() and git(src, "rev-parse", "HEAD", check=False) == sha:
+            return src
+        if src.exists():
+            git(self.repo, "worktree", "remove", "--force", str(src), check=False)
+            shutil.rmtree(src, ignore_errors=True)
+        src.parent.mkdir(parents=True, exist_ok=True)
+        git(self.repo, "worktree", "prune")
+        try:
+            git(self.repo, "worktree", "add", "--detach", "--force", str(src), sha)
+        except GitError as e:
+            raise BuildFailed(f"cannot check out {sha[:12]}: {e}") from None
+        return src
+
+
+# -- environments -----------------------------------------------------------------------------------
+
+_SITE_DIRS = ("import json, site, sys, sysconfig; p = sysconfig.get_paths(); "
+              "d = [p['purelib'], p['platlib']] + list(site.getsitepackages()); "
+              "print(json.dumps({'dirs': list(dict.fromkeys(d)), 'version': list(sys.version_info[:2])}))")
+
+
+def _python_info(python: Path) -> dict:
+    try:
+        p = subprocess.run([str(python), "-c", _SITE_DIRS], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, timeout=120)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise BadInput(f"cannot run the base environment's interpreter {python}: {e}") from None
+    if p.returncode != 0:
+        raise BadInput(f"the base environment's interpreter {python} fails: {p.stderr.strip()[-500:]}")
+    return json.loads(p.stdout)
+
+
+def make_overlay(base_python: Path, env: Path, log) -> Path:
+    """A venv at `env` that sees the base environment's packages after its own; its interpreter."""
+    base = _python_info(base_python)
+    if env.exists():
+        shutil.rmtree(env)
+    _step([str(base_python), "-m", "venv", "--without-pip", str(env)], log, "creating the overlay venv")
+    python = env / "bin" / "python"
+    own = _python_info(python)
+    site_dir = Path(own["dirs"][0])
+    site_dir.mkdir(parents=True, exist_ok=True)
+    dirs = [d for d in base["dirs"] if d not in own["dirs"]]
+    # One line: .pth files run lines that start with "import". addsitedir also reads the base's
+    # own .pth files (its editable installs, distutils-precedence), which a bare path would not.
+    (site_dir / BASE_PTH).write_text(f"import site; list(map(site.addsitedir, {dirs!r}))\n")
+    return python
+
+
+def _step(argv: list[str], log, what: str, cwd: Path | None = None, env: dict | None = None) -> None:
+    log.write(f"$ {' '.join(argv)}\n")
+    log.flush()
+    start = log.tell()
+    try:
+        p = subprocess.run(argv, stdout=log, stderr=subprocess.STDOUT, cwd=cwd, env=env, timeout=3600)
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise BuildFailed(f"{what}: {e} (log {log.name})") from None
+    if p.returncode != 0:
+        log.flush()
+        with open(log.name, errors="replace") as f:
+            f.seek(start)
+            lines = [ln.strip() for ln in f.read().splitlines() if ln.strip()]
+        said = next((ln for ln in reversed(lines) if "error" in ln.lower() and not ln.lower().startswith("note")),
+                    lines[-1] if lines else "")
+        raise BuildFailed(f"{what} failed (exit {p.returncode}): {said[:300]} (log {log.name})")
+
+
+MODULE_FILE = "difftest-module-file="  # a marker: importing a package may print anything (vLLM does)
+_WHERE = f"import importlib, sys; m = importlib.import_module(sys.argv[1]); print('\\n{MODULE_FILE}' + m.__file__)"
+
+
+@dataclass
+class Build:
+    """One commit, checked out and installed."""
+
+    commit: str
+    src: Path
+    python: Path  # the overlay's interpreter
+    log: Path
+    module_file: str = ""
+    cached: bool = False
+    seconds: float = 0.0
+
+    def to_json(self) -> dict:
+        return {"commit": self.commit, "src": str(self.src), "python": str(self.python), "log": str(self.log),
+                "module_file": self.module_file, "cached": self.cached, "seconds": round(self.seconds, 2)}
+
+
+def prepare(recipe: Recipe, worktrees: Worktrees, sha: str) -> Build:
+    """The commit's worktree and installed environment, made once and reused (BuildFailed: skip)."""
+    t0 = time.perf_counter()
+    home = worktrees.dir(sha)
+    env = home / "env"
+    log_path = home / "build.log"
+    stamp_path = env / STAMP
+    want = {"format": STAMP_FORMAT, "commit": sha, "recipe": recipe.identity()}
+    src = home / "src"
+    try:
+        stamp = json.loads(stamp_path.read_text())
+    except (OSError, ValueError):
+        stamp = None
+    python = env / "bin" / "python"
+    if (stamp and {k: stamp.get(k) for k in want} == want and python.exists()
+            and git(src, "rev-parse", "HEAD", check=False) == sha):
+        return Build(sha, src, python, log_path, stamp.get("module_file", ""), True, time.perf_counter() - t0)
+    src = worktrees.checkout(sha)
+    home.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as log:
+        log.write(f"# difftest bisect: build of {sha} with recipe {recipe.name}\n")
+        python = make_overlay(recipe.base_python, env, log)
+        pip_env = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1", "PIP_NO_INPUT": "1"}
+        pip_env.pop("PYTHONPATH", None)
+        _step([str(python), "-m", "pip", "install", *recipe.pip_args, "-e", str(src)], log,
+              f"pip install -e {src.name} ({sha[:12]})", cwd=home, env=pip_env)
+        log.flush()
+        try:
+            where = subprocess.run([str(python), "-c", _WHERE, recipe.module], stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, cwd=home, env=pip_env, timeout=900)
+        except subprocess.TimeoutExpired:
+            raise BuildFailed(f"`import {recipe.module}` did not finish in 900 s (log {log_path})") from None
+        log.write(where.stdout + where.stderr)
+    if where.returncode != 0:
+        raise BuildFailed(f"installed, but `import {recipe.module}` fails: "
+                          f"{(where.stderr.strip().splitlines() or ['?'])[-1]} (log {log_path})")
+    module_file = next((ln[len(MODULE_FILE):] for ln in where.stdout.splitlines() if ln.startswith(MODULE_FILE)), "")
+    if not Path(module_file).resolve().is_relative_to(src.resolve()):
+        raise BuildFailed(f"`import {recipe.module}` finds {module_file}, not the worktree {src}: another copy "
+                          f"shadows it (log {log_path})")
+    _atomic_write(stamp_path, (json.dumps({**want, "module_file": module_file}, indent=1) + "\n").encode())
+    return Build(sha, src, python, log_path, module_file, False, time.perf_counter() - t0)
+
+
+# -- recipes and launchers -----------------------------------------------------------------------------
+
+@dataclass
+class LaunchContext:
+    """What a launcher needs from the probe: where to write, which checkpoints, the suite and options."""
+
+    out: Path
+    models: list[str]
+    suite: Suite
+    opts: RunOptions
+
+
+class Launcher:
+    """Starts the candidate of one build; `candidate(repeat)` is called before each run of the probe."""
+
+    def __init__(self, build: Build, ctx: LaunchContext):
+        self.build, self.ctx = build, ctx
+        self.stack = ExitStack()
+        self.info: dict = {}  # the last candidate's facts, for the probe's record
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stack.close()
+
+    def candidate(self, repeat: int) -> CandidateSpec:
+        raise NotImplementedError
+
+
+class Recipe:
+    name = "recipe"
+    module = ""
+
+    def __init__(self, base_python: str | Path, module: str | None = None, pip_args=DEFAULT_PIP_ARGS):
+        self.base_python = Path(base_python)
+        if not self.base_python.exists():
+            raise BadInput(f"base environment interpreter not found: {self.base_python}")
+        self.module = module or self.module
+        self.pip_args = tuple(pip_args)
+
+    def identity(self) -> dict:
+        """What makes a cached build reusable (and a persisted decision comparable)."""
+        return {"name": self.name, "base_python": str(self.base_python.absolute()), "module": self.module,
+                "pip_args": list(self.pip_args)}
+
+    def launcher(self, build: Build, ctx: LaunchContext) -> Launcher:
+        raise NotImplementedError
+
+
+class CpuEngineRecipe(Recipe):
+    """The CPU test engine (not vLLM-Omni), planting the defect the commit's package declares."""
+
+    name = "cpu-engine"
+    module = "fakeomni"
+
+    def __init__(self, base_python, declared_by: str = "fakeomni:planted_defect", engine_args=(), **kw):
+        mod, sep, func = declared_by.partition(":")
+        if not sep or not mod or not func:
+            raise BadInput(f"--declared-by {declared_by!r}: expected MODULE:FUNCTION")
+        kw.setdefault("module", mod.split(".")[0])
+        super().__init__(base_python, **kw)
+        self.declared_by, self.engine_args = declared_by, list(engine_args)
+
+    def identity(self) -> dict:
+        return {**super().identity(), "declared_by": self.declared_by, "engine_args": self.engine_args}
+
+    def launcher(self, build, ctx):
+        return CpuEngineLauncher(build, ctx, self)
+
+
+_DECLARED = ("import importlib, json, sys; m, f = sys.argv[1].split(':'); "
+             "print(json.dumps(getattr(importlib.import_module(m), f)()))")
+
+
+class CpuEngineLauncher(Launcher):
+    def __init__(self, build, ctx, recipe: CpuEngineRecipe):
+        super().__init__(build, ctx)
+        self.recipe = recipe
+        self.servers: dict[str | None, ServerProcess] = {}
+        self.capture = ctx.out / "capture"
+
+    def declared_defect(self) -> str | None:
+        p = subprocess.run([str(self.build.python), "-c", _DECLARED, self.recipe.declared_by], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True, cwd=self.ctx.out, timeout=120)
+        if p.returncode != 0:
+            raise BuildFailed(f"{self.recipe.declared_by}() fails in {self.build.commit[:12]}'s environment: "
+                              f"{(p.stderr.strip().splitlines() or ['?'])[-1]}")
+        defect = json.loads(p.stdout.strip().splitlines()[-1])
+        if defect is not None and not isinstance(defect, str):
+            raise BuildFailed(f"{self.recipe.declared_by}() answered {defect!r}: expected a defect name or None")
+        return defect or None
+
+    def candidate(self, repeat: int) -> CandidateSpec:
+        defect = self.declared_defect()
+        srv = self.servers.get(defect)
+        if srv is None:
+            self.capture.mkdir(parents=True, exist_ok=True)
+            port = free_port()
+            argv = [str(self.build.python), "-m", "runners.cpu_engine", "--port", str(port)]
+            for m in self.ctx.models:
+                argv += ["--model", m]
+            if defect:
+                argv += ["--defect", defect]
+            argv += self.recipe.engine_args
+            env = dict(os.environ, DIFFTEST_CAPTURE_DIR=str(self.capture), HF_HUB_OFFLINE="1")
+            env.pop("PYTHONPATH", None)
+            srv = ServerProcess(argv, f"http://127.0.0.1:{port}",
+                                self.ctx.out / "logs" / f"cpu-engine-{defect or 'clean'}.log", env=env, cwd=REPO,
+                                health_timeout=self.ctx.opts.engine_health_timeout,
+                                name=f"the CPU test engine for {self.build.commit[:12]}")
+            # Registered before it starts: an interrupt while waiting for its health still stops it
+            # (ServerProcess.start stops it only on its own failures).
+            self.stack.callback(srv.stop)
+            srv.start()
+            self.servers[defect] = srv
+        self.info = {"engine": "difftest CPU test engine (not vLLM-Omni)", "defect": defect, "url": srv.url,
+                     "start_seconds": round(srv.started_s or 0.0, 2)}
+        return CandidateSpec("url", url=srv.url, capture_dir=self.capture)
+
+
+def vllm_omni_hook():
+    """`start_vllm_omni(out, models, opts, stack, tasks)` and its options, from difftest/vllm_omni.py.
+
+    THE HOOK: a vLLM-Omni commit is served by difftest.vllm_omni.start_vllm_omni with the
+    commit's overlay interpreter as `VllmOmniOptions.python`. Without that module, this is the
+    one function to fill in: return (start_vllm_omni, VllmOmniOptions, decode_settings)."""
+    try:
+        from .. import vllm_omni as vo
+    except ImportError as e:
+        raise BadInput(f"the vllm-omni recipe needs difftest/vllm_omni.py (start_vllm_omni), which does not "
+                       f"import here ({e}); fill in difftest.bisect.builds.vllm_omni_hook") from None
+    return vo.start_vllm_omni, vo.VllmOmniOptions, vo.decode_settings
+
+
+class VllmOmniRecipe(Recipe):
+    """A vLLM-Omni source checkout, editable over a vLLM-Omni base environment, served by `vllm serve --omni`."""
+
+    name = "vllm-omni"
+    module = "vllm_omni"
+
+    def __init__(self, base_python, device: str = "cuda", options: dict | None = None, **kw):
+        super().__init__(base_python, **kw)
+        self.device, self.options = device, dict(options or {})
+
+    def identity(self) -> dict:
+        return {**super().identity(), "device": self.device, "options": self.options}
+
+    def launcher(self, build, ctx):
+        return VllmOmniLauncher(build, ctx, self)
+
+
+class VllmOmniLauncher(Launcher):
+    """One server for the whole probe (starting vLLM-Omni costs minutes): every run reuses it."""
+
+    def __init__(self, build, ctx, recipe: VllmOmniRecipe):
+        super().__init__(build, ctx)
+        self.recipe = recipe
+        self.spec: CandidateSpec | None = None
+
+    def candidate(self, repeat: int) -> CandidateSpec:
+        if self.spec is not None:
+            return self.spec
+        start_vllm_omni, Options, decode_settings = vllm_omni_hook()
+        decode, warnings = decode_settings(self.ctx.suite.segments)
+        for w in warnings:
+            print(f"difftest bisect: warning: {w}", file=sys.stderr)
+        # The seeded tiny checkpoints never emit codec EOS: answer length-capped voice clones (as `difftest run`).
+        options = {"accept_length_finish": self.ctx.suite.model == "tiny", **self.recipe.options}
+        opts = Options.for_decode(decode, self.ctx.opts.concurrency, python=str(self.build.python),
+                                  device=self.recipe.device, **options)
+        tasks = {s.task for s in self.ctx.suite.segments}
+        _client, capture, info = start_vllm_omni(self.ctx.out, self.ctx.models, opts, self.stack, tasks=tasks)
+        servers = info.get("servers") or [{"url": info.get("url")}]
+        if len(servers) != 1:
+            raise BadInput("bisect serves one vLLM-Omni server per commit: use a suite whose segments need one "
+                           f"checkpoint type (this one needs {len(servers)})")
+        self.info = {k: info.get(k) for k in ("label", "engine", "versions", "device", "start_seconds")}
+        self.spec = CandidateSpec("url", url=servers[0]["url"], capture_dir=capture)
+        return self.spec
+
+
+RECIPES = {"vllm-omni": VllmOmniRecipe, "cpu-engine": CpuEngineRecipe}
+
