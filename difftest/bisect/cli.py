@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import shlex
 import sys
 from pathlib import Path
 
-from ..errors import EXIT_INFRA, BadInput, DifftestError
+from ..errors import BadInput, DifftestError
 
 PROBE_ABORT = 128  # `git bisect run` stops on it: bad input or a failure that is no commit's fault
 
@@ -192,22 +191,7 @@ def add_probe_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
-    """`python -m difftest.bisect bisect|probe ...`, with the difftest CLI's exit codes."""
-    from ..cli import _Parser
+    """`python -m difftest.bisect bisect|probe ...`: the same as `difftest bisect|probe ...`."""
+    from ..cli import main as difftest_main
 
-    ap = _Parser(prog="difftest", description="bisect and probe (until difftest/cli.py wires them in)")
-    ap.add_argument("-v", "--verbose", action="store_true")
-    sub = ap.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    add_bisect_parser(sub)
-    add_probe_parser(sub)
-    args = ap.parse_args(sys.argv[1:] if argv is None else argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
-                        format="difftest: %(levelname)s: %(message)s")
-    try:
-        return args.func(args)
-    except DifftestError as e:
-        print(f"difftest: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("difftest: interrupted; decisions so far are kept in OUT/bisect.json", file=sys.stderr)
-        return EXIT_INFRA
+    return difftest_main(sys.argv[1:] if argv is None else argv)

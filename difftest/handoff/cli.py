@@ -8,7 +8,7 @@ import json
 import sys
 from pathlib import Path
 
-from ..errors import EXIT_BAD_INPUT, EXIT_INFRA, BadInput, DifftestError
+from ..errors import EXIT_BAD_INPUT, BadInput
 
 HELP = "probe vLLM-Omni's real batch hand-off code (talker -> vocoder) across generated batches and releases"
 
@@ -86,20 +86,10 @@ def cmd_handoff(args) -> int:
 
 
 def main(argv=None) -> int:
-    from ..cli import _Parser
+    """`python -m difftest.handoff ...`: the same as `difftest handoff ...`."""
+    from ..cli import main as difftest_main
 
-    p = _Parser(prog="difftest")
-    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    add_handoff_parser(sub)
-    args = p.parse_args(["handoff", *(sys.argv[1:] if argv is None else argv)])
-    try:
-        return args.func(args)
-    except DifftestError as e:
-        print(f"difftest: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("difftest: interrupted", file=sys.stderr)
-        return EXIT_INFRA
+    return difftest_main(["handoff", *(sys.argv[1:] if argv is None else argv)])
 
 
 __all__ = ["add_handoff_parser", "cmd_handoff", "main", "EXIT_BAD_INPUT"]
