@@ -41,14 +41,14 @@ def test_request_body_carries_what_difftest_always_sends(suite):
 
 def test_barrier_waves_capture_and_quantised_audio(suite, tmp_path):
     segs = clone_segments(suite, 8)
-    with FakeSpeechServer(capture_dir=tmp_path, delay=0.2) as srv:
+    with FakeSpeechServer(capture_dir=tmp_path, delay=0.6) as srv:
         out = run_candidate(segs, SpeechClient(srv.url), tmp_path / "res", concurrency=4, capture_dir=tmp_path,
                             label="fake", run_tag="r1")
         assert srv.max_in_flight == 4
         t = [r["t"] for r in srv.requests]
     assert not out.errors and len(out.results) == 8
     assert out.batches == [[s.id for s in segs[:4]], [s.id for s in segs[4:]]]
-    assert max(t[:4]) - min(t[:4]) < 0.15 and min(t[4:]) - max(t[:4]) >= 0.15  # released together, wave by wave
+    assert max(t[:4]) - min(t[:4]) < 0.3 and min(t[4:]) - max(t[:4]) >= 0.3  # released together, wave by wave
     r = read_result(out.results[segs[0].id].source)
     assert r.quantised and r.has_codes and r.codes.shape == (segs[0].decode["max_new_tokens"] - 1, 16)
     assert r.meta["tag"] == f"r1-{segs[0].id}-c4" and r.meta["concurrency"] == 4
@@ -58,9 +58,9 @@ def test_barrier_waves_capture_and_quantised_audio(suite, tmp_path):
 def test_pool_staggered_orders(suite, tmp_path):
     segs = clone_segments(suite, 6)
     with FakeSpeechServer(delay=0.1) as srv:
-        run_candidate(segs, SpeechClient(srv.url), tmp_path / "a", concurrency=3, pattern="staggered", stagger_ms=100)
+        run_candidate(segs, SpeechClient(srv.url), tmp_path / "a", concurrency=3, pattern="staggered", stagger_ms=300)
         t = sorted(r["t"] for r in srv.requests)
-    assert t[1] - t[0] >= 0.08 and t[2] - t[1] >= 0.08
+    assert t[1] - t[0] >= 0.15 and t[2] - t[1] >= 0.15
     assert [s.id for s in order_segments(segs, "permuted", 1)] == [s.id for s in order_segments(segs, "permuted", 1)]
     assert sorted(s.id for s in order_segments(segs, "permuted", 1)) == sorted(s.id for s in segs)
     mixed = order_segments(suite.segments, "mixed")
