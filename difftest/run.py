@@ -201,7 +201,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
 
     `runner`: a reference runner already started (with the models this run needs), to share one
     between runs; it is left running. Otherwise one is started and stopped here."""
-    out = Path(out)
+    out = Path(out).resolve()  # engines and runners run in other working folders
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
     run_id = uuid.uuid4().hex[:8]  # tags capture files: engines may serve several runs at once

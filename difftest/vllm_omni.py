@@ -305,7 +305,7 @@ def start_vllm_omni(out_dir: str | Path, models: list[str], opts: VllmOmniOption
     """Start vLLM-Omni for these checkpoints (one server per checkpoint type the tasks need).
 
     Returns (client, capture dir or None, provenance). The servers stop when `stack` closes."""
-    out_dir = Path(out_dir)
+    out_dir = Path(out_dir).resolve()  # the server runs in another working folder
     python = omni_python(opts.python)
     env_info = environment_info(python)
     if opts.device == "cpu" and not env_info.get("difftest_cpu_platform"):
