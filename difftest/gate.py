@@ -19,7 +19,7 @@ from . import mlflow_records as rec
 from .errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput, InfraError
 from .gate_output import headline, junit_xml, markdown
 from .policy import Policy, load_policy
-from .results import _atomic_write
+from .results import atomic_write
 from .tracking import TrackingUnavailable, child_runs, mlflow_client, read_report, resolve_tracking_uri
 
 # Per segment: pass, fixed (failed in the baseline, clean now), known, regression, new (failing,
@@ -136,7 +136,7 @@ def main_gate(args) -> int:
     md = Path(args.markdown) if args.markdown else out / "gate.md"
     for path, data in ((junit, junit_xml(report, result)), (md, markdown(report, result, policy).encode())):
         path.parent.mkdir(parents=True, exist_ok=True)
-        _atomic_write(path, data)
+        atomic_write(path, data)
     print("\n".join(headline(report, result)))
     print(f"junit: {junit}\nmarkdown: {md}")
     return result.exit_code

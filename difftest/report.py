@@ -10,7 +10,7 @@ from pathlib import Path
 from . import __version__
 from .errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INFRA, EXIT_PASS
 from .policy import VERDICTS, Policy
-from .results import _atomic_write
+from .results import atomic_write
 from .verdicts import SegmentVerdict
 
 FORMAT = "difftest.report/1"
@@ -58,8 +58,8 @@ def write_report(out_dir: str | Path, report: dict) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     path = out / "report.json"
-    _atomic_write(path, (json.dumps(report, indent=1, sort_keys=True, allow_nan=False) + "\n").encode())
-    _atomic_write(out / "summary.md", summary_markdown(report).encode())
+    atomic_write(path, (json.dumps(report, indent=1, sort_keys=True, allow_nan=False) + "\n").encode())
+    atomic_write(out / "summary.md", summary_markdown(report).encode())
     return path
 
 

@@ -76,7 +76,7 @@ def _ext(stem: Path, ext: str) -> Path:
     return stem.with_name(stem.name + ext)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes) -> None:
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -103,7 +103,7 @@ def write_result(stem: str | Path, result: Result) -> Path:
     np.savez(buf, **arrays)
     blob = buf.getvalue()
     npz = _ext(stem, ".npz")
-    _atomic_write(npz, blob)
+    atomic_write(npz, blob)
     sidecar = {
         "format": FORMAT,
         "segment_id": result.segment_id,
@@ -119,7 +119,7 @@ def write_result(stem: str | Path, result: Result) -> Path:
         "meta": result.meta,
     }
     side = _ext(stem, ".json")
-    _atomic_write(side, json.dumps(sidecar, indent=1, sort_keys=True, allow_nan=False).encode())
+    atomic_write(side, json.dumps(sidecar, indent=1, sort_keys=True, allow_nan=False).encode())
     return side
 
 
@@ -204,7 +204,7 @@ class ResultStore:
         d = self.root / f"{label}-{self.config_key(fingerprint)[:16]}"
         if not (d / "config.json").is_file():
             d.mkdir(parents=True, exist_ok=True)
-            _atomic_write(d / "config.json",
+            atomic_write(d / "config.json",
                           json.dumps({"label": label, "fingerprint": fingerprint}, indent=1, sort_keys=True).encode())
         return d
 

@@ -29,7 +29,7 @@ from .policy import Policy
 from .progress import Progress
 from .reference import REPO, ReferenceOptions, reference_python, run_reference, runner_argv, tiny_checkpoints
 from .report import build_report, overall, summary_lines, write_report
-from .results import CorruptResult, Result, ResultStore, _atomic_write, _ext, read_result
+from .results import CorruptResult, Result, ResultStore, atomic_write, _ext, read_result
 from .runner_client import RunnerDied, RunnerProcess
 from .speech_client import SpeechClient
 from .suite import Suite
@@ -214,7 +214,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
     models = resolve_models(suite, opts, python)  # builds the tiny checkpoints on first use
     timings["checkpoints_s"] = time.perf_counter() - t0
     ref_opts = ReferenceOptions(**{**opts.reference.__dict__, "models": models})
-    _atomic_write(out / "run.json", json.dumps({
+    atomic_write(out / "run.json", json.dumps({
         "suite": str(suite.path), "suite_hash": suite.hash, "candidate": spec.label,
         "concurrency": opts.concurrency, "pattern": opts.pattern, "order": opts.order,
         "store": str(store.root.resolve()), "models": models, "difftest_version": __version__,

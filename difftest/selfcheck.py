@@ -22,7 +22,7 @@ from .errors import BadInput
 from .launcher import ServerProcess, free_port
 from .policy import Policy
 from .reference import REPO, ReferenceOptions, reference_python
-from .results import _atomic_write, load_result_set
+from .results import atomic_write, load_result_set
 from .run import CandidateSpec, RunOptions, resolve_models, run, start_reference_runner
 from .speech_client import SpeechClient
 from .suite import Suite, content_hash
@@ -151,7 +151,7 @@ def selfcheck(suite: Suite, out: Path, policy: Policy, opts: RunOptions, checks=
             run_dir = out / check.name.replace(", ", "-")
             report = run(variant(suite, check.variant), spec, run_dir, policy, opts, runner=runner)
             rows.append({**judge(check, report, run_dir), "report": str(run_dir / "report.json")})
-    _atomic_write(out / "selfcheck.json", (json.dumps({"suite": suite.name, "concurrency": opts.concurrency,
+    atomic_write(out / "selfcheck.json", (json.dumps({"suite": suite.name, "concurrency": opts.concurrency,
                                                         "checks": rows}, indent=1) + "\n").encode())
     return rows
 

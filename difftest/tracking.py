@@ -32,7 +32,7 @@ from pathlib import Path
 
 from . import mlflow_records as rec
 from .errors import EXIT_INFRA, EXIT_PASS, BadInput, DifftestError
-from .results import _atomic_write
+from .results import atomic_write
 from .segment_media import write_segment_media
 
 log = logging.getLogger(__name__)
@@ -89,7 +89,7 @@ def read_state(out_dir: Path) -> dict:
 
 
 def _write_state(out_dir: Path, state: dict) -> None:
-    _atomic_write(Path(out_dir) / STATE, (json.dumps(state, indent=1, sort_keys=True) + "\n").encode())
+    atomic_write(Path(out_dir) / STATE, (json.dumps(state, indent=1, sort_keys=True) + "\n").encode())
 
 
 def _now() -> str:

@@ -48,7 +48,7 @@ from pathlib import Path
 from ..errors import BadInput, InfraError
 from ..launcher import ServerProcess, free_port
 from ..reference import REPO
-from ..results import _atomic_write
+from ..results import atomic_write
 from ..run import CandidateSpec, RunOptions
 from ..suite import Suite
 
@@ -253,7 +253,7 @@ def prepare(recipe: Recipe, worktrees: Worktrees, sha: str) -> Build:
     if not Path(module_file).resolve().is_relative_to(src.resolve()):
         raise BuildFailed(f"`import {recipe.module}` finds {module_file}, not the worktree {src}: another copy "
                           f"shadows it (log {log_path})")
-    _atomic_write(stamp_path, (json.dumps({**want, "module_file": module_file}, indent=1) + "\n").encode())
+    atomic_write(stamp_path, (json.dumps({**want, "module_file": module_file}, indent=1) + "\n").encode())
     return Build(sha, src, python, log_path, module_file, False, time.perf_counter() - t0)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..errors import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_PASS
-from ..results import _atomic_write
+from ..results import atomic_write
 from . import search
 from .builds import commit_info, first_parent_range, resolve
 from .probe import ProbeRecord, one_line
@@ -116,7 +116,7 @@ def run_bisect(repo: str | Path, good: str, bad: str, prober, out: str | Path, *
     state.data["result"] = result
     state.save()
     log_path = out / LOG_FILE
-    _atomic_write(log_path, text_log(state, commits, result).encode())
+    atomic_write(log_path, text_log(state, commits, result).encode())
     recorder.finish(result, [state.path, log_path])
     print("\n".join(summary(state, result)), file=stdout)
     return STATUS_EXIT[outcome.status]

@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 
 from ..errors import BadInput
-from ..results import _atomic_write
+from ..results import atomic_write
 from .probe import ProbeRecord
 from .search import Vote
 
@@ -83,4 +83,4 @@ class BisectState:
         return entry
 
     def save(self) -> None:
-        _atomic_write(self.path, (json.dumps(self.data, indent=1, sort_keys=True) + "\n").encode())
+        atomic_write(self.path, (json.dumps(self.data, indent=1, sort_keys=True) + "\n").encode())

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BadInput
-from ..results import _atomic_write
+from ..results import atomic_write
 from ..segment_media import safe_name
 from . import model, pages
 from .assets import stylesheet
@@ -47,7 +47,7 @@ def _prepare(site: Path) -> None:
 
 def _write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    _atomic_write(path, text.encode())
+    atomic_write(path, text.encode())
 
 
 def render_site(store: Store, site: Path, ctx: pages.Context) -> Built:

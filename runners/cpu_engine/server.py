@@ -19,9 +19,7 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import sys
-import tempfile
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -31,6 +29,7 @@ from typing import Callable
 import numpy as np
 
 from difftest import wavio
+from difftest.results import atomic_write
 
 from . import ENGINE_NAME, LABEL
 from .api import API_OF_TASK, BadRequest, ModelInfo, VoiceStore, parse_speech, parse_voice_upload
@@ -50,16 +49,7 @@ def write_capture(capture_dir: Path, tag: str, codes: np.ndarray, ref_codes: np.
              ref_codes=np.asarray(ref_codes, np.int64).reshape(-1, 16),
              wav=np.asarray(wav, np.float32).reshape(-1))
     path = Path(capture_dir) / f"{tag}.npz"
-    fd, tmp = tempfile.mkstemp(dir=capture_dir, prefix=f".{tag}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(buf.getvalue())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write(path, buf.getvalue())  # fsynced before the answer goes out
     return path
 
 
