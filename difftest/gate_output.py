@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from .mlflow_records import CLEAN, canonical_tags
+from .mlflow_records import CLEAN, canonical_tags, donor_text
 
 ORDER = ("error", "regression", "new", "fail", "known", "fixed", "pass")
 LABEL = {"error": "error", "regression": "regression", "new": "new failure", "fail": "failing",
@@ -19,7 +19,7 @@ def _where(seg: dict) -> str:
     if seg.get("stage"):
         parts.append(f"stage {seg['stage']}")
     if seg.get("donor"):
-        parts.append(f"donor {seg['donor']}")
+        parts.append(f"donor {donor_text(seg)}")
     return ", ".join(parts)
 
 
@@ -39,7 +39,7 @@ def _details(row, result) -> str:
     lines = [f"verdict: {s['verdict']}", f"gate: {LABEL[row.status]}" + (f" ({w})" if (w := _why(row, result)) else "")]
     if s.get("first_divergent_chunk") is not None or s.get("first_divergent_frame") is not None:
         lines.append(f"first divergent chunk: {s.get('first_divergent_chunk')} (frame {s.get('first_divergent_frame')})")
-    for k in ("stage", "donor", "error_kind"):
+    for k in ("stage", "donor", "donor_kind", "error_kind"):
         if s.get(k):
             lines.append(f"{k}: {s[k]}")
     lines.append(f"summary: {s.get('summary', '')}")
@@ -113,7 +113,7 @@ def markdown(report: dict, result, policy, rows: int = 50) -> str:
         summary = str(s.get("summary", "")).replace("|", "\\|").replace("\n", " ")
         gate = f"**{LABEL[r.status]}**" if result.fails(r) or r.status == "error" else LABEL[r.status]
         out.append(f"| {s['id']} | {gate} | {s['verdict']} | {chunk} | {s.get('stage') or ''} | "
-                   f"{s.get('donor') or ''} | {summary} |")
+                   f"{donor_text(s)} | {summary} |")
     if len(shown) > rows:
         out.append(f"\n{len(shown) - rows} more in report.json")
     return "\n".join(out) + "\n"

@@ -188,11 +188,20 @@ def parent_metrics(report: dict) -> dict[str, float]:
     return out
 
 
+def donor_text(seg: dict) -> str:
+    """The donor as shown to people: `s2` when it lent its reference codes, `s2 (length)` when only
+    their length (`donor_kind`), '' when there is none."""
+    donor, kind = seg.get("donor"), seg.get("donor_kind")
+    if not donor:
+        return ""
+    return f"{donor} ({kind})" if kind and kind != "codes" else donor
+
+
 def segment_tags(seg: dict, report: dict, parent_run_id: str, inherited: dict) -> dict[str, str]:
     raw = {
         KIND: "segment", PARENT: parent_run_id, "segment.id": seg["id"], "verdict": seg.get("verdict"),
-        "stage": seg.get("stage"), "donor": seg.get("donor"), "error_kind": seg.get("error_kind"),
-        "first_divergent_chunk": seg.get("first_divergent_chunk"),
+        "stage": seg.get("stage"), "donor": seg.get("donor"), "donor_kind": seg.get("donor_kind"),
+        "error_kind": seg.get("error_kind"), "first_divergent_chunk": seg.get("first_divergent_chunk"),
         "first_divergent_frame": seg.get("first_divergent_frame"),
         "failing": "true" if seg["id"] in (report.get("failing") or []) else "false",
         "summary": seg.get("summary"),
@@ -257,7 +266,8 @@ def divergence_rows(report: dict) -> list[dict]:
     return [{"segment": s["id"], "verdict": s["verdict"], "failing": s["id"] in failing,
              "first_divergent_chunk": s.get("first_divergent_chunk"),
              "first_divergent_frame": s.get("first_divergent_frame"),
-             "stage": s.get("stage"), "donor": s.get("donor"), "error_kind": s.get("error_kind"),
+             "stage": s.get("stage"), "donor": s.get("donor"), "donor_kind": s.get("donor_kind"),
+             "error_kind": s.get("error_kind"),
              "summary": s.get("summary", "")}
             for s in report.get("segments") or [] if s.get("verdict") not in CLEAN]
 

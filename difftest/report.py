@@ -9,6 +9,7 @@ from pathlib import Path
 
 from . import __version__
 from .errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INFRA, EXIT_PASS
+from .mlflow_records import donor_text
 from .policy import VERDICTS, Policy
 from .results import atomic_write
 from .verdicts import SegmentVerdict
@@ -81,7 +82,7 @@ def summary_lines(report: dict, limit: int = 20) -> list[str]:
         if s["stage"]:
             where.append(s["stage"])
         if s["donor"]:
-            where.append(f"donor {s['donor']}")
+            where.append(f"donor {donor_text(s)}")
         lines.append(f"  {s['id']}: {s['verdict']}" + (f" [{', '.join(where)}]" if where else "") + f" {s['summary']}")
         shown += 1
     for w in report.get("warnings", [])[:5]:
@@ -95,5 +96,5 @@ def summary_markdown(report: dict) -> str:
     for s in report["segments"]:
         chunk = "" if s["first_divergent_chunk"] is None else str(s["first_divergent_chunk"])
         summary = s["summary"].replace("|", "\\|")
-        rows.append(f"| {s['id']} | {s['verdict']} | {chunk} | {s['stage'] or ''} | {s['donor'] or ''} | {summary} |")
+        rows.append(f"| {s['id']} | {s['verdict']} | {chunk} | {s['stage'] or ''} | {donor_text(s)} | {summary} |")
     return head + "\n".join(summary_lines(report)[:1]) + "\n\n" + "\n".join(rows) + "\n"

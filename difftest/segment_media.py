@@ -34,7 +34,8 @@ def load_segment_audio(seg: dict, out_dir: Path) -> dict:
     The cross-decode with the named donor's reference codes comes as `cross_donor`."""
     arts = seg.get("artifacts") or {}
     wanted = {r: arts[r] for r in ROLES if arts.get(r)}
-    if seg.get("donor") and arts.get(f"cross_donor:{seg['donor']}"):
+    # a length donor lent no codes: decoding with its reference would show nothing of the leak
+    if seg.get("donor") and seg.get("donor_kind") != "length" and arts.get(f"cross_donor:{seg['donor']}"):
         wanted["cross_donor"] = arts[f"cross_donor:{seg['donor']}"]
     out = {}
     for role, path in wanted.items():
@@ -103,7 +104,8 @@ def spectrogram_difference(ref: np.ndarray, cand: np.ndarray, sample_rate: int, 
             ax.axvline(seg["first_divergent_frame"] * SAMPLES_PER_FRAME / sample_rate, color="lime", ls="--", lw=1)
     axes[-1].set_xlabel("seconds")
     where = [f"chunk {seg['first_divergent_chunk']}" if seg.get("first_divergent_chunk") is not None else "",
-             seg.get("stage") or "", f"donor {seg['donor']}" if seg.get("donor") else ""]
+             seg.get("stage") or "", (f"donor {seg['donor']}" + (" (length)" if seg.get("donor_kind") == "length" else ""))
+             if seg.get("donor") else ""]
     where = ", ".join(w for w in where if w)
     fig.suptitle(f"{seg['id']}: {seg['verdict']}" + (f" ({where})" if where else ""), fontsize=10)
     path.parent.mkdir(parents=True, exist_ok=True)

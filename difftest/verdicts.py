@@ -60,13 +60,14 @@ class SegmentVerdict:
     comparisons: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     artifacts: dict = field(default_factory=dict)  # role -> result sidecar path
+    donor_kind: str | None = None  # what the donor lent: "codes" (its reference codes) or "length" (their length)
 
     def to_json(self) -> dict:
         return {
             "id": self.id, "verdict": self.verdict, "summary": self.summary,
             "first_divergent_frame": self.first_divergent_frame,
             "first_divergent_chunk": self.first_divergent_chunk,
-            "stage": self.stage, "donor": self.donor, "error_kind": self.error_kind,
+            "stage": self.stage, "donor": self.donor, "donor_kind": self.donor_kind, "error_kind": self.error_kind,
             "notes": self.notes, "comparisons": self.comparisons, "artifacts": self.artifacts,
         }
 
@@ -80,6 +81,7 @@ class _Finding:
     stage: str | None = None
     donor: str | None = None
     error_kind: str | None = None
+    donor_kind: str | None = None
 
 
 class _Audio:
@@ -202,34 +204,64 @@ def _vocoder_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> 
             return [_Finding("contamination",
                              f"chunks {_ranges(bad)} decode as if with {donor}'s reference codes "
                              f"(log-mel distance {scores[donor]:.3g} against {own:.3g} with its own){same}",
-                             frame=frame, chunk=chunk, stage="handoff", donor=donor)]
+                             frame=frame, chunk=chunk, stage="handoff", donor=donor, donor_kind="codes")]
     return [_Finding("vocoder_defect",
                      f"candidate audio leaves the reference vocoder's output on its own codes from chunk {chunk} "
                      f"(chunks {_ranges(bad)}, worst log-mel distance {audio.chunks.logmel[bad].max():.3g})",
                      frame=frame, chunk=chunk, stage="vocoder")]
 
 
-def _handoff_findings(ev: Evidence, comps: dict) -> list[_Finding]:
-    """Reference codes handed to the vocoder that belong to another request."""
+def _resized(own: np.ndarray, n: int) -> np.ndarray:
+    """`own` cut to its first n frames, or extended by repeating it from its start: what the no-async
+    hand-off makes of a reference re-emitted at every step (so concatenated with itself) and trimmed
+    to another request's `ref_code_len` (docs/handoff-probe.md, finding 3)."""
+    return own[np.arange(n) % len(own)]
+
+
+def _handoff_findings(ev: Evidence, comps: dict, notes: list, voc: list) -> list[_Finding]:
+    """Reference codes handed to the vocoder that belong to another request, or are the segment's
+    own at another request's length. `voc`: the vocoder findings, for where the audio shows it."""
     cand = ev.candidate
     own_src = ev.control if ev.control is not None and ev.control.has_codes else ev.reference
     own = own_src.ref_codes
     if _same(cand.ref_codes, own):
         return []
     donors = [p for p, rc in sorted(ev.peer_ref_codes.items()) if len(rc) and _same(cand.ref_codes, rc)]
-    comps["ref_codes"] = {"own_frames": len(own), "candidate_frames": len(cand.ref_codes),
+    n, m = len(cand.ref_codes), len(own)
+    resized = bool(n and m and n != m and _same(cand.ref_codes, _resized(own, n)))
+    by_length = [p for p, rc in sorted(ev.peer_ref_codes.items()) if len(rc) == n] if resized else []
+    comps["ref_codes"] = {"own_frames": m, "candidate_frames": n,
                           "matches_peer": donors[0] if donors else None,
-                          "own_from": "control" if own_src is ev.control else "reference"}
+                          "own_from": "control" if own_src is ev.control else "reference",
+                          "own_resized": ("cut" if n < m else "extended") if resized else None,
+                          "peers_of_that_length": by_length}
     if donors:
         same = f" (as are {', '.join(donors[1:])}'s: the same voice)" if len(donors) > 1 else ""
         return [_Finding("contamination",
-                         f"the candidate used {donors[0]}'s reference codes ({len(cand.ref_codes)} frames) "
-                         f"instead of its own ({len(own)} frames){same}",
-                         frame=0, chunk=0, stage="handoff", donor=donors[0])]
+                         f"the candidate used {donors[0]}'s reference codes ({n} frames) "
+                         f"instead of its own ({m} frames){same}",
+                         frame=0, chunk=0, stage="handoff", donor=donors[0], donor_kind="codes")]
+    if resized:
+        verb, how = (("cut", f"instead of {m}: its last {m - n} dropped") if n < m else
+                     ("extended", f"instead of {m}: {n - m} more repeating it from its start"))
+        if len(by_length) == 1:
+            donor, frame, chunk, audio = by_length[0], 0, 0, ""
+            if voc and voc[0].kind in ("vocoder_defect", "contamination") and "donor_search" in comps:
+                frame, chunk = voc[0].frame, voc[0].chunk
+                audio = (f"; its audio leaves the decode with its own reference in chunks "
+                         f"{_ranges(comps['donor_search']['chunks'])}")
+            return [_Finding("contamination",
+                             f"{ev.segment_id}'s vocoder got its own reference codes {verb} to {donor}'s length "
+                             f"({n} frames {how}), as if handed {donor}'s ref_code_len (the #4421 family){audio}",
+                             frame=frame, chunk=chunk, stage="handoff", donor=donor, donor_kind="length")]
+        who = (f"the length of {', '.join(by_length[:-1])} and {by_length[-1]}'s reference codes alike: "
+               "no single donor" if by_length
+               else "a length no co-batched request's reference codes have")
+        notes.append(f"the vocoder got its own reference codes {verb} to {n} frames ({how}), {who}")
     if own_src is ev.control:
         return [_Finding("concurrency_defect",
                          f"reference codes at concurrency N differ from those at 1 "
-                         f"({len(cand.ref_codes)} against {len(own)} frames) and match no co-batched request",
+                         f"({n} against {m} frames) and match no co-batched request",
                          frame=0, chunk=0, stage="handoff")]
     return []  # against the reference engine's encoder, a difference is the headline's business
 
@@ -318,7 +350,7 @@ def _headline_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) ->
     return out
 
 
-def _ranges(idx: np.ndarray) -> str:
+def _ranges(idx) -> str:
     idx = [int(i) for i in idx]
     parts, start = [], None
     for i, v in enumerate(idx):
@@ -340,12 +372,12 @@ def classify(ev: Evidence, policy: Policy) -> SegmentVerdict:
         cand = ev.candidate
         if not cand.has_codes:
             notes.append("candidate returned no codes (no capture): audio-only comparison")
+        voc = _vocoder_findings(ev, policy, comps, mels) if ev.cross_own is not None and cand.has_codes else []
         if cand.has_codes:
-            findings += _handoff_findings(ev, comps)
-        if ev.cross_own is not None and cand.has_codes:
-            findings += _vocoder_findings(ev, policy, comps, mels)
-        elif cand.has_codes:
-            notes.append("no cross-decode: vocoder stage not checked")
+            findings += _handoff_findings(ev, comps, notes, voc)
+            if ev.cross_own is None:
+                notes.append("no cross-decode: vocoder stage not checked")
+        findings += voc
         if ev.control is not None:
             findings += _concurrency_findings(ev, policy, comps, mels)
         else:
@@ -366,4 +398,4 @@ def classify(ev: Evidence, policy: Policy) -> SegmentVerdict:
                  if (r := getattr(ev, role)) is not None and r.source is not None}
     artifacts.update({f"cross_donor:{p}": str(r.source) for p, r in ev.cross_donors.items() if r.source is not None})
     return SegmentVerdict(ev.segment_id, verdict, top.summary, top.frame, chunk, top.stage, top.donor,
-                          top.error_kind, comps, notes, artifacts)
+                          top.error_kind, comps, notes, artifacts, top.donor_kind)

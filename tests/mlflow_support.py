@@ -16,6 +16,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+import numpy as np
 import pytest
 from toy import toy_codes, toy_decode, toy_result
 
@@ -99,10 +100,11 @@ def candidate_provenance(version: str, device: str) -> dict:
             "device": device, "commit": "c0ffee" + version.replace(".", ""), "deploy_config": {"greedy": True}}
 
 
-def make_report(root: Path, name: str, *, leak_into=(), version: str = "0.30.0", device: str = "cpu",
+def make_report(root: Path, name: str, *, leak_into=(), length_into=(), version: str = "0.30.0", device: str = "cpu",
                 suite: dict | None = None, nan_reference: bool = False, segments: int = 3) -> Path:
     """A difftest output folder made by `difftest compare` on toy results: segments s0..s{n-1};
-    those in `leak_into` decoded with the last segment's reference codes (the seed's leak).
+    those in `leak_into` decoded with the last segment's reference codes (the seed's leak), those in
+    `length_into` with their own extended to its length (the no-async hand-off's ref_code_len leak).
     `suite` is put into report.json as `difftest run` writes it (compare knows no suite)."""
     base = root / name
     ref, cand, ctrl = base / "ref", base / "cand", base / "ctrl"
@@ -119,6 +121,8 @@ def make_report(root: Path, name: str, *, leak_into=(), version: str = "0.30.0",
                                            meta={"runner": "reference", "concurrency": 1}))
         write_result(ctrl / sid, toy_result(sid, codes, own, provenance=cprov, meta={"runner": "cand", "concurrency": 1}))
         used = refs[donor] if sid in leak_into else own
+        if sid in length_into:
+            used = own[np.arange(len(refs[donor])) % len(own)]
         write_result(cand / sid, toy_result(sid, codes, used, provenance=cprov, meta={"runner": "cand", "concurrency": 3}))
     out = base / "out"
     difftest_main(["compare", str(ref), str(cand), "--control", str(ctrl), "--out", str(out)])

@@ -416,8 +416,8 @@ def test_without_report_json_the_segments_come_from_the_child_runs(site, tmp_pat
     rebuilt = _report_from_children(parent, kids, site.client)
     assert rebuilt["verdict"] == "fail" and sorted(rebuilt["failing"]) == sorted(run.report["failing"])
     for want, got in zip(run.report["segments"], rebuilt["segments"]):
-        assert (got["id"], got["verdict"], got["donor"], got["first_divergent_chunk"]) == (
-            want["id"], want["verdict"], want["donor"], want["first_divergent_chunk"])
+        assert (got["id"], got["verdict"], got["donor"], got["donor_kind"], got["first_divergent_chunk"]) == (
+            want["id"], want["verdict"], want["donor"], want["donor_kind"], want["first_divergent_chunk"])
         assert [c.tiers for c in model.segment_cells(got)] == [c.tiers for c in model.segment_cells(want)]
     # and a site built from a store whose report.json is gone says so, and still draws the run
     store = tmp_path / "store"
@@ -448,15 +448,46 @@ def test_pages_escape_what_comes_from_data():
     assert render('<a title="{t}">{t}</a>', t='"><b>') == '<a title="&quot;&gt;&lt;b&gt;">&quot;&gt;&lt;b&gt;</a>'
     assert esc(esc("<")) == "&lt;"  # escaped once, not twice
     seg = {"id": "<i>s</i>", "verdict": "<b>v</b>", "summary": "'<script>'", "donor": "\"><svg onload=x>",
-           "first_divergent_chunk": 0, "stage": "<s>", "notes": ["<u>"], "comparisons": {}}
+           "donor_kind": "<k>", "first_divergent_chunk": 0, "stage": "<s>", "notes": ["<u>"], "comparisons": {}}
     report = {"verdict": "fail", "segments": [seg], "failing": [seg["id"]], "warnings": ["<w>"]}
     run = Run("r1", "1", "difftest/<e>", "n", 0, {"candidate.label": "<l>", "verdict": "fail"}, {}, report,
               "report.json", texts={seg["id"]: "<t>"})
     ctx = pages.Context(ui_url="http://x", uri="<uri>", built="now")
     store = SimpleNamespace(runs=[run], bisects=[], notes=["<n>"])
     for html_text in (pages.run_page(run, ctx), pages.segment_page(run, 0, seg, ctx), pages.index_page(store, ctx)):
-        for bad in ("<i>s", "<b>v", "<script>", "<svg onload", "<s>", "<u>", "<w>", "<l>", "<t>", "<e>", "<n>", "<uri>"):
+        for bad in ("<i>s", "<b>v", "<script>", "<svg onload", "<k>", "<s>", "<u>", "<w>", "<l>", "<t>", "<e>", "<n>",
+                    "<uri>"):
             assert bad not in html_text
+
+
+def test_a_length_donor_is_shown_as_such():
+    """The vocoder got the segment's own reference codes at the donor's length: the pages say so, and
+    neither play the decode with the donor's reference codes nor mark it the culprit."""
+    from difftest.dashboard import pages
+    from difftest.dashboard.gather import Run
+
+    seg = {"id": "a", "verdict": "contamination", "donor": "b", "donor_kind": "length", "stage": "handoff",
+           "first_divergent_chunk": 0, "first_divergent_frame": 0, "notes": [],
+           "summary": "a's vocoder got its own reference codes cut to b's length (15 frames instead of 20: ...)",
+           "comparisons": {
+               "ref_codes": {"own_frames": 20, "candidate_frames": 15, "matches_peer": None, "own_from": "control",
+                             "own_resized": "cut", "peers_of_that_length": ["b"]},
+               "donor_search": {"own_logmel": 1.0, "peers_logmel": {"b": 0.9, "c": 1.2}, "chunks": [0, 1]}}}
+    report = {"verdict": "fail", "segments": [seg], "failing": ["a"], "warnings": []}
+    media = {"a": {"audio": {r: f"media/audio/a/{r}.wav" for r in ("candidate", "cross_own", "cross_donor")}}}
+    run = Run("r1", "1", "difftest/toy", "n", 0, {"verdict": "fail"}, {}, report, "report.json", media=media)
+    ctx = pages.Context(ui_url="http://x", uri="u", built="now")
+    page = pages.segment_page(run, 0, seg, ctx)
+    assert "<dt>donor</dt><dd>b (length)</dd>" in page
+    assert "its vocoder got its own reference codes, cut to b's length" in page
+    assert "15 frames instead of its own 20 (own: from the control): its own, cut to that length (b" in page
+    assert 'data-role="cross_donor"' not in page and 'data-role="cross_own"' in page
+    assert 'class="culprit"' not in page
+    assert "donor b (length)" in pages.where_line(run, seg)
+    assert "<td>b (length)</td>" in pages.run_page(run, ctx)
+    seg["donor_kind"] = "codes"  # a reference-codes donor reads as before
+    assert 'data-role="cross_donor"' in pages.segment_page(run, 0, seg, ctx)
+    assert pages.where_line(run, seg).endswith("donor b</span>")
 
 
 def test_cells_rates_and_changes():

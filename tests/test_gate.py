@@ -75,11 +75,25 @@ def test_gate_pass_and_fail_without_baseline(tmp_path, capsys):
         assert message.startswith("contamination at chunk 0, stage handoff, donor s2: the candidate used s2's")
     text = root.find(".//testcase[@name='s0']/failure").text
     assert "first divergent chunk: 0 (frame 0)" in text and "donor: s2" in text
+    assert "donor_kind: codes" in text
     props = {p.get("name"): p.get("value") for p in root.iter("property")}
     assert props["gate.verdict"] == "fail" and props["candidate.version"] == "0.30.0" and props["device"] == "cpu"
     summary = md.read_text()
     assert summary.startswith("## ❌ difftest gate: fail") and "| s0 | **failing** | contamination | 0 | handoff | s2 |" in summary
     assert not (leak / "junit.xml").exists()
+
+
+def test_gate_shows_a_length_donor(tmp_path, capsys):
+    out = make_report(tmp_path, "length", length_into=("s0",))
+    assert gate(out) == 1
+    _, cases = junit_cases(out / "junit.xml")
+    outcome, kind, message = cases["s0"]
+    assert (outcome, kind) == ("failure", "contamination")
+    assert message.startswith("contamination at chunk 0, stage handoff, donor s2 (length): s0's vocoder got its own "
+                              "reference codes extended to s2's length (12 frames instead of 10: 2 more repeating")
+    assert "donor_kind: length" in ET.parse(out / "junit.xml").getroot().find(".//testcase[@name='s0']/failure").text
+    assert "| s0 | **failing** | contamination | 0 | handoff | s2 (length) |" in (out / "gate.md").read_text()
+    assert "| s0 | contamination | 0 | handoff | s2 (length) |" in (out / "summary.md").read_text()
 
 
 def test_gate_infrastructure_error_exits_3_and_bad_input_2(tmp_path, capsys):

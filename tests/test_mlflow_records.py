@@ -73,5 +73,16 @@ def test_divergence_rows_skip_clean_segments():
         {"id": "s0", "verdict": "identical"}, {"id": "s1", "verdict": "contamination", "donor": "s2",
                                                "first_divergent_chunk": 0, "stage": "handoff", "summary": "x"},
         {"id": "s2", "verdict": "code_divergence", "summary": "y"}]}
+    report["segments"][1]["donor_kind"] = "length"
     rows = rec.divergence_rows(report)
-    assert [(r["segment"], r["failing"], r["donor"]) for r in rows] == [("s1", True, "s2"), ("s2", False, None)]
+    assert [(r["segment"], r["failing"], r["donor"], r["donor_kind"]) for r in rows] == [
+        ("s1", True, "s2", "length"), ("s2", False, None, None)]
+    tags = rec.segment_tags(report["segments"][1], report, "p" * 32, {})
+    assert (tags["donor"], tags["donor_kind"]) == ("s2", "length")
+    assert "donor_kind" not in rec.segment_tags(report["segments"][2], report, "p" * 32, {})
+
+
+def test_donor_text():
+    assert rec.donor_text({"donor": None}) == "" and rec.donor_text({}) == ""
+    assert rec.donor_text({"donor": "s2"}) == "s2" and rec.donor_text({"donor": "s2", "donor_kind": "codes"}) == "s2"
+    assert rec.donor_text({"donor": "s2", "donor_kind": "length"}) == "s2 (length)"

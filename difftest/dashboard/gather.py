@@ -205,7 +205,8 @@ def _report_from_children(parent, kids: list, client) -> dict:
                 return None
 
         segments.append({"id": t.get("segment.id") or kid.info.run_name, "verdict": t.get("verdict"),
-                         "stage": t.get("stage"), "donor": t.get("donor"), "error_kind": t.get("error_kind"),
+                         "stage": t.get("stage"), "donor": t.get("donor"), "donor_kind": t.get("donor_kind"),
+                         "error_kind": t.get("error_kind"),
                          "first_divergent_chunk": _int("first_divergent_chunk"),
                          "first_divergent_frame": _int("first_divergent_frame"),
                          "summary": t.get("summary", ""), "notes": [n for n in t.get("notes", "").split("; ") if n],

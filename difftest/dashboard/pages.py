@@ -6,6 +6,7 @@ from __future__ import annotations
 import datetime as _dt
 from dataclasses import dataclass, field
 
+from ..mlflow_records import donor_text
 from ..policy import TIERS, VERDICTS
 from ..segment_media import safe_name
 from . import model
@@ -125,7 +126,7 @@ def where_line(run, seg: dict, root: str = "") -> Markup:
     if seg.get("stage"):
         bits.append(seg["stage"])
     if seg.get("donor"):
-        bits.append(f"donor {seg['donor']}")
+        bits.append(f"donor {donor_text(seg)}")
     return render('{n} {b} <span class="muted small">{w}</span>', n=name, b=verdict_badge(seg.get("verdict")),
                   w=" · ".join(bits))
 
@@ -211,7 +212,7 @@ def where_groups(run, root: str = "", limit: int = 3) -> Markup:
     shown = [s for s in segs if s["id"] in failing] or [s for s in segs if s.get("verdict") not in model.CLEAN]
     groups: dict[tuple, list] = {}
     for s in shown:
-        key = (s.get("verdict"), s.get("first_divergent_chunk"), s.get("stage"), s.get("donor"))
+        key = (s.get("verdict"), s.get("first_divergent_chunk"), s.get("stage"), donor_text(s))
         groups.setdefault(key, []).append(s)
     rank = {v: i for i, v in enumerate(("error", "contamination", "vocoder_defect", "concurrency_defect",
                                         "length_mismatch", "code_divergence", "audio_divergence"))}
@@ -468,7 +469,7 @@ def run_page(run, ctx: Context) -> str:
             '<td>{st}</td><td>{d}</td><td>{sm}</td><td>{ml}</td></tr>',
             h=href(segment_file(i, s["id"])), i=s["id"], b=verdict_badge(s.get("verdict")),
             f="fails" if s["id"] in set(run.failing) else "", c=s.get("first_divergent_chunk"),
-            fr=s.get("first_divergent_frame"), st=s.get("stage") or "", d=s.get("donor") or "",
+            fr=s.get("first_divergent_frame"), st=s.get("stage") or "", d=donor_text(s),
             sm=s.get("summary", ""),
             ml=mlflow_link(ctx, run.experiment_id, run.children[s["id"]], "MLflow ↗") if s["id"] in run.children
             else "") for i, s in div)
@@ -560,10 +561,13 @@ def _codes_block(seg: dict) -> Markup:
         msg = f"The codes agree at every frame ({(codes.get('frames') or ['?'])[0]} frames)."
     extra = Markup("")
     if isinstance(rc, dict):
+        resized = (f": its own, {rc['own_resized']} to that length"
+                   + (f" ({' and '.join(rc['peers_of_that_length'])}'s)" if rc.get("peers_of_that_length") else "")
+                   if rc.get("own_resized") else "")
         extra = render(' What differs is the <b>reference codes</b> handed to the vocoder: {c} frames{p} instead of '
-                       'its own {o} (own: from the {src}).', c=rc.get("candidate_frames"),
+                       'its own {o} (own: from the {src}){r}.', c=rc.get("candidate_frames"),
                        p=f" ({rc['matches_peer']}'s)" if rc.get("matches_peer") else "", o=rc.get("own_frames"),
-                       src=rc.get("own_from", "?"))
+                       src=rc.get("own_from", "?"), r=resized)
     return render('<p>{m}{e}</p>', m=msg, e=extra)
 
 
@@ -574,12 +578,16 @@ def _donor_block(run, seg: dict) -> Markup:
     if donor:
         link = segment_href(run, donor)
         anchor = f"index.html#seg-{safe_name(donor)}"
-        parts.append(render('<p>Donor: <b><a href="{h}">{d}</a></b> — this segment was decoded with {d}\'s '
-                            'reference. {extra}</p>', h=link.split("/")[-1] if link else anchor, d=donor,
+        what = ("its vocoder got its own reference codes, {v} to {d}'s length"
+                if seg.get("donor_kind") == "length" else "this segment was decoded with {d}'s reference")
+        parts.append(render('<p>Donor: <b><a href="{h}">{d}</a></b> — ' + what + '. {extra}</p>',
+                            h=link.split("/")[-1] if link else anchor, d=donor,
+                            v=((seg.get("comparisons") or {}).get("ref_codes") or {}).get("own_resized") or "resized",
                             extra=render("<q>{t}</q>", t=run.texts[donor]) if donor in run.texts else ""))
     if isinstance(ds, dict) and ds.get("peers_logmel"):
         rows = join(render('<tr class="{c}"><td>{p}</td><td class="num">{v}</td></tr>',
-                           c="culprit" if p == donor else "", p=p, v=fmt_num(v))
+                           c="culprit" if p == donor and seg.get("donor_kind") != "length" else "", p=p,
+                           v=fmt_num(v))
                     for p, v in sorted(ds["peers_logmel"].items(), key=lambda x: x[1]))
         parts.append(render('<table class="grid" style="width:auto"><thead><tr><th>decoded with the reference codes of'
                             '</th><th class="num">log-mel distance to the candidate</th></tr></thead><tbody>'
@@ -610,7 +618,7 @@ def segment_page(run, index: int, seg: dict, ctx: Context) -> str:
     body.append(render('<div class="card"><p style="margin:0 0 8px"><b>{s}</b></p>{f}</div>', s=seg.get("summary", ""),
                        f=_facts([("first divergent chunk", seg.get("first_divergent_chunk")),
                                  ("first divergent frame", None if frame is None else f"{frame} ({frame * 0.08:.2f} s)"),
-                                 ("stage", seg.get("stage")), ("donor", seg.get("donor")),
+                                 ("stage", seg.get("stage")), ("donor", donor_text(seg)),
                                  ("error kind", seg.get("error_kind")),
                                  ("notes", "; ".join(seg.get("notes") or []))])))
     body.append(Markup("<h2>Listen</h2>"))
@@ -619,6 +627,8 @@ def segment_page(run, index: int, seg: dict, ctx: Context) -> str:
         path = (media.get("audio") or {}).get(role)
         if not path:
             continue
+        if role == "cross_donor" and seg.get("donor_kind") == "length":
+            continue  # the donor lent only its length: a decode with its reference codes shows nothing of it
         if role == "cross_donor" and seg.get("donor"):
             what = what.replace("the donor's", f"{seg['donor']}'s")
         players.append(render('<div class="player" data-role="{r}"><h4>{t}</h4><p>{w}</p>'
