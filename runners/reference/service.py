@@ -97,49 +97,7 @@ class ReferenceService:
         emit("result", segment=sid, path=str(side), cached=False, seconds=seconds, audio_seconds=audio_s)
 
     def _utterance(self, seg: dict) -> tuple[Utterance, dict | None]:
-        task = seg.get("task")
-        if task not in MODEL_TYPE_OF_TASK:
-            raise BadInput(f"unknown task {task!r}")
-        ckpt = self.checkpoints.get(task)
-        if ckpt is None:
-            have = ", ".join(f"{c.model_type} ({c.spec})" for c in self.checkpoints.values()) or "none"
-            raise BadInput(f"no {MODEL_TYPE_OF_TASK[task]} checkpoint for this {task} segment "
-                           f"(start the runner with --model <a {MODEL_TYPE_OF_TASK[task]} checkpoint>; it has: {have})")
-        text = seg.get("text")
-        if not isinstance(text, str) or not text.strip():
-            raise BadInput("empty text")
-        language = seg.get("language") or "Auto"
-        if not isinstance(language, str) or language.lower() not in ckpt.languages():
-            raise BadInput(f"unsupported language {language!r} (the {ckpt.model_type} checkpoint knows: "
-                           f"{', '.join(sorted(ckpt.languages()))})")
-        decode = _decode_params(seg.get("decode"))
-        utt = Utterance(text=text, language=language, task=task, decode=decode)
-        voice_prov = None
-        if task == "voice_clone":
-            voice = seg.get("voice")
-            if not isinstance(voice, dict) or not voice.get("wav"):
-                raise BadInput("a voice_clone segment needs a voice with a wav")
-            mode = voice.get("mode", "icl")
-            if mode not in ("icl", "xvector"):
-                raise BadInput(f"voice mode {mode!r} is not icl or xvector")
-            transcript = (voice.get("transcript") or "").strip()
-            if mode == "icl" and not transcript:
-                raise BadInput(f"voice {voice.get('id')!r}: in-context cloning needs the reference transcript")
-            wav_path = Path(voice["wav"])
-            sha = _check_voice_wav(wav_path, voice.get("wav_sha256"))
-            utt.voice_wav, utt.transcript, utt.xvector_only = wav_path, transcript or None, mode == "xvector"
-            voice_prov = {"id": voice.get("id"), "wav": str(wav_path), "wav_sha256": sha, "mode": mode}
-        elif task == "custom_voice":
-            speaker = seg.get("speaker")
-            if not isinstance(speaker, str) or speaker.lower() not in ckpt.speakers():
-                raise BadInput(f"unknown speaker {speaker!r} (the checkpoint has: {', '.join(sorted(ckpt.speakers()))})")
-            utt.speaker, utt.instructions = speaker, seg.get("instructions") or None
-        else:
-            instructions = seg.get("instructions")
-            if not isinstance(instructions, str) or not instructions.strip():
-                raise BadInput("a voice_design segment needs instructions")
-            utt.instructions = instructions
-        return utt, voice_prov
+        return parse_segment(seg, self.checkpoints)
 
     # -- decode (the cross-decode) -------------------------------------
     def decode(self, job: dict, emit) -> None:
@@ -182,6 +140,55 @@ class ReferenceService:
         side = write_result(Path(out), result)
         emit("result", item=name, segment=name, path=str(side), cached=False, seconds=seconds,
              audio_seconds=len(wav) / sr)
+
+
+def parse_segment(seg: dict, checkpoints: dict[str, Checkpoint]) -> tuple[Utterance, dict | None]:
+    """A segment job checked against the checkpoints (BadInput names what is wrong), and its voice's provenance.
+
+    Shared with the vLLM-Omni offline runner, so both sides refuse the same inputs the same way."""
+    task = seg.get("task")
+    if task not in MODEL_TYPE_OF_TASK:
+        raise BadInput(f"unknown task {task!r}")
+    ckpt = checkpoints.get(task)
+    if ckpt is None:
+        have = ", ".join(f"{c.model_type} ({c.spec})" for c in checkpoints.values()) or "none"
+        raise BadInput(f"no {MODEL_TYPE_OF_TASK[task]} checkpoint for this {task} segment "
+                       f"(start the runner with --model <a {MODEL_TYPE_OF_TASK[task]} checkpoint>; it has: {have})")
+    text = seg.get("text")
+    if not isinstance(text, str) or not text.strip():
+        raise BadInput("empty text")
+    language = seg.get("language") or "Auto"
+    if not isinstance(language, str) or language.lower() not in ckpt.languages():
+        raise BadInput(f"unsupported language {language!r} (the {ckpt.model_type} checkpoint knows: "
+                       f"{', '.join(sorted(ckpt.languages()))})")
+    decode = _decode_params(seg.get("decode"))
+    utt = Utterance(text=text, language=language, task=task, decode=decode)
+    voice_prov = None
+    if task == "voice_clone":
+        voice = seg.get("voice")
+        if not isinstance(voice, dict) or not voice.get("wav"):
+            raise BadInput("a voice_clone segment needs a voice with a wav")
+        mode = voice.get("mode", "icl")
+        if mode not in ("icl", "xvector"):
+            raise BadInput(f"voice mode {mode!r} is not icl or xvector")
+        transcript = (voice.get("transcript") or "").strip()
+        if mode == "icl" and not transcript:
+            raise BadInput(f"voice {voice.get('id')!r}: in-context cloning needs the reference transcript")
+        wav_path = Path(voice["wav"])
+        sha = _check_voice_wav(wav_path, voice.get("wav_sha256"))
+        utt.voice_wav, utt.transcript, utt.xvector_only = wav_path, transcript or None, mode == "xvector"
+        voice_prov = {"id": voice.get("id"), "wav": str(wav_path), "wav_sha256": sha, "mode": mode}
+    elif task == "custom_voice":
+        speaker = seg.get("speaker")
+        if not isinstance(speaker, str) or speaker.lower() not in ckpt.speakers():
+            raise BadInput(f"unknown speaker {speaker!r} (the checkpoint has: {', '.join(sorted(ckpt.speakers()))})")
+        utt.speaker, utt.instructions = speaker, seg.get("instructions") or None
+    else:
+        instructions = seg.get("instructions")
+        if not isinstance(instructions, str) or not instructions.strip():
+            raise BadInput("a voice_design segment needs instructions")
+        utt.instructions = instructions
+    return utt, voice_prov
 
 
 def _segment_key(seg) -> tuple[str, str]:

@@ -12,7 +12,9 @@ With `DIFFTEST_CAPTURE_DIR` set it wraps
 - `Qwen3TTSCode2Wav.forward`: the float32 waveform the vocoder made of them;
 
 and writes `<dir>/<tag>.npz` for each request whose `extra_params` carried a
-`difftest_tag`. Signatures and return values are unchanged; a failure to
+`difftest_tag` (or, with `DIFFTEST_CAPTURE_UNTAGGED=request-id`, for every
+untagged request, as `<dir>/rid-<request id>.npz`: the offline runner's batches
+cannot carry a tag per request). Signatures and return values are unchanged; a failure to
 capture is logged and the request goes on. Without the variable nothing is
 imported and nothing is patched.
 
@@ -27,6 +29,14 @@ import os
 
 ENV = "DIFFTEST_CAPTURE_DIR"
 TAG_KEY = "difftest_tag"
+UNTAGGED_ENV = "DIFFTEST_CAPTURE_UNTAGGED"
+
+
+def request_id_tag(rid: str) -> str | None:
+    """The capture tag of an untagged request: `rid-` and its request id, other characters as `_`."""
+    if not rid:
+        return None
+    return "rid-" + "".join(c if (c.isascii() and c.isalnum()) or c in "._-" else "_" for c in str(rid))[:190]
 
 logger = logging.getLogger("vllm.difftest_capture")
 

@@ -22,6 +22,7 @@ What is written, per tagged request (`<dir>/<tag>.npz`):
 from __future__ import annotations
 
 import functools
+import os
 import inspect
 import logging
 import threading
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import TAG_KEY
+from . import TAG_KEY, UNTAGGED_ENV, request_id_tag
 from .store import CaptureStore, valid_tag
 
 logger = logging.getLogger("vllm.difftest_capture")
@@ -77,7 +78,13 @@ def request_tag(request) -> str | None:
     extra = _get(request, "sampling_params", "extra_args")
     tag = extra.get(TAG_KEY) if isinstance(extra, dict) else None
     if tag is None:
-        return None
+        # Offline `Omni.generate` shares one SamplingParams per stage across a batch, so no per-request
+        # tag can travel: the offline runner asks for files named after the request id instead.
+        if os.environ.get(UNTAGGED_ENV, "").strip() != "request-id":
+            return None
+        tag = request_id_tag(request_id(request))
+        if tag is None:
+            return None
     if not valid_tag(tag):
         _warn_once("bad-tag", "ignoring unusable tag %r", tag)
         return None
@@ -85,7 +92,8 @@ def request_tag(request) -> str | None:
 
 
 def request_id(request) -> str:
-    return str(_get(request, "external_req_id") or _get(request, "request_id") or "")
+    # engine-core Request: external_req_id / request_id; the worker's CachedRequestState: req_id
+    return str(_get(request, "external_req_id") or _get(request, "request_id") or _get(request, "req_id") or "")
 
 
 def frames_of(flat: np.ndarray, groups: int = NUM_CODE_GROUPS) -> np.ndarray:

@@ -1,0 +1,72 @@
+"""A candidate behind the runner protocol (the vLLM-Omni offline runner): a suite in waves of N.
+
+The HTTP runner's counterpart (difftest/candidate_http.py) for an engine that
+takes a batch in one call: the waves are decided here, with the same orders,
+and sent as one `generate` job; the runner decodes each wave as one batch.
+Every answer is read back as soon as it arrives, so a runner that dies loses
+nothing already written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .candidate_http import CandidateOutcome, _waves
+from .results import CorruptResult, ResultStore, read_result
+from .runner_client import RunnerDied, RunnerProcess
+from .suite import Segment
+
+
+def run_candidate_runner(segments: list[Segment], runner: RunnerProcess, out_dir: Path, *, concurrency: int,
+                         order: str = "suite", seed: int = 0, timeout: float = 900.0, on_result=None,
+                         on_progress=None) -> CandidateOutcome:
+    if concurrency < 1:
+        raise ValueError("concurrency must be at least 1")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    outcome = CandidateOutcome()
+    by_id = {s.id: s for s in segments}
+    waves = _waves(list(segments), concurrency, order, seed)
+    outcome.batches = [[s.id for s in w] for w in waves]
+    pending = dict(by_id)
+    try:
+        for ev in runner.request("generate", timeout=timeout, segments=[s.to_job() for s in segments],
+                                 out_dir=str(out_dir), concurrency=concurrency, waves=outcome.batches):
+            sid, kind = ev.get("segment"), ev.get("event")
+            if kind == "progress":
+                if on_progress:
+                    on_progress(f"{sid}: {ev.get('message', '')}")
+                continue
+            if sid not in pending:
+                continue
+            seg = pending.pop(sid)
+            if kind == "result":
+                try:
+                    r = read_result(Path(ev.get("path", "")))
+                    if r.segment_hash != seg.hash:
+                        raise CorruptResult(f"{ev.get('path')}: result is for another version of {sid}")
+                except CorruptResult as e:
+                    outcome.errors[sid] = {"source": "candidate", "kind": "candidate", "message": str(e)}
+                    continue
+                outcome.results[sid] = r
+                if on_result:
+                    on_result(seg, r)
+            else:
+                kind_of = {"bad_input": "bad_input", "engine": "candidate"}.get(ev.get("kind"), "candidate")
+                outcome.errors[sid] = {"source": "candidate", "kind": kind_of,
+                                       "message": ev.get("message", "error without a message")}
+    except RunnerDied as e:
+        # what the runner wrote before it died is on disk: keep it, and say what was lost
+        store = ResultStore(out_dir)
+        for sid, seg in list(pending.items()):
+            r = store.get(out_dir, sid, seg.hash)
+            if r is not None:
+                outcome.results[sid] = r
+            else:
+                outcome.errors[sid] = {"source": "candidate", "kind": "infrastructure",
+                                       "message": f"the offline runner died: {e}"}
+        pending.clear()
+    for sid in pending:
+        outcome.errors[sid] = {"source": "candidate", "kind": "infrastructure",
+                               "message": "the runner never answered this segment"}
+    return outcome

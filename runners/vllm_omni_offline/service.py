@@ -1,0 +1,149 @@
+"""The offline runner's `generate` job (docs/runner-protocol.md), in waves.
+
+A wave is what the tester wants decoded together (`waves`, lists of segment
+ids; default: consecutive runs of `concurrency` segments). Within a wave the
+segments are split by checkpoint type (one `Omni` each) and by the stage-0
+sampling settings an `Omni.generate` call must share (prompts.sampling_key);
+each part is one batch. The answers' float32 audio is the result's waveform;
+the codes come from the capture plugin, which this runner's environment asks
+to name files after request ids (`DIFFTEST_CAPTURE_UNTAGGED=request-id`).
+
+Everything is checked before a model starts; a segment already in `out_dir`
+is answered from there.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+
+from difftest.results import CorruptResult, Result, ResultStore, write_result
+from runners.reference.checkpoint import MODEL_TYPE_OF_TASK, Checkpoint
+from runners.reference.environment import log
+from runners.reference.service import BadInput, parse_segment
+
+from . import LABEL, prompts
+from .engine import OmniPool
+
+CAPTURE_WAIT_S = 5.0  # the vocoder's side of a capture may land a moment after the answer
+
+
+class OfflineService:
+    def __init__(self, checkpoints: dict[str, Checkpoint], pool: OmniPool, provenance: dict):
+        self.checkpoints = checkpoints
+        self.pool = pool
+        self.provenance = provenance
+        self.capture_dir = Path(os.environ["DIFFTEST_CAPTURE_DIR"]) if os.environ.get("DIFFTEST_CAPTURE_DIR") else None
+
+    def generate(self, job: dict, emit) -> None:
+        segments = [s for s in job.get("segments") or [] if isinstance(s, dict)]
+        by_id = {s.get("id"): s for s in segments}
+        concurrency = int(job.get("concurrency") or 1)
+        out_dir = job.get("out_dir")
+        if not out_dir or concurrency < 1:
+            for sid in by_id:
+                emit("error", segment=sid, kind="bad_input",
+                     message="generate job needs out_dir and a concurrency of at least 1")
+            return
+        out_dir = Path(out_dir)
+        waves = job.get("waves") or [[s.get("id") for s in segments[i:i + concurrency]]
+                                     for i in range(0, len(segments), concurrency)]
+        listed = {sid for wave in waves for sid in wave}
+        for sid in by_id:
+            if sid not in listed:
+                emit("error", segment=sid, kind="bad_input", message="segment is in no wave")
+        for wave in waves:
+            self._wave([by_id[sid] for sid in wave if sid in by_id], out_dir, concurrency, emit)
+
+    def _wave(self, segs: list[dict], out_dir: Path, concurrency: int, emit) -> None:
+        store = ResultStore(out_dir)
+        groups: dict[tuple, list] = {}
+        for seg in segs:
+            sid = seg.get("id", "?")
+            try:
+                if not isinstance(sid, str) or not isinstance(seg.get("hash"), str):
+                    raise BadInput("a segment needs an id and its content hash")
+                cached = store.get(out_dir, sid, seg["hash"])
+                if cached is not None:
+                    emit("result", segment=sid, path=str(cached.source), cached=True,
+                         seconds=float(cached.timings.get("seconds", 0.0)), audio_seconds=cached.seconds)
+                    continue
+                utt, voice = parse_segment(seg, self.checkpoints)
+                ref = prompts.read_voice(utt.voice_wav) if utt.voice_wav else None
+            except (BadInput, ValueError, OSError) as e:
+                emit("error", segment=sid, kind="bad_input", message=str(e))
+                continue
+            key = (utt.task, prompts.sampling_key(utt.decode))
+            groups.setdefault(key, []).append((seg, utt, voice, ref))
+        for (task, skey), members in groups.items():
+            self._batch(task, skey, members, out_dir, concurrency, emit)
+
+    def _batch(self, task: str, skey: tuple, members: list, out_dir: Path, concurrency: int, emit) -> None:
+        ids = [seg["id"] for seg, *_ in members]
+        try:
+            if not self.pool.is_started(task):
+                emit("progress", segment=ids[0], stage="load",
+                     message=f"starting vLLM-Omni (offline) for the {MODEL_TYPE_OF_TASK[task]} checkpoint")
+            self.pool.omni(task)  # started here, so the batch's seconds are the batch's
+            batch = []
+            for seg, utt, voice, ref in members:
+                info = prompts.additional_information(utt, ref)
+                batch.append(prompts.prompt(info, self.pool.prompt_len(task, info)))
+            t0 = time.perf_counter()
+            answers = self.pool.generate(task, batch, prompts.sampling_fields(skey))
+            seconds = time.perf_counter() - t0
+        except Exception as e:  # vLLM-Omni failed this batch: every member's error, the next batch goes on
+            log(f"batch {ids}: {type(e).__name__}: {e}")
+            for sid in ids:
+                emit("error", segment=sid, kind="engine", message=f"vLLM-Omni offline: {type(e).__name__}: {e}")
+            return
+        for (seg, utt, voice, _), ans in zip(members, answers):
+            try:
+                path, audio_s = self._write(seg, utt, voice, ans, ids, seconds, out_dir, concurrency, task)
+            except (CorruptResult, ValueError, OSError) as e:
+                emit("error", segment=seg["id"], kind="engine", message=str(e))
+                continue
+            emit("result", segment=seg["id"], path=str(path), cached=False, seconds=seconds, audio_seconds=audio_s)
+
+    def _capture(self, request_id: str) -> dict | None:
+        if self.capture_dir is None:
+            return None
+        from difftest_capture import request_id_tag
+
+        path = self.capture_dir / f"{request_id_tag(request_id)}.npz"
+        deadline = time.monotonic() + CAPTURE_WAIT_S
+        while time.monotonic() < deadline:
+            if path.exists():
+                try:
+                    with np.load(path, allow_pickle=False) as z:
+                        data = {k: z[k] for k in z.files}
+                except Exception as e:
+                    raise CorruptResult(f"{path}: unreadable capture ({e})") from None
+                if "wav" in data and "codes" in data:
+                    return data
+            time.sleep(0.05)
+        return None
+
+    def _write(self, seg, utt, voice, ans, batch_ids, seconds, out_dir, concurrency, task):
+        cap = self._capture(ans.request_id)
+        empty = np.zeros((0, 16), np.int64)
+        ckpt = self.checkpoints[task]
+        extra = {"capture_wav": np.asarray(cap["wav"], np.float32).reshape(-1)} if cap is not None else {}
+        result = Result(
+            segment_id=seg["id"], segment_hash=seg["hash"], wav=ans.wav, sample_rate=ans.sample_rate,
+            codes=cap["codes"] if cap is not None else empty,
+            ref_codes=cap.get("ref_codes", empty) if cap is not None else empty,
+            has_codes=cap is not None, quantised=False,
+            provenance={**self.provenance, "task": task, "voice": voice, "decode": dict(utt.decode),
+                        "checkpoint": {"path": str(ckpt.path), "model": ckpt.spec, "sha256": ckpt.sha256}},
+            timings={"batch_seconds": round(seconds, 4), "seconds": round(seconds, 4),
+                     **({"engine_start_s": self.pool.start_seconds[ckpt.model_type]}
+                        if ckpt.model_type in self.pool.start_seconds else {})},
+            meta={"runner": LABEL, "concurrency": concurrency, "batch": batch_ids, "request_id": ans.request_id,
+                  "capture": cap is not None},
+            extra=extra)
+        side = write_result(ResultStore.stem(out_dir, seg["id"], seg["hash"]), result)
+        return side, len(ans.wav) / ans.sample_rate
