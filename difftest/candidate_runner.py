@@ -69,4 +69,32 @@ def run_candidate_runner(segments: list[Segment], runner: RunnerProcess, out_dir
     for sid in pending:
         outcome.errors[sid] = {"source": "candidate", "kind": "infrastructure",
                                "message": "the runner never answered this segment"}
+    outcome.batches = _batches_run(outcome, outcome.batches)
     return outcome
+
+
+def _batches_run(outcome: CandidateOutcome, waves: list[list[str]]) -> list[list[str]]:
+    """The batches the engine actually ran (each result's `meta.batch`), in wave order: a runner may
+    split a wave (one engine per checkpoint type; shared sampling settings), and the donor search
+    must look only at requests that really shared a batch. A wave with no such record stays whole;
+    its segments without one (errors) are listed together after the wave's batches."""
+    out = []
+    for wave in waves:
+        recorded = {}
+        for sid in wave:
+            r = outcome.results.get(sid)
+            batch = [b for b in (r.meta.get("batch") or []) if b in wave] if r is not None else []
+            if batch:
+                recorded[sid] = batch
+        if not recorded:
+            out.append(list(wave))
+            continue
+        seen = set()
+        for sid in wave:
+            if sid in recorded and sid not in seen:
+                out.append(recorded[sid])
+                seen.update(recorded[sid])
+        rest = [sid for sid in wave if sid not in seen]
+        if rest:
+            out.append(rest)
+    return out

@@ -49,23 +49,32 @@ class CandidateSpec:
     url: str | None = None
     defect: str | None = None
     capture_dir: Path | None = None
+    api: str = "batch"  # vllm-omni-offline: "batch" (Omni.generate) or "async" (AsyncOmni, a request each)
 
     @classmethod
     def parse(cls, text: str, capture_dir: str | None = None) -> "CandidateSpec":
         if text == CPU_ENGINE or text.startswith(CPU_ENGINE + ":"):
             defect = text.split(":", 1)[1] if ":" in text else None
             return cls("cpu-engine", defect=defect or None)
-        if text in (VLLM_OMNI, VLLM_OMNI_OFFLINE):
+        if text == VLLM_OMNI:
             return cls(text)
+        if text == VLLM_OMNI_OFFLINE or text.startswith(VLLM_OMNI_OFFLINE + ":"):
+            api = text.split(":", 1)[1] if ":" in text else "batch"
+            if api not in ("batch", "async"):
+                raise BadInput(f"--candidate {text!r}: the offline API is batch (vllm_omni.Omni) or async "
+                               f"(vllm_omni.AsyncOmni)")
+            return cls(VLLM_OMNI_OFFLINE, api=api)
         if text.startswith(("http://", "https://")):
             return cls("url", url=text.rstrip("/"), capture_dir=Path(capture_dir) if capture_dir else None)
         raise BadInput(f"--candidate {text!r}: expected a server URL (http://host:port), {VLLM_OMNI} "
-                       f"(vLLM-Omni's server started here), {VLLM_OMNI_OFFLINE} (its offline API, float32 audio) or {CPU_ENGINE}[:DEFECT] (the CPU test engine, not vLLM-Omni)")
+                       f"(vLLM-Omni's server started here), {VLLM_OMNI_OFFLINE}[:async] (its offline API, float32 audio) or {CPU_ENGINE}[:DEFECT] (the CPU test engine, not vLLM-Omni)")
 
     @property
     def label(self) -> str:
-        if self.kind in (VLLM_OMNI, VLLM_OMNI_OFFLINE):
+        if self.kind == VLLM_OMNI:
             return self.kind
+        if self.kind == VLLM_OMNI_OFFLINE:
+            return self.kind + (":async" if self.api == "async" else "")
         if self.kind == "cpu-engine":
             return "difftest-cpu-engine" + (f":{self.defect}" if self.defect else "")
         return self.url
@@ -173,7 +182,7 @@ def _start_candidate(spec: CandidateSpec, out: Path, models: list[str], python: 
         vo_opts = VllmOmniOptions.for_decode(decode, opts.concurrency, **settings)
         tasks = {s.task for s in suite.segments}
         if spec.kind == VLLM_OMNI_OFFLINE:
-            runner, info = start_vllm_omni_offline(out, models, vo_opts, stack, tasks=tasks)
+            runner, info = start_vllm_omni_offline(out, models, vo_opts, stack, tasks=tasks, api=spec.api)
             info["warnings"] = warnings
             return runner, None, info
         client, capture, info = start_vllm_omni(out, models, vo_opts, stack, tasks=tasks)

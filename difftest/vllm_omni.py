@@ -403,10 +403,11 @@ OFFLINE_CANDIDATE = "vllm-omni-offline"
 
 
 def start_vllm_omni_offline(out_dir: str | Path, models: list[str], opts: VllmOmniOptions, stack: ExitStack,
-                            tasks=None) -> tuple[RunnerProcess, dict]:
+                            tasks=None, api: str = "batch") -> tuple[RunnerProcess, dict]:
     """The offline runner (runners/vllm_omni_offline: `vllm_omni.Omni`, float32 audio) in the vLLM-Omni
     environment, with the same overlay and capture as the server. Stops when `stack` closes; each
-    `Omni` starts inside it when a segment first needs it."""
+    engine starts inside it when a segment first needs it. `api`: "batch" (`Omni.generate`, one call a
+    batch, shared sampling settings) or "async" (`AsyncOmni`, a request each, submitted together)."""
     out_dir = Path(out_dir).resolve()
     if opts.async_chunk:
         raise BadInput("the offline runner decodes each request in one pass: async_chunk is for the server")
@@ -415,7 +416,7 @@ def start_vllm_omni_offline(out_dir: str | Path, models: list[str], opts: VllmOm
     if capture is not None:
         env["DIFFTEST_CAPTURE_UNTAGGED"] = "request-id"  # a batch shares its SamplingParams: no per-request tag
     argv = [str(python), "-m", "runners.vllm_omni_offline", "--deploy-config", str(overlay_path),
-            "--stage-init-timeout", str(int(opts.stage_init_timeout))]
+            "--stage-init-timeout", str(int(opts.stage_init_timeout)), "--api", api]
     for model in to_serve.values():
         argv += ["--model", str(Path(model).resolve()) if Path(model).exists() else model]
     runner = RunnerProcess(argv, env=env, log_path=out_dir / "logs" / "vllm-omni-offline.log", cwd=REPO,
@@ -425,7 +426,9 @@ def start_vllm_omni_offline(out_dir: str | Path, models: list[str], opts: VllmOm
     except RunnerDied as e:
         raise InfraError(f"the vLLM-Omni offline runner did not start: {e}") from None
     stack.callback(runner.close, timeout=120)
-    info = {**_provenance(env_info, opts, overlay_path, capture), "label": f"vllm-omni {env_info['vllm_omni']} offline",
-            "api": "offline (vllm_omni.Omni)", "accept_length_finish": False,
+    info = {**_provenance(env_info, opts, overlay_path, capture),
+            "label": f"vllm-omni {env_info['vllm_omni']} offline" + (" async" if api == "async" else ""),
+            "api": "offline (vllm_omni.Omni)" if api == "batch" else "offline (vllm_omni.AsyncOmni)",
+            "accept_length_finish": False,
             "models": {t: m for t, m in to_serve.items()}}
     return runner, info

@@ -93,6 +93,31 @@ def test_waves_are_sent_and_a_dying_runner_loses_nothing_written(smoke, tmp_path
     assert lost not in out.results
 
 
+def test_batches_are_the_ones_the_engine_ran():
+    from difftest.candidate_http import CandidateOutcome
+    from difftest.candidate_runner import _batches_run
+
+    def r(batch):
+        return type("R", (), {"meta": {"batch": batch}})()
+
+    out = CandidateOutcome(results={"a": r(["a", "c"]), "c": r(["a", "c"]), "b": r(["b"]), "d": r({})})
+    out.errors = {"e": {}}
+    # a wave split by the runner; an old result with no record; an error
+    assert _batches_run(out, [["a", "b", "c", "e"], ["d"]]) == [["a", "c"], ["b"], ["e"], ["d"]]
+
+
+def test_candidate_spec_names_the_offline_api():
+    from difftest.errors import BadInput
+    from difftest.run import CandidateSpec
+
+    assert (CandidateSpec.parse("vllm-omni-offline").api, CandidateSpec.parse("vllm-omni-offline").label) == (
+        "batch", "vllm-omni-offline")
+    spec = CandidateSpec.parse("vllm-omni-offline:async")
+    assert (spec.kind, spec.api, spec.label) == ("vllm-omni-offline", "async", "vllm-omni-offline:async")
+    with pytest.raises(BadInput, match="batch .* or async"):
+        CandidateSpec.parse("vllm-omni-offline:stream")
+
+
 # -- the real offline engine -------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -160,17 +185,19 @@ def test_bad_segments_are_named_and_the_rest_of_the_wave_goes_on(offline, smoke,
 
 
 def test_difftest_run_with_the_offline_candidate(tmp_path):
-    """The whole `difftest run --candidate vllm-omni-offline` on the smoke suite (the seeded tiny
-    checkpoints; the offline API answers a length-capped request, so no EOS bias is needed)."""
+    """The whole `difftest run --candidate vllm-omni-offline:async` on the smoke suite (AsyncOmni, a
+    request each, submitted together; the batch API is the runner tests' above). The seeded tiny
+    checkpoints: the offline API answers a length-capped request, so no EOS bias is needed."""
     omni_python()
     p = subprocess.run([sys.executable, "-m", "difftest.cli", "run", str(REPO / "cases" / "suites" / "smoke.yaml"),
-                        "--candidate", "vllm-omni-offline", "-n", "4", "--out", str(tmp_path / "run"),
+                        "--candidate", "vllm-omni-offline:async", "-n", "4", "--out", str(tmp_path / "run"),
                         "--store", str(tmp_path / "store"), "--no-mlflow"],
                        capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     rep = json.loads((tmp_path / "run" / "report.json").read_text())
     assert rep["verdict"] == "pass" and rep["at_concurrency_1"]["verdict"] == "pass"
-    assert rep["candidate"]["pattern"] == "batch" and rep["candidate"]["api"] == "offline (vllm_omni.Omni)"
+    assert rep["candidate"]["pattern"] == "batch" and rep["candidate"]["api"] == "offline (vllm_omni.AsyncOmni)"
+    assert rep["candidate"]["label"] == "vllm-omni 0.30.0 offline async"
     assert rep["candidate"]["batches"] == [[s["id"] for s in rep["segments"]]]
     for s in rep["segments"]:
         assert s["verdict"] in ("identical", "numeric_drift", "code_divergence"), s

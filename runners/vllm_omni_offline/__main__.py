@@ -1,7 +1,7 @@
 """The vLLM-Omni offline runner: `vllm_omni.Omni` batches, float32 audio, codes from the capture plugin.
 
     python -m runners.vllm_omni_offline --model DIR [--model DIR ...] --deploy-config OVERLAY.yaml
-                                        [--stage-init-timeout 900]
+                                        [--api batch|async] [--stage-init-timeout 900]
 
 Each --model is a checkpoint folder (its config.json's tts_model_type says which
 segments it serves); --deploy-config is the overlay difftest writes
@@ -45,6 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", action="append", required=True, help="checkpoint folder; repeat for other types")
     ap.add_argument("--deploy-config", required=True, help="the deploy overlay (difftest.vllm_omni.deploy_overlay)")
     ap.add_argument("--stage-init-timeout", type=int, default=900)
+    ap.add_argument("--api", choices=("batch", "async"), default="batch",
+                    help="batch: Omni.generate, one call a batch, shared sampling settings; async: AsyncOmni, "
+                         "a request each, submitted together, each with its own settings")
     args = ap.parse_args(argv)
     try:
         checkpoints = open_checkpoints(args.model)
@@ -58,14 +61,15 @@ def main(argv: list[str] | None = None) -> int:
     from .engine import OmniPool
     from .service import OfflineService
 
-    provenance = {"engine": LABEL, "versions": versions(), "deploy_overlay": str(overlay.resolve()),
+    provenance = {"engine": LABEL, "api": "vllm_omni.Omni" if args.api == "batch" else "vllm_omni.AsyncOmni",
+                  "versions": versions(), "deploy_overlay": str(overlay.resolve()),
                   "capture": bool(os.environ.get("DIFFTEST_CAPTURE_DIR")), "host": host(), "commit": repo_commit(),
                   "models": {c.model_type: {"model": c.spec, "path": str(c.path), "sha256": c.sha256}
                              for c in checkpoints.values()}}
-    fingerprint = {"engine": LABEL, "versions": provenance["versions"],
+    fingerprint = {"engine": LABEL, "api": args.api, "versions": provenance["versions"],
                    "checkpoints": {c.model_type: c.sha256 for c in checkpoints.values()},
                    "overlay_sha256": _sha256(overlay)}
-    pool = OmniPool(checkpoints, str(overlay.resolve()), args.stage_init_timeout)
+    pool = OmniPool(checkpoints, str(overlay.resolve()), args.stage_init_timeout, api=args.api)
     service = OfflineService(checkpoints, pool, provenance)
     log("offline runner serving " + ", ".join(f"{c.model_type} from {c.path}" for c in checkpoints.values()))
     try:

@@ -1,16 +1,24 @@
-"""vLLM-Omni's offline entry point, one `Omni` per checkpoint type, started on first use.
+"""vLLM-Omni's offline entry points, one engine per checkpoint type, started on first use.
 
-`Omni.generate(prompts, sampling_params_list)` runs a batch through both stages
-(talker, Code2Wav) and answers each request with float32 audio: the waveform
-before the speech API quantises it to 16 bits. An `Omni` that raised is closed
-by vLLM-Omni itself (omni.py), so it is dropped here and the next batch starts
-a fresh one.
+- api "batch": `Omni.generate(prompts, sampling_params_list)`, the synchronous
+  offline API, runs a batch through both stages (talker, Code2Wav). One
+  `SamplingParams` per stage serves every prompt of the call.
+- api "async": `AsyncOmni.generate(prompt, request_id=..., sampling_params_list=...)`
+  per request, all of a batch submitted together on one event loop: each request
+  has its own sampling settings, so a batch is never split (the engine the speech
+  API drives, without HTTP).
+
+Either answers each request with float32 audio: the waveform before the speech
+API quantises it to 16 bits. An engine that raised is dropped (vLLM-Omni's `Omni`
+closes itself on an error) and the next batch starts a fresh one.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
+import uuid
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,8 +38,16 @@ class Answer:
     sample_rate: int
 
 
+APIS = ("batch", "async")
+
+
 class OmniPool:
-    def __init__(self, checkpoints: dict[str, Checkpoint], deploy_config: str, stage_init_timeout: int):
+    def __init__(self, checkpoints: dict[str, Checkpoint], deploy_config: str, stage_init_timeout: int,
+                 api: str = "batch"):
+        if api not in APIS:
+            raise ValueError(f"api {api!r}: expected one of {', '.join(APIS)}")
+        self.api = api
+        self._loop = asyncio.new_event_loop() if api == "async" else None
         self.checkpoints = checkpoints  # task -> checkpoint
         self.deploy_config = deploy_config
         self.stage_init_timeout = stage_init_timeout
@@ -45,11 +61,19 @@ class OmniPool:
     def omni(self, task: str):
         key = str(self.checkpoints[task].path)
         if key not in self._omni:
-            from vllm_omni import Omni
-
             t0 = time.perf_counter()
-            self._omni[key] = Omni(model=key, deploy_config=self.deploy_config,
-                                   stage_init_timeout=self.stage_init_timeout)
+            kwargs = {"model": key, "deploy_config": self.deploy_config, "stage_init_timeout": self.stage_init_timeout}
+            if self.api == "batch":
+                from vllm_omni import Omni
+
+                self._omni[key] = Omni(**kwargs)
+            else:
+                from vllm_omni import AsyncOmni
+
+                async def start():
+                    return AsyncOmni(**kwargs)
+
+                self._omni[key] = self._loop.run_until_complete(start())
             self.start_seconds[self.checkpoints[task].model_type] = round(time.perf_counter() - t0, 2)
             log(f"vLLM-Omni offline engine for {key} started in {time.perf_counter() - t0:.1f} s")
         return self._omni[key]
@@ -77,42 +101,79 @@ class OmniPool:
             codec_language_id=getattr(talker, "codec_language_id", None),
             spk_is_dialect=getattr(talker, "spk_is_dialect", None), estimate_ref_code_len=ref_len)
 
-    def generate(self, task: str, prompts: list[dict], sampling: dict) -> list[Answer]:
-        """One batch; answers in prompt order. Raises what vLLM-Omni raised (the engine is then dropped)."""
+    def generate(self, task: str, prompts: list[dict], sampling: list[dict]) -> list[Answer]:
+        """One batch (`sampling`: each prompt's stage-0 settings; equal for api "batch"); answers in
+        prompt order. Raises what vLLM-Omni raised (the engine is then dropped)."""
         omni = self.omni(task)
         defaults = omni.default_sampling_params_list
-        talker = defaults[0].clone()
-        for name, value in sampling.items():
-            setattr(talker, name, value)
+
+        def params(fields: dict) -> list:
+            talker = defaults[0].clone()
+            for name, value in fields.items():
+                setattr(talker, name, value)
+            return [talker, *defaults[1:]]
+
         try:
-            outputs = omni.generate(prompts, [talker, *defaults[1:]], use_tqdm=False)
+            if self.api == "batch":
+                if any(f != sampling[0] for f in sampling):
+                    raise ValueError("Omni.generate shares its sampling settings across a batch")
+                outputs = omni.generate(prompts, params(sampling[0]), use_tqdm=False)
+                # Omni names requests "<index in the batch>_<uuid>"
+                by_index = {int(str(o.request_id).split("_", 1)[0]): o for o in outputs}
+                ordered = [by_index.get(i) for i in range(len(prompts))]
+            else:
+                from difftest_capture import TAG_KEY, request_id_tag
+
+                ids = [f"{i}_{uuid.uuid4()}" for i in range(len(prompts))]
+
+                async def one(p, rid, fields):
+                    sps = params(fields)
+                    # the engine suffixes request ids inside; the tag travels as the server's does
+                    sps[0].extra_args = {**(sps[0].extra_args or {}), TAG_KEY: request_id_tag(rid)}
+                    last = None
+                    async for out in omni.generate(p, request_id=rid, sampling_params_list=sps):
+                        last = out
+                    return last
+
+                async def wave():
+                    return await asyncio.gather(*(one(p, rid, f) for p, rid, f in zip(prompts, ids, sampling)))
+
+                ordered = self._loop.run_until_complete(wave())
         except BaseException:
-            self._omni.pop(str(self.checkpoints[task].path), None)
+            self._drop(task)
             raise
-        by_index = {}
-        for out in outputs:
-            rid = str(out.request_id)
-            mm = out.multimodal_output if getattr(out, "multimodal_output", None) else \
-                out.request_output.outputs[0].multimodal_output
-            audio = mm["audio"]
-            if isinstance(audio, list):  # streamed chunks
-                audio = np.concatenate([_np(a) for a in audio]) if audio else np.zeros(0, np.float32)
-            sr = mm.get("sr", 24000)
-            sr = sr[-1] if isinstance(sr, list) else sr
-            # Omni names requests "<index in the batch>_<uuid>"
-            by_index[int(rid.split("_", 1)[0])] = Answer(rid, _np(audio), int(sr.item() if hasattr(sr, "item") else sr))
-        missing = [i for i in range(len(prompts)) if i not in by_index]
+        missing = [i for i, o in enumerate(ordered) if o is None]
         if missing:
-            raise RuntimeError(f"vLLM-Omni answered {len(by_index)} of {len(prompts)} requests (missing {missing})")
-        return [by_index[i] for i in range(len(prompts))]
+            raise RuntimeError(f"vLLM-Omni answered {len(prompts) - len(missing)} of {len(prompts)} requests "
+                               f"(missing {missing})")
+        return [_answer(o) for o in ordered]
+
+    def _drop(self, task: str) -> None:
+        omni = self._omni.pop(str(self.checkpoints[task].path), None)
+        if omni is not None and self.api == "async":
+            try:
+                omni.shutdown()
+            except Exception as e:
+                log(f"closing a failed AsyncOmni: {type(e).__name__}: {e}")
 
     def close(self) -> None:
         for omni in self._omni.values():
             try:
-                omni.close()
+                omni.close() if self.api == "batch" else omni.shutdown()
             except Exception as e:  # shutting down: say it, go on
                 log(f"closing vLLM-Omni: {type(e).__name__}: {e}")
         self._omni.clear()
+
+
+def _answer(out) -> Answer:
+    mm = out.multimodal_output if getattr(out, "multimodal_output", None) else \
+        out.request_output.outputs[0].multimodal_output
+    audio = mm["audio"]
+    if isinstance(audio, list):  # streamed chunks
+        audio = np.concatenate([_np(a) for a in audio]) if audio else np.zeros(0, np.float32)
+    sr = mm.get("sr", 24000)
+    sr = sr[-1] if isinstance(sr, list) else sr
+    return Answer(str(out.request_id), _np(audio), int(sr.item() if hasattr(sr, "item") else sr))
 
 
 def _np(t) -> np.ndarray:

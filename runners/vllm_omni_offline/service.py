@@ -2,9 +2,10 @@
 
 A wave is what the tester wants decoded together (`waves`, lists of segment
 ids; default: consecutive runs of `concurrency` segments). Within a wave the
-segments are split by checkpoint type (one `Omni` each) and by the stage-0
-sampling settings an `Omni.generate` call must share (prompts.sampling_key);
-each part is one batch. The answers' float32 audio is the result's waveform;
+segments are split by checkpoint type (one engine each) and, with the `Omni`
+batch API, by the stage-0 sampling settings one `Omni.generate` call must share
+(prompts.sampling_key); each part is one batch, recorded in every member's
+result (`meta.batch`). With `AsyncOmni` a wave is split by checkpoint type only. The answers' float32 audio is the result's waveform;
 the codes come from the capture plugin, which this runner's environment asks
 to name files after request ids (`DIFFTEST_CAPTURE_UNTAGGED=request-id`).
 
@@ -76,12 +77,13 @@ class OfflineService:
             except (BadInput, ValueError, OSError) as e:
                 emit("error", segment=sid, kind="bad_input", message=str(e))
                 continue
-            key = (utt.task, prompts.sampling_key(utt.decode))
+            # Omni.generate shares its SamplingParams across a call; AsyncOmni takes them per request
+            key = (utt.task, prompts.sampling_key(utt.decode) if self.pool.api == "batch" else None)
             groups.setdefault(key, []).append((seg, utt, voice, ref))
-        for (task, skey), members in groups.items():
-            self._batch(task, skey, members, out_dir, concurrency, emit)
+        for (task, _), members in groups.items():
+            self._batch(task, members, out_dir, concurrency, emit)
 
-    def _batch(self, task: str, skey: tuple, members: list, out_dir: Path, concurrency: int, emit) -> None:
+    def _batch(self, task: str, members: list, out_dir: Path, concurrency: int, emit) -> None:
         ids = [seg["id"] for seg, *_ in members]
         try:
             if not self.pool.is_started(task):
@@ -93,7 +95,8 @@ class OfflineService:
                 info = prompts.additional_information(utt, ref)
                 batch.append(prompts.prompt(info, self.pool.prompt_len(task, info)))
             t0 = time.perf_counter()
-            answers = self.pool.generate(task, batch, prompts.sampling_fields(skey))
+            sampling = [prompts.sampling_fields(prompts.sampling_key(utt.decode)) for _, utt, _, _ in members]
+            answers = self.pool.generate(task, batch, sampling)
             seconds = time.perf_counter() - t0
         except Exception as e:  # vLLM-Omni failed this batch: every member's error, the next batch goes on
             log(f"batch {ids}: {type(e).__name__}: {e}")
