@@ -113,10 +113,10 @@ class OmniPool:
                 setattr(talker, name, value)
             return [talker, *defaults[1:]]
 
+        if self.api == "batch" and any(f != sampling[0] for f in sampling):
+            raise ValueError("Omni.generate shares its sampling settings across a batch")  # the caller's bug
         try:
             if self.api == "batch":
-                if any(f != sampling[0] for f in sampling):
-                    raise ValueError("Omni.generate shares its sampling settings across a batch")
                 outputs = omni.generate(prompts, params(sampling[0]), use_tqdm=False)
                 # Omni names requests "<index in the batch>_<uuid>"
                 by_index = {int(str(o.request_id).split("_", 1)[0]): o for o in outputs}
