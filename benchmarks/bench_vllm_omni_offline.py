@@ -1,6 +1,7 @@
 """What the vLLM-Omni offline candidate costs on this machine: engine start, batch wall time, memory.
 
     python benchmarks/bench_vllm_omni_offline.py [--levels 1,2,4,8] [--max-new-tokens 32] [--checkpoint DIR]
+                                                 [--api batch|async]
 
 Starts the offline runner (runners/vllm_omni_offline, `vllm_omni.Omni`) on the tiny Base checkpoint
 through difftest.vllm_omni (the CPU platform, capture on). A first `generate` job of one voice clone
@@ -71,10 +72,13 @@ def main(argv=None) -> int:
     ap.add_argument("--levels", default="1,2,4,8")
     ap.add_argument("--max-new-tokens", type=int, default=32)
     ap.add_argument("--checkpoint", help="a tiny base checkpoint (default: built with the reference env)")
+    ap.add_argument("--api", choices=("batch", "async"), default="batch",
+                    help="batch: Omni.generate, one call a wave; async: AsyncOmni, a request each, submitted together")
     a = ap.parse_args(argv)
     levels = [int(x) for x in a.levels.split(",")]
     smoke = load_suite(REPO / "cases" / "suites" / "smoke.yaml")
-    result: dict = {"max_new_tokens": a.max_new_tokens, "max_num_seqs": max(levels), "cpus": os.cpu_count()}
+    result: dict = {"api": a.api, "max_new_tokens": a.max_new_tokens, "max_num_seqs": max(levels),
+                    "cpus": os.cpu_count()}
     with ExitStack() as stack:
         work = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="bench-vllm-omni-offline-")))
         ckpt = a.checkpoint
@@ -88,7 +92,8 @@ def main(argv=None) -> int:
                                   talker_kv_cache_bytes=64 << 20, vocoder_kv_cache_bytes=16 << 20)
         t0 = time.perf_counter()
         # entered after the temporary folder, so the engine stops before its files go
-        runner, info = vo.start_vllm_omni_offline(work / "run", [ckpt], opts, stack, tasks={"voice_clone"})
+        runner, info = vo.start_vllm_omni_offline(work / "run", [ckpt], opts, stack, tasks={"voice_clone"},
+                                                  api=a.api)
         result["runner_start_s"] = round(time.perf_counter() - t0, 1)
         result["versions"] = info["versions"]
         first, first_wall, timings = wave(runner, segments(smoke, 1, "warm", a.max_new_tokens), work / "warm")
