@@ -43,7 +43,8 @@ VLLM_OMNI_OFFLINE = "vllm-omni-offline"
 
 @dataclass
 class CandidateSpec:
-    """What to test: a server URL (with an optional capture dir) or the CPU test engine started here."""
+    """What to test: a server URL (with an optional capture dir), vLLM-Omni started here (its server or its
+    offline API), or the CPU test engine started here."""
 
     kind: str  # "url", "cpu-engine", "vllm-omni" or "vllm-omni-offline"
     url: str | None = None
@@ -67,7 +68,8 @@ class CandidateSpec:
         if text.startswith(("http://", "https://")):
             return cls("url", url=text.rstrip("/"), capture_dir=Path(capture_dir) if capture_dir else None)
         raise BadInput(f"--candidate {text!r}: expected a server URL (http://host:port), {VLLM_OMNI} "
-                       f"(vLLM-Omni's server started here), {VLLM_OMNI_OFFLINE}[:async] (its offline API, float32 audio) or {CPU_ENGINE}[:DEFECT] (the CPU test engine, not vLLM-Omni)")
+                       f"(vLLM-Omni's server started here), {VLLM_OMNI_OFFLINE}[:async] (its offline API, float32 "
+                       f"audio) or {CPU_ENGINE}[:DEFECT] (the CPU test engine, not vLLM-Omni)")
 
     @property
     def label(self) -> str:
@@ -226,7 +228,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
     if spec.kind == "url" and not SpeechClient(spec.url, connect_retries=1).health():
         raise InfraError(f"candidate {spec.url} is not healthy (GET /health)")  # before any model work
     if spec.kind == VLLM_OMNI_OFFLINE and (opts.pattern != "barrier" or opts.voice_mode != "inline"):
-        raise BadInput(f"--pattern {opts.pattern} / --voice-mode {opts.voice_mode}: the offline runner sends each "
+        raise BadInput(f"--pattern {opts.pattern} / --voices {opts.voice_mode}: the offline runner sends each "
                        f"wave of N as one batch with its voices inline (use the defaults, or --candidate {VLLM_OMNI})")
     pattern = "batch" if spec.kind == VLLM_OMNI_OFFLINE else opts.pattern
     store = ResultStore(opts.store)
