@@ -262,3 +262,22 @@ def test_the_server_gets_the_capture_dir_and_no_stale_one(tmp_path, monkeypatch)
     argv = vo.server_argv(Path("/env/bin/python"), "Qwen/X", Path("/o.yaml"), 8123, vo.VllmOmniOptions())
     assert argv[:6] == ["/env/bin/python", "-m", "vllm.entrypoints.cli.main", "serve", "Qwen/X", "--omni"]
     assert "--deploy-config" in argv and "8123" in argv and os.path.basename(argv[0]) == "python"
+
+
+def test_untagged_requests_are_named_by_request_id_only_when_asked(monkeypatch):
+    """The offline batch API cannot tag requests: with DIFFTEST_CAPTURE_UNTAGGED=request-id the
+    capture names them after their request id (the engine core's Request or the worker's
+    CachedRequestState); otherwise an untagged request is not captured."""
+    from types import SimpleNamespace
+
+    from difftest_capture import request_id_tag
+    from difftest_capture.hooks import request_tag
+
+    worker_state = SimpleNamespace(req_id="0_ab/c d", sampling_params=SimpleNamespace(extra_args=None))
+    tagged = SimpleNamespace(request_id="speech-1", sampling_params=SimpleNamespace(extra_args={"difftest_tag": "t1"}))
+    monkeypatch.delenv("DIFFTEST_CAPTURE_UNTAGGED", raising=False)
+    assert request_tag(worker_state) is None and request_tag(tagged) == "t1"
+    monkeypatch.setenv("DIFFTEST_CAPTURE_UNTAGGED", "request-id")
+    assert request_tag(worker_state) == "rid-0_ab_c_d" == request_id_tag("0_ab/c d")
+    assert request_tag(tagged) == "t1"  # a tag still wins
+    assert request_id_tag("") is None and valid_tag(request_id_tag("é" * 300))

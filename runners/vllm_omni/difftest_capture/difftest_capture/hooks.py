@@ -22,9 +22,9 @@ What is written, per tagged request (`<dir>/<tag>.npz`):
 from __future__ import annotations
 
 import functools
-import os
 import inspect
 import logging
+import os
 import threading
 from collections import OrderedDict
 from pathlib import Path
