@@ -59,6 +59,16 @@ class Result:
     def seconds(self) -> float:
         return len(self.wav) / self.sample_rate if self.sample_rate else 0.0
 
+    @property
+    def lead_samples(self) -> int:
+        """Samples before frame 0 (qwen-tts's proportional cut can leave one; difftest.align)."""
+        return int(self.meta.get("lead_samples") or 0)
+
+    @property
+    def grid_wav(self) -> np.ndarray:
+        """The audio from frame 0 on: what comparisons align."""
+        return self.wav[self.lead_samples:]
+
 
 def _codes(a, name: str) -> np.ndarray:
     a = np.asarray(a)
@@ -76,9 +86,21 @@ def _ext(stem: Path, ext: str) -> Path:
     return stem.with_name(stem.name + ext)
 
 
+def _umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _umask()  # read once: os.umask can only be read by setting it
+
+
 def atomic_write(path: Path, data: bytes) -> None:
+    """Write via a temporary file and a rename: a reader never sees half a file. The file gets the
+    user's umask, as open() would give it (mkstemp alone makes it private: 0600)."""
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

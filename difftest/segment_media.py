@@ -60,12 +60,13 @@ def write_segment_media(seg: dict, out_dir: Path, staging: Path, *, picture: boo
     ref, cand = audio.get("reference"), audio.get("candidate")
     if ref is None or cand is None:
         return written
-    n = min(len(ref.wav), len(cand.wav))
-    wavio.write(folder / "difference.wav", cand.wav[:n] - ref.wav[:n], cand.sample_rate)
+    a, b = ref.grid_wav, cand.grid_wav  # from frame 0, as the comparison aligned them
+    n = min(len(a), len(b))
+    wavio.write(folder / "difference.wav", b[:n] - a[:n], cand.sample_rate)
     written.append(f"audio/{name}/difference.wav")
     if picture:
         png = staging / "specdiff" / f"{name}.png"
-        if spectrogram_difference(ref.wav, cand.wav, cand.sample_rate, png, seg):
+        if spectrogram_difference(a, b, cand.sample_rate, png, seg):
             written.append(f"specdiff/{name}.png")
     return written
 

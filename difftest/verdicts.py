@@ -91,14 +91,15 @@ class _Audio:
         mels = {} if mels is None else mels  # id(result) -> log-mel, shared across one segment's comparisons
         for r in (a, b):
             if id(r) not in mels:
-                mels[id(r)] = log_mel(r.wav, r.sample_rate)
-        self.fm = frame_metrics(a.wav, b.wav, a.sample_rate, mel_a=mels[id(a)], mel_b=mels[id(b)])
+                mels[id(r)] = log_mel(r.grid_wav, r.sample_rate)
+        # Both sides from their frame 0: qwen-tts's cut can leave one sample in front (difftest.align).
+        self.fm = frame_metrics(a.grid_wav, b.grid_wav, a.sample_rate, mel_a=mels[id(a)], mel_b=mels[id(b)])
         n_frames = len(self.fm.max_abs)
         self.bounds = align.chunk_frame_bounds(n_frames, ev.initial_frames, ev.chunk_frames)
         self.chunks: ChunkMetrics = reduce_frames(self.fm, self.bounds)
         self.quantised = a.quantised or b.quantised
         self.tiers = chunk_tiers(self.chunks, policy, self.quantised)
-        self.len_a, self.len_b = len(a.wav), len(b.wav)
+        self.len_a, self.len_b = len(a.grid_wav), len(b.grid_wav)
 
     @property
     def worst(self) -> int:
@@ -191,7 +192,7 @@ def _vocoder_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> 
     own = float(audio.chunks.logmel[bad].mean())
     scores = {}
     for peer, x in sorted(ev.cross_donors.items()):
-        if len(x.wav) != len(cross.wav):
+        if len(x.grid_wav) != len(cross.grid_wav):
             continue
         alt = _Audio(x, cand, ev, policy, mels)
         scores[peer] = float(alt.chunks.logmel[bad].mean())
@@ -383,8 +384,8 @@ def classify(ev: Evidence, policy: Policy) -> SegmentVerdict:
         else:
             notes.append("no concurrency-1 control: concurrency invariance not checked")
         findings += _headline_findings(ev, policy, comps, mels)
-        if abs(len(ev.reference.wav) - len(cand.wav)) == align.TRAILING_SAMPLES:
-            notes.append("one trailing sample of difference in length (qwen-tts's float trim)")
+        if abs(len(ev.reference.grid_wav) - len(cand.grid_wav)) == align.TRAILING_SAMPLES:
+            notes.append("one trailing sample of difference in length")
     top = min(findings, key=lambda f: RANK.index(f.kind))
     verdict = "length_mismatch" if top.kind == "vocoder_length" else top.kind
     others = sorted({("length_mismatch" if f.kind == "vocoder_length" else f.kind)

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from difftest import wavio
+from difftest import align, wavio
 from difftest.candidate_http import run_candidate
 from difftest.launcher import ServerProcess, free_port
 from difftest.results import read_result
@@ -408,8 +408,8 @@ def test_capture_files_are_whole_and_typed(world):
     assert not [p for p in world.capture.iterdir() if p.suffix != ".npz"]  # no temp files left behind
     for p in files:
         with np.load(p, allow_pickle=False) as z:
-            assert set(z.files) == {"codes", "ref_codes", "wav"}
-            codes, ref, wav = z["codes"], z["ref_codes"], z["wav"]
+            assert set(z.files) == {"codes", "ref_codes", "wav", "lead_samples"}
+            codes, ref, wav, lead = z["codes"], z["ref_codes"], z["wav"], int(z["lead_samples"])
         assert codes.dtype == np.int64 and codes.ndim == 2 and codes.shape[1] == 16
         assert ref.dtype == np.int64 and ref.ndim == 2 and ref.shape[1] == 16
         assert wav.dtype == np.float32 and wav.ndim == 1
@@ -417,6 +417,8 @@ def test_capture_files_are_whole_and_typed(world):
         # or, from the ref-in-output engine, not cut
         t, r = codes.shape[0], ref.shape[0]
         assert wav.shape[0] in (t * 1920, t * 1920 + 1, (r + t) * 1920), (p.name, wav.shape, t, r)
+        assert lead == (wav.shape[0] - t * 1920 if wav.shape[0] - t * 1920 in (0, 1) else 0)
+        assert lead == (align.lead_samples(r, t) if wav.shape[0] <= t * 1920 + 1 else 0)
 
 
 # -- the planted defects -----------------------------------------------------------

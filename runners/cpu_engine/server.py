@@ -29,6 +29,7 @@ from typing import Callable
 import numpy as np
 
 from difftest import wavio
+from difftest.align import lead_of
 from difftest.results import atomic_write
 
 from . import ENGINE_NAME, LABEL
@@ -43,11 +44,13 @@ def log(message: str) -> None:
 
 
 def write_capture(capture_dir: Path, tag: str, codes: np.ndarray, ref_codes: np.ndarray, wav: np.ndarray) -> Path:
-    """`<dir>/<tag>.npz` with codes (T,16) int64, ref_codes (R,16) int64, wav float32; atomic."""
+    """`<dir>/<tag>.npz` (difftest/capture.py's format): codes (T,16) int64, ref_codes (R,16) int64,
+    wav float32, and lead_samples (the sample qwen-tts's cut can leave before frame 0); atomic."""
     buf = io.BytesIO()
-    np.savez(buf, codes=np.asarray(codes, np.int64).reshape(-1, 16),
-             ref_codes=np.asarray(ref_codes, np.int64).reshape(-1, 16),
-             wav=np.asarray(wav, np.float32).reshape(-1))
+    codes = np.asarray(codes, np.int64).reshape(-1, 16)
+    wav = np.asarray(wav, np.float32).reshape(-1)
+    np.savez(buf, codes=codes, ref_codes=np.asarray(ref_codes, np.int64).reshape(-1, 16), wav=wav,
+             lead_samples=np.int64(lead_of(len(wav), len(codes))))
     path = Path(capture_dir) / f"{tag}.npz"
     atomic_write(path, buf.getvalue())  # fsynced before the answer goes out
     return path

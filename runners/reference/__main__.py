@@ -25,7 +25,7 @@ from .environment import cuda_device_name, host, log, package_versions, repo_com
 from .service import LABEL, ReferenceService
 
 # Bump when the runner's own behaviour changes what it writes for the same inputs.
-RUNNER_VERSION = 1
+RUNNER_VERSION = 2  # 2: results record meta.lead_samples
 FINGERPRINT_PACKAGES = ("qwen-tts", "transformers", "torch", "librosa")
 
 

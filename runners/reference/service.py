@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from difftest import wavio
+from difftest.align import lead_of
 from difftest.results import CorruptResult, Result, ResultStore, read_result, write_result
 from difftest.suite import DECODE_FIELDS, SAMPLE_RATE
 
@@ -92,7 +93,8 @@ class ReferenceService:
         }
         result = Result(segment_id=sid, segment_hash=shash, wav=syn.wav, sample_rate=syn.sample_rate,
                         codes=syn.codes, ref_codes=syn.ref_codes, provenance=provenance, timings=timings,
-                        meta={"runner": LABEL, "concurrency": 1})
+                        meta={"runner": LABEL, "concurrency": 1,
+                              "lead_samples": lead_of(len(syn.wav), len(syn.codes))})
         side = write_result(stem, result)
         emit("result", segment=sid, path=str(side), cached=False, seconds=seconds, audio_seconds=audio_s)
 
@@ -136,7 +138,8 @@ class ReferenceService:
         result = Result(segment_id=str(item.get("segment_id", name)), segment_hash=str(item.get("segment_hash", "")),
                         wav=wav, sample_rate=sr, codes=codes, ref_codes=ref_codes, provenance=provenance,
                         timings={"decode_s": seconds, "audio_s": len(wav) / sr},
-                        meta={"runner": LABEL, "op": "decode", "item": name})
+                        meta={"runner": LABEL, "op": "decode", "item": name,
+                              "lead_samples": lead_of(len(wav), len(codes))})
         side = write_result(Path(out), result)
         emit("result", item=name, segment=name, path=str(side), cached=False, seconds=seconds,
              audio_seconds=len(wav) / sr)
