@@ -27,12 +27,16 @@ from pathlib import Path
 
 import numpy as np
 
-from . import wavio
-from .results import CorruptResult, Result, ResultStore, write_result
+from . import capture, wavio
+from .capture import Capture, CaptureError
+from .results import Result, ResultStore, write_result
 from .speech_client import ServerUnreachable, SpeechClient, SpeechError, speech_request
 from .suite import Segment
 
 PATTERNS = ("barrier", "pool", "staggered")
+# Engines write the capture before they answer; a server's stages can still finish a moment apart,
+# and a busy machine stretches that moment. Waited out only when a capture is late.
+CAPTURE_WAIT_S = 30.0
 ORDERS = ("suite", "permuted", "mixed", "long-first")
 
 
@@ -76,29 +80,30 @@ def _waves(segments: list[Segment], n: int, order: str, seed: int) -> list[list[
     return waves
 
 
-def read_capture(capture_dir: Path | None, tag: str, wait_s: float = 2.0) -> dict | None:
-    """The engine's capture file for a tag (contract 5), or None if it never appears."""
+def read_capture(capture_dir: Path | None, tag: str, wait_s: float | None = None) -> Capture | None:
+    """The engine's checked capture for a tag (contract 5); None without a capture folder.
+
+    Raises CaptureError when the capture was asked for and is missing or unusable: never a
+    silent fall-back to an audio-only comparison."""
     if capture_dir is None:
         return None
-    path = Path(capture_dir) / f"{tag}.npz"
-    deadline = time.monotonic() + wait_s
-    while not path.exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    if not path.exists():
-        return None
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
-    except Exception as e:  # a half-written capture is the engine's bug: say so, don't trust it
-        raise CorruptResult(f"{path}: unreadable capture ({e})") from None
+    wait_s = CAPTURE_WAIT_S if wait_s is None else wait_s
+    path = capture.wait_for(capture_dir, tag, wait_s)
+    if path is None:
+        raise capture.CaptureMissing(f"{Path(capture_dir) / (tag + '.npz')}: the engine wrote no capture for this request "
+                           f"within {wait_s:.0f} s of answering")
+    return capture.load(path)
 
 
 def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, *, concurrency: int,
                   pattern: str = "barrier", order: str = "suite", seed: int = 0, stagger_ms: float = 50.0,
                   voice_mode: str = "inline", capture_dir: Path | None = None, label: str = "candidate",
                   provenance: dict | None = None, run_tag: str | None = None, reuse: bool = True,
-                  on_result=None) -> CandidateOutcome:
-    """Send every segment; write each answer as a result under out_dir; return what happened."""
+                  identity_key: str | None = None, on_result=None) -> CandidateOutcome:
+    """Send every segment; write each answer as a result under out_dir; return what happened.
+
+    A result already in out_dir is reused when `reuse` and it records `identity_key` (what
+    produced it: difftest.identity); it keeps the wave it was sent in, for the donor search."""
     if pattern not in PATTERNS:
         raise ValueError(f"unknown pattern {pattern!r} (known: {', '.join(PATTERNS)})")
     if concurrency < 1:
@@ -114,10 +119,11 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
     store = ResultStore(out_dir)
     for s in segments:
         cached = store.get(out_dir, s.id, s.hash) if reuse else None
-        if cached is not None:
+        if cached is not None and cached.meta.get("identity") == identity_key:
             outcome.results[s.id] = cached
         else:
             todo.append(s)
+    outcome.batches = recorded_waves(outcome.results.values(), {s.id for s in segments})
 
     if voice_mode == "registered":
         for v in {s.voice.id: s.voice for s in todo if s.voice}.values():
@@ -130,7 +136,11 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
                                                 "message": f"voice registration failed: {e}"}
         todo = [s for s in todo if s.id not in outcome.errors]
 
-    def one(seg: Segment, delay: float = 0.0, barrier: threading.Barrier | None = None):
+    def error(seg: Segment, kind: str, message: str) -> None:
+        with lock:
+            outcome.errors[seg.id] = {"source": "candidate", "kind": kind, "message": message}
+
+    def one(seg: Segment, wave: list[str], delay: float = 0.0, barrier: threading.Barrier | None = None):
         if barrier is not None:
             try:
                 barrier.wait()
@@ -139,10 +149,7 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
         if delay:
             time.sleep(delay)
         if dead.is_set():
-            err = {"source": "candidate", "kind": "infrastructure", "message": "server unreachable earlier in the run"}
-            with lock:
-                outcome.errors[seg.id] = err
-            return
+            return error(seg, "infrastructure", "server unreachable earlier in the run")
         tag = f"{run_tag}-{seg.id}-c{concurrency}"
         body = speech_request(seg, tag, voice_mode=voice_mode)
         try:
@@ -150,31 +157,20 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
             wav, info = wavio.read(ans.audio)
             if wav.ndim != 1:
                 raise SpeechError(200, f"audio has {info.channels} channels, expected mono")
-            cap = read_capture(capture_dir, tag)
         except ServerUnreachable as e:
             dead.set()
-            with lock:
-                outcome.errors[seg.id] = {"source": "candidate", "kind": "infrastructure", "message": str(e)}
-            return
-        except (SpeechError, wavio.WavError, CorruptResult) as e:
+            return error(seg, "infrastructure", str(e))
+        except (SpeechError, wavio.WavError) as e:
             # status 0: the connection died or timed out mid-request: the engine is down or hung
-            kind = "infrastructure" if getattr(e, "status", None) == 0 else "candidate"
-            with lock:
-                outcome.errors[seg.id] = {"source": "candidate", "kind": kind, "message": str(e)}
-            return
-        extra = {}
-        if cap is not None and "wav" in cap:
-            extra["capture_wav"] = np.asarray(cap["wav"], np.float32).reshape(-1)
-        r = Result(segment_id=seg.id, segment_hash=seg.hash, wav=wav, sample_rate=info.sample_rate,
-                   codes=cap["codes"] if cap is not None else np.zeros((0, 16), np.int64),
-                   ref_codes=cap.get("ref_codes", np.zeros((0, 16), np.int64)) if cap is not None
-                   else np.zeros((0, 16), np.int64),
-                   has_codes=cap is not None, quantised=info.format == "pcm",
-                   provenance=dict(provenance or {}),
-                   timings={"request_seconds": round(ans.seconds, 4)},
-                   meta={"runner": label, "concurrency": concurrency, "pattern": pattern, "order": order,
-                         "tag": tag, "retries": ans.retries, "capture": cap is not None},
-                   extra=extra)
+            return error(seg, "infrastructure" if getattr(e, "status", None) == 0 else "candidate", str(e))
+        try:
+            cap = read_capture(capture_dir, tag)
+        except CaptureError as e:
+            # missing: the capture machinery failed us; unusable: the engine wrote nonsense about itself
+            return error(seg, "infrastructure" if isinstance(e, capture.CaptureMissing) else "candidate", str(e))
+        r = _result(seg, wav, info, cap, ans, label, provenance, wave,
+                    {"concurrency": concurrency, "pattern": pattern, "order": order, "tag": tag,
+                     "identity": identity_key})
         side = write_result(ResultStore.stem(out_dir, seg.id, seg.hash), r)
         r.source = side.resolve()
         with lock:
@@ -184,16 +180,51 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
 
     if pattern == "pool":
         ordered = order_segments(todo, order, seed)
-        outcome.batches = [[s.id for s in ordered]]
-        with ThreadPoolExecutor(concurrency) as ex:
-            list(ex.map(one, ordered))
+        if ordered:
+            outcome.batches.append([s.id for s in ordered])
+        _send(concurrency, [(one, s, outcome.batches[-1] if ordered else []) for s in ordered])
     else:
         for wave in _waves(todo, concurrency, order, seed):
-            outcome.batches.append([s.id for s in wave])
+            ids = [s.id for s in wave]
+            outcome.batches.append(ids)
             barrier = threading.Barrier(len(wave))
-            with ThreadPoolExecutor(len(wave)) as ex:
-                futs = [ex.submit(one, s, (i * stagger_ms / 1000.0) if pattern == "staggered" else 0.0, barrier)
-                        for i, s in enumerate(wave)]
-                for f in futs:
-                    f.result()
+            _send(len(wave), [(one, s, ids, (i * stagger_ms / 1000.0) if pattern == "staggered" else 0.0, barrier)
+                              for i, s in enumerate(wave)])
     return outcome
+
+
+def _send(workers: int, calls: list[tuple]) -> None:
+    """Run the calls on `workers` threads and wait for them; on an interrupt, stop waiting at once
+    (the caller then stops the engine, which ends the requests still in flight)."""
+    ex = ThreadPoolExecutor(max(workers, 1))
+    try:
+        for f in [ex.submit(*c) for c in calls]:
+            f.result()
+    except BaseException:
+        ex.shutdown(wait=False, cancel_futures=True)
+        raise
+    ex.shutdown(wait=True)
+
+
+def _result(seg: Segment, wav, info, cap: Capture | None, ans, label: str, provenance: dict | None,
+            wave: list[str], meta: dict) -> Result:
+    extra = {"capture_wav": cap.wav} if cap is not None and cap.wav is not None else {}
+    empty = np.zeros((0, 16), np.int64)
+    return Result(segment_id=seg.id, segment_hash=seg.hash, wav=wav, sample_rate=info.sample_rate,
+                  codes=cap.codes if cap is not None else empty, ref_codes=cap.ref_codes if cap is not None else empty,
+                  has_codes=cap is not None, quantised=info.format == "pcm", provenance=dict(provenance or {}),
+                  timings={"request_seconds": round(ans.seconds, 4)},
+                  meta={"runner": label, **meta, "retries": ans.retries, "capture": cap is not None,
+                        "lead_samples": cap.lead_samples if cap is not None else 0, "wave": list(wave)},
+                  extra=extra)
+
+
+def recorded_waves(results, wanted: set[str]) -> list[list[str]]:
+    """The waves reused results were sent in (their `meta.wave`), each once, limited to `wanted`."""
+    waves, seen = [], set()
+    for r in results:
+        wave = tuple(sid for sid in (r.meta.get("wave") or [r.segment_id]) if sid in wanted)
+        if wave and wave not in seen:
+            seen.add(wave)
+            waves.append(list(wave))
+    return waves

@@ -18,8 +18,8 @@ from .suite import Segment
 
 
 def run_candidate_runner(segments: list[Segment], runner: RunnerProcess, out_dir: Path, *, concurrency: int,
-                         order: str = "suite", seed: int = 0, timeout: float = 900.0, on_result=None,
-                         on_progress=None) -> CandidateOutcome:
+                         order: str = "suite", seed: int = 0, timeout: float = 900.0, identity_key: str | None = None,
+                         on_result=None, on_progress=None) -> CandidateOutcome:
     if concurrency < 1:
         raise ValueError("concurrency must be at least 1")
     out_dir = Path(out_dir)
@@ -31,7 +31,8 @@ def run_candidate_runner(segments: list[Segment], runner: RunnerProcess, out_dir
     pending = dict(by_id)
     try:
         for ev in runner.request("generate", timeout=timeout, segments=[s.to_job() for s in segments],
-                                 out_dir=str(out_dir), concurrency=concurrency, waves=outcome.batches):
+                                 out_dir=str(out_dir), concurrency=concurrency, waves=outcome.batches,
+                                 identity=identity_key):
             sid, kind = ev.get("segment"), ev.get("event")
             if kind == "progress":
                 if on_progress:
@@ -52,7 +53,8 @@ def run_candidate_runner(segments: list[Segment], runner: RunnerProcess, out_dir
                 if on_result:
                     on_result(seg, r)
             else:
-                kind_of = {"bad_input": "bad_input", "engine": "candidate"}.get(ev.get("kind"), "candidate")
+                kind_of = {"bad_input": "bad_input", "engine": "candidate",
+                           "capture": "infrastructure"}.get(ev.get("kind"), "candidate")
                 outcome.errors[sid] = {"source": "candidate", "kind": kind_of,
                                        "message": ev.get("message", "error without a message")}
     except RunnerDied as e:
@@ -60,7 +62,7 @@ def run_candidate_runner(segments: list[Segment], runner: RunnerProcess, out_dir
         store = ResultStore(out_dir)
         for sid, seg in list(pending.items()):
             r = store.get(out_dir, sid, seg.hash)
-            if r is not None:
+            if r is not None and r.meta.get("identity") == identity_key:
                 outcome.results[sid] = r
             else:
                 outcome.errors[sid] = {"source": "candidate", "kind": "infrastructure",

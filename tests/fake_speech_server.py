@@ -26,6 +26,9 @@ class FakeSpeechServer:
         self.fail: dict[str, int] = {}  # text -> HTTP status to answer
         self.truncate: set[str] = set()  # texts whose body is cut short
         self.die_after: int | None = None  # stop serving after this many speech requests
+        # text -> what to write as its capture instead of the real one: a dict of arrays, raw bytes,
+        # or None (write nothing): hostile engines for the capture checks
+        self.capture_override: dict = {}
         self.lock = threading.Lock()
         self.in_flight = 0
         self.max_in_flight = 0
@@ -75,7 +78,13 @@ class FakeSpeechServer:
                 ref = toy_codes(5, seed + 1) if "ref_audio" in body or "voice" in body else np.zeros((0, 16), int)
                 wav = toy_decode(codes, ref)
                 tag = body["extra_params"]["difftest_tag"]
-                if outer.capture_dir:
+                if outer.capture_dir and body["input"] in outer.capture_override:
+                    bad = outer.capture_override[body["input"]]
+                    if isinstance(bad, bytes):
+                        (outer.capture_dir / f"{tag}.npz").write_bytes(bad)
+                    elif bad is not None:
+                        np.savez(outer.capture_dir / f"{tag}.npz", **bad)
+                elif outer.capture_dir:
                     np.savez(outer.capture_dir / f"{tag}.npz", codes=codes, ref_codes=ref, wav=wav)
                 audio = wavio.encode(wav, 24000, "pcm16")
                 if body["input"] in outer.truncate:

@@ -21,6 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
+from difftest import capture
+from difftest.capture import Capture, CaptureError
 from difftest.results import CorruptResult, Result, ResultStore, write_result
 from runners.reference.checkpoint import MODEL_TYPE_OF_TASK, Checkpoint
 from runners.reference.environment import log
@@ -29,7 +31,7 @@ from runners.reference.service import BadInput, parse_segment
 from . import LABEL, prompts
 from .engine import OmniPool
 
-CAPTURE_WAIT_S = 5.0  # the vocoder's side of a capture may land a moment after the answer
+CAPTURE_WAIT_S = 30.0  # the vocoder's side of a capture may land a moment after the answer (longer when busy)
 
 
 class OfflineService:
@@ -38,6 +40,7 @@ class OfflineService:
         self.pool = pool
         self.provenance = provenance
         self.capture_dir = Path(os.environ["DIFFTEST_CAPTURE_DIR"]) if os.environ.get("DIFFTEST_CAPTURE_DIR") else None
+        self.identity = None  # the job's: what the tester says produced its results (difftest.identity)
 
     def generate(self, job: dict, emit) -> None:
         segments = [s for s in job.get("segments") or [] if isinstance(s, dict)]
@@ -50,6 +53,7 @@ class OfflineService:
                      message="generate job needs out_dir and a concurrency of at least 1")
             return
         out_dir = Path(out_dir)
+        self.identity = job.get("identity")
         waves = job.get("waves") or [[s.get("id") for s in segments[i:i + concurrency]]
                                      for i in range(0, len(segments), concurrency)]
         listed = {sid for wave in waves for sid in wave}
@@ -68,7 +72,7 @@ class OfflineService:
                 if not isinstance(sid, str) or not isinstance(seg.get("hash"), str):
                     raise BadInput("a segment needs an id and its content hash")
                 cached = store.get(out_dir, sid, seg["hash"])
-                if cached is not None:
+                if cached is not None and cached.meta.get("identity") == self.identity:
                     emit("result", segment=sid, path=str(cached.source), cached=True,
                          seconds=float(cached.timings.get("seconds", 0.0)), audio_seconds=cached.seconds)
                     continue
@@ -106,39 +110,44 @@ class OfflineService:
         for (seg, utt, voice, _), ans in zip(members, answers):
             try:
                 path, audio_s = self._write(seg, utt, voice, ans, ids, seconds, out_dir, concurrency, task)
-            except (CorruptResult, ValueError, OSError) as e:
-                emit("error", segment=seg["id"], kind="engine", message=str(e))
+            except (CorruptResult, CaptureError, ValueError, OSError) as e:
+                emit("error", segment=seg["id"], kind="capture" if isinstance(e, capture.CaptureMissing) else "engine",
+                     message=str(e))
                 continue
             emit("result", segment=seg["id"], path=str(path), cached=False, seconds=seconds, audio_seconds=audio_s)
 
-    def _capture(self, request_id: str) -> dict | None:
+    def _capture(self, request_id: str) -> Capture | None:
+        """The request's checked capture (None when capture is off). CaptureError when it was asked
+        for and is missing or unusable: the segment's error, never a silent audio-only result."""
         if self.capture_dir is None:
             return None
         from difftest_capture import request_id_tag
 
         path = self.capture_dir / f"{request_id_tag(request_id)}.npz"
         deadline = time.monotonic() + CAPTURE_WAIT_S
-        while time.monotonic() < deadline:
+        while True:  # the talker's and the vocoder's sides land separately
             if path.exists():
                 try:
-                    with np.load(path, allow_pickle=False) as z:
-                        data = {k: z[k] for k in z.files}
-                except Exception as e:
-                    raise CorruptResult(f"{path}: unreadable capture ({e})") from None
-                if "wav" in data and "codes" in data:
-                    return data
+                    cap = capture.load(path)
+                    if cap.wav is not None:
+                        return cap
+                except CaptureError:
+                    if time.monotonic() >= deadline:
+                        raise
+            if time.monotonic() >= deadline:
+                raise capture.CaptureMissing(f"{path}: no complete capture (codes and wav) for request "
+                                             f"{request_id} within {CAPTURE_WAIT_S:.0f} s of its answer")
             time.sleep(0.05)
-        return None
 
     def _write(self, seg, utt, voice, ans, batch_ids, seconds, out_dir, concurrency, task):
         cap = self._capture(ans.request_id)
         empty = np.zeros((0, 16), np.int64)
         ckpt = self.checkpoints[task]
-        extra = {"capture_wav": np.asarray(cap["wav"], np.float32).reshape(-1)} if cap is not None else {}
+        extra = {"capture_wav": cap.wav} if cap is not None else {}
         result = Result(
             segment_id=seg["id"], segment_hash=seg["hash"], wav=ans.wav, sample_rate=ans.sample_rate,
-            codes=cap["codes"] if cap is not None else empty,
-            ref_codes=cap.get("ref_codes", empty) if cap is not None else empty,
+            codes=cap.codes if cap is not None else empty,
+            ref_codes=cap.ref_codes if cap is not None else empty,
             has_codes=cap is not None, quantised=False,
             provenance={**self.provenance, "task": task, "voice": voice, "decode": dict(utt.decode),
                         "checkpoint": {"path": str(ckpt.path), "model": ckpt.spec, "sha256": ckpt.sha256}},
@@ -146,7 +155,7 @@ class OfflineService:
                      **({"engine_start_s": self.pool.start_seconds[ckpt.model_type]}
                         if ckpt.model_type in self.pool.start_seconds else {})},
             meta={"runner": LABEL, "concurrency": concurrency, "batch": batch_ids, "request_id": ans.request_id,
-                  "capture": cap is not None},
+                  "capture": cap is not None, "identity": self.identity},
             extra=extra)
         side = write_result(ResultStore.stem(out_dir, seg["id"], seg["hash"]), result)
         return side, len(ans.wav) / ans.sample_rate

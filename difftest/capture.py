@@ -1,0 +1,139 @@
+"""Capture files (design contract 5), read and checked on the tester's side.
+
+An engine started with `DIFFTEST_CAPTURE_DIR=<dir>` writes, per tagged request,
+`<dir>/<tag>.npz` (no pickles). What the tester reads from it:
+
+| array          | shape / type           | meaning                                               |
+|----------------|------------------------|-------------------------------------------------------|
+| `codes`        | (T, 16) integers       | the generated codes the vocoder got (reference prefix |
+|                |                        | excluded), each in [0, 2048)                          |
+| `ref_codes`    | (R, 16) integers       | the reference prefix the vocoder got (R may be 0;     |
+|                |                        | absent means 0)                                       |
+| `wav`          | (S,) floats            | the vocoder's output before 16-bit quantisation       |
+| `sample_rate`  | integer scalar         | of `wav` (24000)                                      |
+| `lead_samples` | integer scalar, 0 or 1 | samples before the first generated frame: qwen-tts's  |
+|                |                        | proportional cut can leave one (see difftest.align)   |
+
+The file comes from the engine under test, so nothing in it is trusted: a
+file that breaks these rules is a `CaptureError`, which the caller turns into
+that segment's candidate error. It never crashes a run, and values are never
+cast silently (uint64 codes that do not fit, floats, codes outside the
+codebook).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+CODEBOOKS = 16
+CODEBOOK_SIZE = 2048  # the 12 Hz tokenizer's codebook; the talker's specials (>= 2048) never reach the vocoder
+MAX_BYTES = 256 << 20  # about 100 minutes of float32 audio with its codes: far beyond any segment
+MAX_LEAD_SAMPLES = 1
+KNOWN = ("codes", "ref_codes", "wav", "sample_rate", "lead_samples")
+
+
+class CaptureError(ValueError):
+    """A capture file the tester cannot use; the message names the file and the problem."""
+
+
+class CaptureMissing(CaptureError):
+    """A capture that was asked for and never written."""
+
+
+@dataclass(frozen=True)
+class Capture:
+    codes: np.ndarray  # (T, 16) int64
+    ref_codes: np.ndarray  # (R, 16) int64
+    wav: np.ndarray | None  # float32, before quantisation
+    sample_rate: int | None
+    lead_samples: int
+    path: Path
+
+
+def _codes(arrays: dict, name: str, where: Path, required: bool) -> np.ndarray:
+    if name not in arrays:
+        if required:
+            raise CaptureError(f"{where}: no {name!r} array")
+        return np.zeros((0, CODEBOOKS), np.int64)
+    a = arrays[name]
+    if a.dtype.kind not in "iu":
+        raise CaptureError(f"{where}: {name} holds {a.dtype} values, expected integers")
+    if a.size == 0:
+        return np.zeros((0, CODEBOOKS), np.int64)
+    if a.ndim != 2 or a.shape[1] != CODEBOOKS:
+        raise CaptureError(f"{where}: {name} has shape {a.shape}, expected (frames, {CODEBOOKS})")
+    # Compared in the array's own dtype: a uint64 beyond int64 must not wrap to a negative number.
+    bad = (a < 0) | (a >= CODEBOOK_SIZE)
+    if bad.any():
+        f, c = (int(i) for i in np.argwhere(bad)[0])
+        raise CaptureError(f"{where}: {name}[{f}, {c}] = {a[f, c]} lies outside the codebook [0, {CODEBOOK_SIZE})")
+    return a.astype(np.int64)
+
+
+def _scalar(arrays: dict, name: str, where: Path) -> int | None:
+    if name not in arrays:
+        return None
+    a = arrays[name]
+    if a.size != 1 or a.dtype.kind not in "iu":
+        raise CaptureError(f"{where}: {name} must be one integer, got {a.dtype} of shape {a.shape}")
+    return int(a.reshape(-1)[0])
+
+
+def validate(arrays: dict, where: Path) -> Capture:
+    """The checked content of one capture file's arrays."""
+    codes = _codes(arrays, "codes", where, required=True)
+    ref_codes = _codes(arrays, "ref_codes", where, required=False)
+    wav = None
+    if "wav" in arrays:
+        w = arrays["wav"]
+        if w.dtype.kind != "f":
+            raise CaptureError(f"{where}: wav holds {w.dtype} values, expected floats")
+        if w.ndim != 1 and not (w.ndim == 2 and 1 in w.shape):
+            raise CaptureError(f"{where}: wav has shape {w.shape}, expected mono samples")
+        wav = w.astype(np.float32).reshape(-1)  # its length is the comparison's business (length_mismatch)
+    rate = _scalar(arrays, "sample_rate", where)
+    if rate is not None and rate <= 0:
+        raise CaptureError(f"{where}: sample_rate {rate} is not positive")
+    lead = _scalar(arrays, "lead_samples", where) or 0
+    if not 0 <= lead <= MAX_LEAD_SAMPLES:
+        raise CaptureError(f"{where}: lead_samples {lead} outside [0, {MAX_LEAD_SAMPLES}]")
+    return Capture(codes, ref_codes, wav, rate, lead, where)
+
+
+def load(path: Path) -> Capture:
+    """Read and check one capture file."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise CaptureError(f"{path}: cannot read ({e.strerror})") from None
+    if size > MAX_BYTES:
+        raise CaptureError(f"{path}: {size} bytes, more than the {MAX_BYTES >> 20} MiB a capture may hold")
+    try:
+        z = np.load(path, allow_pickle=False)
+    except Exception as e:  # a bad zip, a pickled array, a truncated file: the engine's, not ours
+        raise CaptureError(f"{path}: unreadable capture ({type(e).__name__}: {e})") from None
+    if not isinstance(z, np.lib.npyio.NpzFile):
+        raise CaptureError(f"{path}: a single array, not an npz archive of named arrays")
+    try:
+        with z:
+            arrays = {k: z[k] for k in z.files}
+    except Exception as e:  # a bad zip, a pickled array, a truncated file: the engine's, not ours
+        raise CaptureError(f"{path}: unreadable capture ({type(e).__name__}: {e})") from None
+    return validate(arrays, path)
+
+
+def wait_for(capture_dir: Path, tag: str, wait_s: float) -> Path | None:
+    """The capture file of a tag once it exists (engines write it before they answer, but a
+    server's stages may finish a moment apart), or None after wait_s."""
+    path = Path(capture_dir) / f"{tag}.npz"
+    deadline = time.monotonic() + wait_s
+    while not path.exists():
+        if time.monotonic() >= deadline:
+            return None
+        time.sleep(0.05)
+    return path

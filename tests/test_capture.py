@@ -1,0 +1,103 @@
+"""Capture files come from the engine under test: every kind of nonsense in one is that segment's
+candidate error, named, and never crashes the run or is cast into something plausible."""
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from fake_speech_server import FakeSpeechServer
+from toy import toy_codes
+
+from difftest import capture
+from difftest.candidate_http import run_candidate
+from difftest.speech_client import SpeechClient
+from difftest.suite import load_suite
+
+ROOT = Path(__file__).resolve().parent.parent
+GOOD = {"codes": toy_codes(6, 1), "ref_codes": toy_codes(3, 2), "wav": np.zeros(6 * 1920, np.float32)}
+
+
+def write(tmp_path, **arrays) -> Path:
+    p = tmp_path / "t.npz"
+    np.savez(p, **arrays)
+    return p
+
+
+def test_a_good_capture_reads_back(tmp_path):
+    c = capture.load(write(tmp_path, **GOOD, lead_samples=np.int64(1), sample_rate=np.int64(24000)))
+    assert np.array_equal(c.codes, GOOD["codes"]) and c.codes.dtype == np.int64
+    assert np.array_equal(c.ref_codes, GOOD["ref_codes"]) and c.lead_samples == 1 and c.sample_rate == 24000
+    c = capture.load(write(tmp_path, codes=GOOD["codes"]))  # the talker's side alone
+    assert c.ref_codes.shape == (0, 16) and c.wav is None and c.lead_samples == 0
+
+
+HOSTILE = {
+    "float codes": ({**GOOD, "codes": GOOD["codes"].astype(np.float32)}, "codes holds float32 values"),
+    "string codes": ({**GOOD, "codes": np.array(["a", "b"])}, "codes holds <U1 values"),
+    "8 codebooks": ({**GOOD, "codes": toy_codes(6, 1)[:, :8]}, "codes has shape (6, 8)"),
+    "17 codebooks": ({**GOOD, "codes": np.concatenate([toy_codes(6, 1), toy_codes(6, 1)[:, :1]], 1)},
+                     "codes has shape (6, 17)"),
+    "1-D codes": ({**GOOD, "codes": toy_codes(6, 1).reshape(-1)}, "codes has shape (96,)"),
+    "no codes": ({"ref_codes": GOOD["ref_codes"], "wav": GOOD["wav"]}, "no 'codes' array"),
+    "uint64 beyond int64": ({**GOOD, "codes": np.full((6, 16), 2**64 - 1, np.uint64)},
+                            "codes[0, 0] = 18446744073709551615 lies outside the codebook [0, 2048)"),
+    "out of range": ({**GOOD, "codes": np.where(np.arange(96).reshape(6, 16) == 37, 4096, GOOD["codes"])},
+                     "codes[2, 5] = 4096 lies outside the codebook"),
+    "negative ref codes": ({**GOOD, "ref_codes": -np.ones((3, 16), np.int64)}, "ref_codes[0, 0] = -1"),
+    "integer wav": ({**GOOD, "wav": np.zeros(100, np.int16)}, "wav holds int16 values"),
+    "2-D wav": ({**GOOD, "wav": np.zeros((2, 1920), np.float32)}, "wav has shape (2, 1920), expected mono"),
+    "lead of 5": ({**GOOD, "lead_samples": np.int64(5)}, "lead_samples 5 outside [0, 1]"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(HOSTILE))
+def test_hostile_captures_are_named(tmp_path, name):
+    arrays, problem = HOSTILE[name]
+    with pytest.raises(capture.CaptureError) as e:
+        capture.load(write(tmp_path, **arrays))
+    assert problem in str(e.value) and "t.npz" in str(e.value)
+
+
+def test_not_an_archive_and_too_big(tmp_path, monkeypatch):
+    p = tmp_path / "t.npz"
+    p.write_bytes(b"PK\x03\x04 not really a zip")
+    with pytest.raises(capture.CaptureError, match="unreadable capture"):
+        capture.load(p)
+    np.save(tmp_path / "one.npy", GOOD["codes"])
+    with pytest.raises(capture.CaptureError, match="not an npz archive"):
+        capture.load(tmp_path / "one.npy")
+    monkeypatch.setattr(capture, "MAX_BYTES", 100)
+    with pytest.raises(capture.CaptureError, match="more than the 0 MiB"):
+        capture.load(write(tmp_path, **GOOD))
+
+
+def test_a_run_keeps_going_past_hostile_captures(tmp_path, monkeypatch):
+    """Through the HTTP runner: each hostile capture is that segment's candidate error; a missing one
+    (asked for, never written) is an infrastructure error; the others are results."""
+    suite = load_suite(ROOT / "cases" / "suites" / "voice-clone-concurrency.yaml")
+    segs = [s for s in suite.segments if s.task == "voice_clone"][:6]
+    cap_dir = tmp_path / "cap"
+    cap_dir.mkdir()
+    monkeypatch.setattr("difftest.candidate_http.CAPTURE_WAIT_S", 1.0)  # the missing one is waited for
+    with FakeSpeechServer(capture_dir=cap_dir, delay=0.0) as srv:
+        srv.capture_override = {segs[0].text: HOSTILE["float codes"][0],
+                                segs[1].text: HOSTILE["uint64 beyond int64"][0],
+                                segs[2].text: HOSTILE["no codes"][0],
+                                segs[3].text: None}
+        out = run_candidate(segs, SpeechClient(srv.url), tmp_path / "res", concurrency=3, capture_dir=cap_dir,
+                            run_tag="r", reuse=False)
+    assert {sid: e["kind"] for sid, e in out.errors.items()} == {
+        segs[0].id: "candidate", segs[1].id: "candidate", segs[2].id: "candidate", segs[3].id: "infrastructure"}
+    assert "codes holds float32 values" in out.errors[segs[0].id]["message"]
+    assert "engine wrote no capture" in out.errors[segs[3].id]["message"]
+    assert sorted(out.results) == sorted(s.id for s in segs[4:])
+    assert all(r.has_codes and r.codes.dtype == np.int64 for r in out.results.values())
+
+
+def test_a_missing_capture_is_waited_for_then_named(tmp_path, monkeypatch):
+    monkeypatch.setattr("difftest.candidate_http.CAPTURE_WAIT_S", 0.2)
+    from difftest.candidate_http import read_capture
+
+    with pytest.raises(capture.CaptureMissing, match="no capture for this request within 0 s"):
+        read_capture(tmp_path, "absent")
+    assert read_capture(None, "absent") is None  # no capture asked for: an audio-only candidate
