@@ -4,10 +4,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
 import json
 import logging
 import os
+import signal
 import sys
+import tempfile
+import threading
+import traceback
 from pathlib import Path
 
 from . import __version__
@@ -63,7 +69,8 @@ def cmd_run(args) -> int:
                       reference=ReferenceOptions(models=args.reference_model, python=args.reference_python,
                                                  device=args.device, dtype=args.dtype),
                       vllm_omni={"python": args.vllm_omni_python, "device": args.candidate_device,
-                                 "async_chunk": args.async_chunk})
+                                 "async_chunk": args.async_chunk},
+                      replace=args.replace)
     report = run(suite, spec, Path(args.out), policy, opts)
     print_summary(report, Path(args.out))
     if not args.no_mlflow:
@@ -151,12 +158,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="--candidate vllm-omni: hand codes to the vocoder in chunks (the deploy default) "
                         "instead of one decode per request")
     r.add_argument("--capture-dir", help="where a URL candidate writes its capture files (DIFFTEST_CAPTURE_DIR)")
-    r.add_argument("--concurrency", "-n", type=int, default=4)
-    r.add_argument("--pattern", default="barrier", choices=("barrier", "pool", "staggered"))
-    r.add_argument("--order", default="suite", choices=("suite", "permuted", "mixed", "long-first"))
+    r.add_argument("--concurrency", "-n", type=int, default=4,
+                   help="requests in flight at once for the candidate under test (default 4); it also runs at 1")
+    r.add_argument("--pattern", default="barrier", choices=("barrier", "pool", "staggered"),
+                   help="arrivals: barrier (waves of N released together, the default), pool (N workers pulling, "
+                        "so requests join a running batch), staggered (waves whose requests start 50 ms apart)")
+    r.add_argument("--order", default="suite", choices=("suite", "permuted", "mixed", "long-first"),
+                   help="which segments share a wave: suite order (default), permuted (seeded shuffle), mixed "
+                        "(task types interleaved), long-first (the longest segment leads each wave)")
     r.add_argument("--voices", default="inline", choices=("inline", "registered"),
                    help="send reference audio with each request, or register voices first")
-    r.add_argument("--out", required=True, help="run folder: results, report.json, summary.md, logs")
+    r.add_argument("--out", required=True, help="run folder: results, report.json, summary.md, logs. Its "
+                        "candidate results are reused only by the same candidate and configuration")
+    r.add_argument("--replace", action="store_true",
+                   help="discard the run folder's candidate results when another candidate or configuration "
+                        "made them (without it, difftest refuses: exit 2)")
     r.add_argument("--store", default=os.environ.get("DIFFTEST_STORE", "difftest-store"),
                    help="reference result store, shared across runs (default ./difftest-store or $DIFFTEST_STORE)")
     r.add_argument("--policy", help="policy YAML (default: the built-in one)")
@@ -179,8 +195,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_bisect_parser(sub)
     add_probe_parser(sub)
 
-    sub.add_parser("reference", help="compute (or find cached) qwen-tts reference results for a suite "
-                                     "(see difftest reference --help)")
+    from .reference import add_reference_parser
+
+    add_reference_parser(sub)
 
     sc = sub.add_parser("selfcheck", help="catch every planted defect of the CPU test engine, and flag nothing "
                                            "on the clean one, before trusting a gate on this machine")
@@ -212,21 +229,78 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["reference"]:  # its own parser, shared with `python -m difftest.reference`
-        from .reference import main as reference_main
-
-        return reference_main(argv[1:])
-    args = build_parser().parse_args(argv)
+    args = build_parser().parse_args(argv)  # usage errors: exit 2 (_Parser.error)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="difftest: %(levelname)s: %(message)s")
+    return dispatch(args.func, args, verbose=args.verbose)
+
+
+@contextlib.contextmanager
+def _signals_interrupt():
+    """SIGTERM and SIGHUP act as Ctrl-C: the command unwinds, stopping every engine and runner it
+    started, and keeps what it finished. Further signals while it unwinds are ignored (the unwinding
+    is bounded: a server gets 15 s, a runner is killed)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+    def interrupt(signum, _frame):
+        for s in caught:
+            signal.signal(s, signal.SIG_IGN)
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, interrupt) for s in caught}
     try:
-        return args.func(args)
-    except DifftestError as e:
-        print(f"difftest: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:
-        print("difftest: interrupted; finished results are kept", file=sys.stderr)
-        return EXIT_INFRA
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+# OS errors about a path the user named (it is missing, a file, read-only) are bad input; others
+# (a full disk, too many open files) are the machine's.
+_USER_PATH_ERRNOS = {errno.ENOENT, errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR,
+                     errno.EEXIST, errno.ENAMETOOLONG}
+
+
+def dispatch(func, args, verbose: bool = False) -> int:
+    """Run a subcommand with the exit-code contract: 0 pass, 1 a judged divergence, 2 bad input,
+    3 infrastructure. No traceback reaches the user: an unexpected exception is difftest's own bug,
+    reported in one line (exit 3) with the traceback written to a file."""
+    with _signals_interrupt():
+        try:
+            return func(args)
+        except DifftestError as e:
+            print(f"difftest: error: {e}", file=sys.stderr)
+            return e.exit_code
+        except KeyboardInterrupt as e:
+            why = f" ({e.args[0]})" if e.args else ""
+            print(f"difftest: interrupted{why}; engines and runners it started are stopped, finished results kept",
+                  file=sys.stderr)
+            return EXIT_INFRA
+        except UnicodeDecodeError as e:
+            print(f"difftest: error: an input is not UTF-8 text ({e.reason} at byte {e.start})", file=sys.stderr)
+            return EXIT_BAD_INPUT
+        except OSError as e:
+            where = f"{e.filename}: " if e.filename else ""
+            print(f"difftest: error: {where}{e.strerror or e}", file=sys.stderr)
+            return EXIT_BAD_INPUT if e.errno in _USER_PATH_ERRNOS and e.filename else EXIT_INFRA
+        except Exception as e:  # noqa: BLE001 (the last line of defence of the exit-code contract)
+            path = _write_crash(e)
+            print(f"difftest: internal error: {type(e).__name__}: {e}\n  a bug in difftest, not a verdict; "
+                  f"the traceback is in {path}", file=sys.stderr)
+            if verbose:
+                traceback.print_exc()
+            return EXIT_INFRA
+
+
+def _write_crash(e: BaseException) -> str:
+    text = f"difftest {__version__}: {' '.join(sys.argv)}\n" + "".join(traceback.format_exception(e))
+    fd, path = tempfile.mkstemp(prefix="difftest-internal-error-", suffix=".txt")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
 
 
 if __name__ == "__main__":

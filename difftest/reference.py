@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_PASS, BadInput, DifftestError, InfraError
+from .errors import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_PASS, BadInput, InfraError
 from .progress import Progress
 from .results import CorruptResult, Result, ResultStore, read_result
 from .runner_client import RunnerDied, RunnerProcess
@@ -227,9 +227,10 @@ def exit_code(run: ReferenceRun) -> int:
     return EXIT_BAD_INPUT if kinds else EXIT_PASS
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="difftest reference",
-                                 description="Compute (or find cached) qwen-tts reference results for a suite.")
+def add_reference_parser(subparsers) -> argparse.ArgumentParser:
+    ap = subparsers.add_parser("reference", help="compute (or find cached) qwen-tts reference results for a suite",
+                               description="Compute (or find cached) qwen-tts reference results for a suite; "
+                                           "prints one JSON summary.")
     ap.add_argument("suite", help="suite YAML file")
     ap.add_argument("--store", required=True, help="result store root")
     ap.add_argument("--model", action="append", default=[],
@@ -238,18 +239,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--python", help=f"reference environment interpreter (default {DEFAULT_PYTHON}, or ${PYTHON_ENV_VAR})")
     ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (the waveform's last bits depend on it)")
     ap.add_argument("--log", type=Path, help="runner log file (default <store>/logs/qwen-tts-runner.log)")
     ap.add_argument("--timeout", type=float, default=900.0, help="longest silence from the runner, seconds")
-    args = ap.parse_args(argv)
-    try:
-        suite = load_suite(args.suite)
-        options = ReferenceOptions(models=args.model, python=args.python, device=args.device, dtype=args.dtype,
-                                   threads=args.threads, log_path=args.log, timeout=args.timeout)
-        run = run_reference(suite, args.store, options)
-    except DifftestError as e:
-        print(f"difftest reference: {e}", file=sys.stderr)
-        return e.exit_code
+    ap.set_defaults(func=cmd_reference)
+    return ap
+
+
+def cmd_reference(args) -> int:
+    if args.threads < 1:
+        raise BadInput("--threads must be at least 1")
+    suite = load_suite(args.suite)
+    options = ReferenceOptions(models=args.model, python=args.python, device=args.device, dtype=args.dtype,
+                               threads=args.threads, log_path=args.log, timeout=args.timeout)
+    run = run_reference(suite, args.store, options)
     summary = {"suite": suite.name, "store": str(run.config_dir), "fingerprint": run.fingerprint, "segments": {}}
     for sid, outcome in run.outcomes.items():
         if isinstance(outcome, Result):
@@ -262,6 +265,13 @@ def main(argv: list[str] | None = None) -> int:
             summary["segments"][sid] = {"status": "error", "kind": outcome.kind, "error": outcome.message}
     print(json.dumps(summary, indent=1))
     return exit_code(run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m difftest.reference ...`: the same as `difftest reference ...`."""
+    from .cli import main as difftest_main
+
+    return difftest_main(["reference", *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
+from .candidates import CPU_ENGINE_CODE
 from .errors import BadInput
+from .identity import code_hash
 from .launcher import ServerProcess, free_port
 from .policy import Policy
 from .reference import REPO, ReferenceOptions, reference_python
@@ -147,7 +149,10 @@ def selfcheck(suite: Suite, out: Path, policy: Policy, opts: RunOptions, checks=
         stack.callback(runner.close)
         for check in checks:
             print(f"== selfcheck: {check.name} ({check.variant}, concurrency {opts.concurrency})", file=stream)
-            spec = CandidateSpec("url", url=f"http://127.0.0.1:{ports[check.defect or 'none']}", capture_dir=capture)
+            spec = CandidateSpec("url", url=f"http://127.0.0.1:{ports[check.defect or 'none']}", capture_dir=capture,
+                                 declared={"label": f"difftest-cpu-engine:{check.defect or 'clean'}",
+                                           "engine": "difftest CPU test engine (not vLLM-Omni)",
+                                           "defect": check.defect, "code": code_hash(*CPU_ENGINE_CODE)})
             run_dir = out / check.name.replace(", ", "-")
             report = run(variant(suite, check.variant), spec, run_dir, policy, opts, runner=runner)
             rows.append({**judge(check, report, run_dir), "report": str(run_dir / "report.json")})

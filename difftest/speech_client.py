@@ -137,6 +137,22 @@ class SpeechClient:
             return False
         return status == 200
 
+    def server_info(self, timeout: float = 10.0) -> dict:
+        """What the server says of itself (vLLM's GET /version and GET /v1/models), for the identity
+        of its results; a path it does not serve is recorded as None."""
+        info = {}
+        for key, path in (("version", "/version"), ("models", "/v1/models")):
+            try:
+                status, _, data, _ = self._request("GET", path, timeout=timeout)
+                body = json.loads(data) if status == 200 else None
+            except (ServerUnreachable, SpeechError, ValueError):
+                body = None
+            if key == "models" and isinstance(body, dict):  # ids and roots; not the creation times
+                body = sorted(json.dumps({k: m.get(k) for k in ("id", "root", "max_model_len")}, sort_keys=True)
+                              for m in body.get("data") or [] if isinstance(m, dict))
+            info[key] = body
+        return info
+
     def register_voice(self, voice: Voice) -> str:
         name = registered_name(voice)
         boundary = uuid.uuid4().hex

@@ -28,6 +28,7 @@ a request with its audio, as qwen-tts does; recorded in provenance).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import subprocess
@@ -364,6 +365,27 @@ def _provenance(env_info: dict, opts: VllmOmniOptions, overlay_path: Path, captu
         "capture": capture is not None,
         "accept_length_finish": bool(opts.accept_length_finish),
     }
+
+
+def describe(models: list[str], opts: VllmOmniOptions, tasks, api: str) -> dict:
+    """What decides this vLLM-Omni candidate's results, without starting it: the environment's
+    versions (and commit), the deploy overlay with its base file's content, the server's extra
+    arguments, and the settings difftest applies. For difftest.identity."""
+    python = omni_python(opts.python)
+    env_info = environment_info(python)
+    base = Path(opts.deploy_base) if opts.deploy_base else Path(env_info["deploy_dir"]) / "qwen3_tts.yaml"
+    if not base.exists():
+        raise BadInput(f"deploy config not found: {base}")
+    to_serve = models_for_tasks(models, tasks)
+    overlay = deploy_overlay("(base)", opts, servers=len(to_serve))
+    return {"kind": CANDIDATE, "api": api,
+            "versions": {k: env_info.get(k) for k in ("vllm_omni", "vllm_omni_commit", "vllm", "vllm_distribution",
+                                                      "torch", "transformers", "difftest_capture",
+                                                      "difftest_cpu_platform")},
+            "deploy_base_sha256": hashlib.sha256(base.read_bytes()).hexdigest(), "overlay": overlay,
+            "extra_args": [str(a) for a in opts.extra_args], "device": opts.device,
+            "accept_length_finish": bool(opts.accept_length_finish), "capture": bool(opts.capture),
+            "served": sorted(to_serve)}
 
 
 def start_vllm_omni(out_dir: str | Path, models: list[str], opts: VllmOmniOptions, stack: ExitStack,

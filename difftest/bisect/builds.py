@@ -375,7 +375,9 @@ class CpuEngineLauncher(Launcher):
             self.servers[defect] = srv
         self.info = {"engine": "difftest CPU test engine (not vLLM-Omni)", "defect": defect, "url": srv.url,
                      "start_seconds": round(srv.started_s or 0.0, 2)}
-        return CandidateSpec("url", url=srv.url, capture_dir=self.capture)
+        return CandidateSpec("url", url=srv.url, capture_dir=self.capture,
+                             declared={"engine": self.info["engine"], "commit": self.build.commit, "defect": defect,
+                                       "recipe": self.recipe.identity()})
 
 
 def vllm_omni_hook():
@@ -435,7 +437,9 @@ class VllmOmniLauncher(Launcher):
             raise BadInput("bisect serves one vLLM-Omni server per commit: use a suite whose segments need one "
                            f"checkpoint type (this one needs {len(servers)})")
         self.info = {k: info.get(k) for k in ("label", "engine", "versions", "device", "start_seconds")}
-        self.spec = CandidateSpec("url", url=servers[0]["url"], capture_dir=capture)
+        self.spec = CandidateSpec("url", url=servers[0]["url"], capture_dir=capture,
+                                  declared={"engine": info.get("engine"), "commit": self.build.commit,
+                                            "versions": info.get("versions"), "recipe": self.recipe.identity()})
         return self.spec
 
 
