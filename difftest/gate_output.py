@@ -87,7 +87,10 @@ def headline(report: dict, result) -> list[str]:
     counts = ", ".join(f"{result.count(st)} {LABEL[st]}" for st in ORDER if result.count(st))
     t = canonical_tags(report)
     suite = t.get("suite.name", "adhoc") + (f" ({t['suite.hash'][:12]})" if "suite.hash" in t else "")
-    what = " ".join(filter(None, ["candidate", t.get("candidate.label", "?"), t.get("candidate.version"),
+    label, version = t.get("candidate.label", "?"), t.get("candidate.version")
+    if version and version in label.split():  # "vllm-omni 0.30.0" already says it
+        version = None
+    what = " ".join(filter(None, ["candidate", label, version,
                                   f"at concurrency {t.get('concurrency', '?')}",
                                   f"on {t['device']}" if "device" in t else None]))
     b = result.baseline

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,20 +54,47 @@ class Policy:
         }
 
 
+# Every key a policy file may hold; anything else is a typo that would silently change a verdict.
+SCHEMA = {
+    "tiers": {"quantisation_max_abs", "close_max_abs", "close_snr_db", "close_logmel"},
+    "require": {"concurrency", "vocoder", "drift"},
+    "donor": {"max_ratio"},
+    "fail_on": None,
+    "baseline": {"verdicts", "known_failures_fail"},
+}
+
+
 def load_policy(path: str | Path | None = None) -> Policy:
+    """Load and validate a policy: every section and key known, every value of the right type;
+    BadInput names the file, the field and the problem."""
     path = Path(path) if path else DEFAULT_POLICY
 
     def bad(field, problem):
         raise BadInput(f"{path}: {field}: {problem}")
 
     try:
-        raw = yaml.safe_load(path.read_text())
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
         raise BadInput(f"{path}: policy file not found") from None
+    except IsADirectoryError:
+        raise BadInput(f"{path}: a folder, not a policy file") from None
+    except UnicodeDecodeError:
+        raise BadInput(f"{path}: not UTF-8 text") from None
     except yaml.YAMLError as e:
         raise BadInput(f"{path}: not valid YAML: {e}") from None
     if not isinstance(raw, dict):
         bad("(top level)", "expected a mapping")
+    for section in raw:
+        if section not in SCHEMA:
+            bad(str(section), f"unknown section (known: {', '.join(SCHEMA)})")
+        keys = SCHEMA[section]
+        if keys is None:
+            continue
+        if not isinstance(raw[section], dict):
+            bad(section, f"expected a mapping, got {type(raw[section]).__name__}")
+        for key in raw[section]:
+            if key not in keys:
+                bad(f"{section}.{key}", f"unknown key (known: {', '.join(sorted(keys))})")
     tiers = raw.get("tiers", {})
     vals = {}
     for k in ("quantisation_max_abs", "close_max_abs", "close_snr_db", "close_logmel"):
@@ -77,22 +105,24 @@ def load_policy(path: str | Path | None = None) -> Policy:
             vals[k] = float(v)
         except (TypeError, ValueError):
             bad(f"tiers.{k}", f"expected a number, got {v!r}")
+        if not math.isfinite(vals[k]) or (k != "close_snr_db" and vals[k] < 0):
+            bad(f"tiers.{k}", f"expected a finite{' non-negative' if k != 'close_snr_db' else ''} number, got {v!r}")
     require = raw.get("require", {})
     for comp in ("concurrency", "vocoder", "drift"):
         if require.get(comp) not in TIERS[:-1]:
             bad(f"require.{comp}", f"expected one of {', '.join(TIERS[:-1])}, got {require.get(comp)!r}")
-    ratio = (raw.get("donor") or {}).get("max_ratio")
-    if not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
+    ratio = raw.get("donor", {}).get("max_ratio")
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
         bad("donor.max_ratio", f"expected a number in (0, 1), got {ratio!r}")
-    fail_on = raw.get("fail_on", [])
+    if "fail_on" not in raw:
+        bad("fail_on", "required: the verdicts that fail a run (write [] to fail none)")
+    fail_on = raw["fail_on"]
     if not isinstance(fail_on, list):
         bad("fail_on", "expected a list of verdicts")
     for v in fail_on:
         if v not in VERDICTS:
             bad("fail_on", f"unknown verdict {v!r} (known: {', '.join(VERDICTS)})")
     baseline = raw.get("baseline") or {}
-    if not isinstance(baseline, dict):
-        bad("baseline", "expected a mapping")
     run_verdicts = baseline.get("verdicts", ["pass", "fail"])
     if not isinstance(run_verdicts, list) or not run_verdicts or any(v not in RUN_VERDICTS for v in run_verdicts):
         bad("baseline.verdicts", f"expected a non-empty list of {', '.join(RUN_VERDICTS)}, got {run_verdicts!r}")

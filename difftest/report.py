@@ -8,9 +8,9 @@ from collections import Counter
 from pathlib import Path
 
 from . import __version__
-from .errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INFRA, EXIT_PASS
+from .errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput
 from .mlflow_records import donor_text
-from .policy import VERDICTS, Policy
+from .policy import RUN_VERDICTS, VERDICTS, Policy
 from .results import atomic_write
 from .verdicts import SegmentVerdict
 
@@ -53,6 +53,41 @@ def build_report(verdicts: list[SegmentVerdict], policy: Policy, *, suite: dict 
         "segments": [v.to_json() for v in verdicts],
         "warnings": list(warnings or []),
     }
+
+
+# The fields a consumer of report.json (gate, log, dashboard) relies on, with their types.
+_SEGMENT_FIELDS = {"id": (str,), "verdict": (str,), "summary": (str,), "first_divergent_frame": (int, type(None)),
+                   "first_divergent_chunk": (int, type(None)), "stage": (str, type(None)),
+                   "donor": (str, type(None)), "notes": (list,), "comparisons": (dict,), "artifacts": (dict,)}
+_TOP_FIELDS = {"verdict": (str,), "segments": (list,), "suite": (dict, type(None)), "candidate": (dict, type(None)),
+               "reference": (dict, type(None)), "concurrency": (int, type(None)), "provenance": (dict,),
+               "counts": (dict,), "warnings": (list,)}
+
+
+def check_report(report, where: str | Path) -> dict:
+    """A report read back from disk, checked field by field; BadInput names the field."""
+    def bad(field, problem):
+        raise BadInput(f"{where}: {field}: {problem}")
+
+    if not isinstance(report, dict) or not str(report.get("format", "")).startswith("difftest.report/"):
+        bad("format", "not a difftest report")
+    for name, types in _TOP_FIELDS.items():
+        if name in report and not isinstance(report[name], types):
+            bad(name, f"expected {' or '.join(t.__name__ for t in types)}, got {type(report[name]).__name__}")
+    if report.get("verdict") not in (*RUN_VERDICTS, None):
+        bad("verdict", f"unknown run verdict {report.get('verdict')!r}")
+    for i, seg in enumerate(report.get("segments") or []):
+        if not isinstance(seg, dict):
+            bad(f"segments[{i}]", "expected a mapping")
+        for name, types in _SEGMENT_FIELDS.items():
+            if name in ("id", "verdict") and name not in seg:
+                bad(f"segments[{i}].{name}", "missing")
+            if name in seg and (not isinstance(seg[name], types) or isinstance(seg[name], bool)):
+                bad(f"segments[{i}].{name}",
+                    f"expected {' or '.join(t.__name__ for t in types)}, got {type(seg[name]).__name__}")
+        if seg["verdict"] not in VERDICTS:
+            bad(f"segments[{i}].verdict", f"unknown verdict {seg['verdict']!r}")
+    return report
 
 
 def write_report(out_dir: str | Path, report: dict) -> Path:

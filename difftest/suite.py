@@ -54,6 +54,13 @@ DECODE_DEFAULTS = {"do_sample": False, "subtalker_dosample": False}
 
 DEFAULT_CHUNKS = {"initial_frames": 1, "frames": 25}
 
+# Limits that keep one suite line from taking the machine (a 10 MB text drove qwen-tts to 6.8 GB in
+# 38 s). max_new_tokens: the released checkpoints' own generation_config bound (8192 frames, 11 min).
+MAX_TEXT_CHARS = 5000  # text, transcript, instructions; a long audiobook paragraph is about 1,500
+MAX_NEW_TOKENS = 8192
+MAX_VOICE_SECONDS = 60.0  # a reference voice; the model card suggests a few seconds
+MIN_VOICE_BITS = 16  # 8-bit PCM is unsigned and coarse: both engines would hear its noise
+
 
 @dataclass(frozen=True)
 class Voice:
@@ -146,6 +153,8 @@ class _Checker:
             self.fail(where, f"expected a string, got {type(value).__name__}")
         if not allow_empty and not value.strip():
             self.fail(where, "is empty")
+        if len(value) > MAX_TEXT_CHARS:
+            self.fail(where, f"{len(value)} characters, more than the {MAX_TEXT_CHARS} a segment may hold")
         return value
 
     def ident(self, value, where: str) -> str:
@@ -180,8 +189,8 @@ def _decode_params(chk: _Checker, raw, where: str, base: dict | None) -> dict:
         for name, (_, required) in DECODE_FIELDS.items():
             if required and name not in out:
                 chk.fail(f"{where}.{name}", "is required (both engines must apply the same explicit value)")
-    if out["max_new_tokens"] <= 0:
-        chk.fail(f"{where}.max_new_tokens", f"must be positive, got {out['max_new_tokens']}")
+    if not 0 < out["max_new_tokens"] <= MAX_NEW_TOKENS:
+        chk.fail(f"{where}.max_new_tokens", f"must lie in 1..{MAX_NEW_TOKENS}, got {out['max_new_tokens']}")
     if out["seed"] < 0:
         chk.fail(f"{where}.seed", f"must be >= 0, got {out['seed']}")
     if out["repetition_penalty"] <= 0:
@@ -215,15 +224,25 @@ def _voice(chk: _Checker, raw, i: int, base_dir: Path) -> Voice:
         # Both engines would resample (librosa vs vLLM's resampler), and the
         # difference would read as divergence that is no serving bug.
         chk.fail(f"{where}.wav", f"{wav.name} is {wi.sample_rate} Hz; resample it to {SAMPLE_RATE} Hz")
+    if wi.bits < MIN_VOICE_BITS:
+        chk.fail(f"{where}.wav", f"{wav.name} is {wi.bits}-bit; use 16-bit PCM or better")
     if wi.n_frames == 0:
         chk.fail(f"{where}.wav", f"{wav.name} holds no samples")
+    if wi.n_frames > MAX_VOICE_SECONDS * SAMPLE_RATE:
+        chk.fail(f"{where}.wav", f"{wav.name} lasts {wi.n_frames / SAMPLE_RATE:.0f} s; a reference voice may last "
+                                 f"at most {MAX_VOICE_SECONDS:.0f} s")
     if "transcript" in raw and "transcript_file" in raw:
         chk.fail(where, "give transcript or transcript_file, not both")
     if "transcript_file" in raw:
         tpath = (base_dir / chk.text(raw["transcript_file"], f"{where}.transcript_file")).resolve()
         if not tpath.is_file():
             chk.fail(f"{where}.transcript_file", f"file not found: {tpath}")
-        transcript = tpath.read_text(encoding="utf-8").strip()
+        try:
+            transcript = tpath.read_text(encoding="utf-8").strip()
+        except UnicodeDecodeError:
+            chk.fail(f"{where}.transcript_file", f"{tpath.name} is not UTF-8 text")
+        if len(transcript) > MAX_TEXT_CHARS:
+            chk.fail(f"{where}.transcript_file", f"{len(transcript)} characters, more than {MAX_TEXT_CHARS}")
     else:
         transcript = raw.get("transcript", "")
         transcript = chk.text(transcript, f"{where}.transcript", allow_empty=True).strip()

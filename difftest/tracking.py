@@ -31,7 +31,7 @@ import warnings
 from pathlib import Path
 
 from . import mlflow_records as rec
-from .errors import EXIT_INFRA, EXIT_PASS, BadInput, DifftestError
+from .errors import EXIT_INFRA, EXIT_PASS, BadInput
 from .results import atomic_write
 from .segment_media import write_segment_media
 
@@ -73,9 +73,9 @@ def read_report(out_dir: Path) -> tuple[dict, str]:
         raise BadInput(f"{path}: no report.json (is {out_dir} a difftest output folder?)") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise BadInput(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(report, dict) or not str(report.get("format", "")).startswith("difftest.report/"):
-        raise BadInput(f"{path}: not a difftest report")
-    return report, hashlib.sha256(blob).hexdigest()
+    from .report import check_report
+
+    return check_report(report, path), hashlib.sha256(blob).hexdigest()
 
 
 def read_state(out_dir: Path) -> dict:
@@ -167,13 +167,27 @@ def child_runs(client, parent) -> list:
     return _search_all(client, [parent.info.experiment_id], f"tags.`{rec.PARENT}` = '{parent.info.run_id}'")
 
 
+def artifact_root(uri: str) -> str | None:
+    """Where a new experiment's artifacts go for a sqlite store: `mlruns/` beside the database, not
+    in whatever folder difftest runs in (MLflow's default). None for a server: it decides."""
+    if not uri.startswith("sqlite:///"):
+        return None
+    return (Path(uri[len("sqlite:///"):]).resolve().parent / "mlruns").as_uri()
+
+
 def _experiment_id(client, name: str) -> str:
     exp = client.get_experiment_by_name(name)
     if exp is None:
-        return client.create_experiment(name, tags={rec.KIND: "suite"})
+        root = artifact_root(client.tracking_uri)
+        return client.create_experiment(name, tags={rec.KIND: "suite"},
+                                        artifact_location=f"{root}/{_slug(name)}" if root else None)
     if exp.lifecycle_stage == "deleted":
         client.restore_experiment(exp.experiment_id)
     return exp.experiment_id
+
+
+def _slug(name: str) -> str:
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in name)
 
 
 def _log_batched(client, run_id: str, metrics=(), params=None, tags=None) -> None:
@@ -326,17 +340,11 @@ def add_log_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_standalone(add_parser, name: str, argv=None) -> int:
-    """One subcommand as its own program (`python -m difftest.tracking OUT`), with the
-    difftest CLI's exit codes, for use before or outside `difftest`."""
-    ap = argparse.ArgumentParser(prog="difftest")
-    add_parser(ap.add_subparsers(dest="command", required=True))
-    args = ap.parse_args([name, *(sys.argv[1:] if argv is None else argv)])
-    logging.basicConfig(level=logging.WARNING, format="difftest: %(levelname)s: %(message)s")
-    try:
-        return args.func(args)
-    except DifftestError as e:
-        print(f"difftest: error: {e}", file=sys.stderr)
-        return e.exit_code
+    """One subcommand as its own program (`python -m difftest.tracking OUT`): the difftest CLI
+    itself, so its exit codes and error handling are the same."""
+    from .cli import main
+
+    return main([name, *(sys.argv[1:] if argv is None else argv)])
 
 
 if __name__ == "__main__":

@@ -71,7 +71,11 @@ def test_valid_minimal_suite_normalises(tmp_path):
     ({"segments": [{"id": "s1", "text": "a", "voice": "v1", "language": "Klingon"}]},
      "segments[s1].language", "unknown language 'Klingon'"),
     ({"decode": {"repetition_penalty": 1.0, "max_new_tokens": -5, "seed": 0}},
-     "decode.max_new_tokens", "must be positive, got -5"),
+     "decode.max_new_tokens", "must lie in 1..8192, got -5"),
+    ({"decode": {"repetition_penalty": 1.0, "max_new_tokens": 10**20, "seed": 0}},
+     "decode.max_new_tokens", "must lie in 1..8192"),
+    ({"segments": [{"id": "s1", "text": "a" * 5001, "voice": "v1"}]}, "segments[s1].text",
+     "5001 characters, more than the 5000"),
     ({"decode": {"max_new_tokens": 5, "seed": 0}}, "decode.repetition_penalty", "is required"),
     ({"decode": {"repetition_penalty": 1.0, "max_new_tokens": 5, "seed": 0, "do_sample": "no"}},
      "decode.do_sample", "expected true or false"),
@@ -154,3 +158,29 @@ def test_hash_does_not_depend_on_where_the_suite_lives(tmp_path):
     b = tmp_path / "b"
     shutil.copytree(a, b)
     assert load_suite(b / "s.yaml").segments[0].hash == h1
+
+
+def test_an_8_bit_voice_is_refused(tmp_path):
+    p = _write_suite(tmp_path, _doc())
+    x = (np.sin(np.arange(24000) / 10.0) * 100 + 128).astype(np.uint8)
+    wavio.write(tmp_path / "v1.wav", x.astype(np.float32) / 128 - 1, 24000, "pcm16")
+    data = bytearray((tmp_path / "v1.wav").read_bytes())
+    # the same header as 8-bit PCM: block align 1, 8 bits per sample, one byte a sample
+    data[32:34], data[34:36] = (1).to_bytes(2, "little"), (8).to_bytes(2, "little")
+    data[28:32] = (24000).to_bytes(4, "little")
+    body = bytes(x)
+    data[40:44] = len(body).to_bytes(4, "little")
+    (tmp_path / "v1.wav").write_bytes(bytes(data[:44]) + body)
+    assert wavio.info((tmp_path / "v1.wav").read_bytes()).bits == 8
+    with pytest.raises(SuiteError) as e:
+        load_suite(p)
+    assert e.value.field == "voices[v1].wav" and "8-bit; use 16-bit PCM" in e.value.problem
+
+
+def test_a_transcript_file_that_is_not_utf8_is_named(tmp_path):
+    doc = _doc(voices=[{"id": "v1", "wav": "v1.wav", "transcript_file": "v1.txt"}])
+    p = _write_suite(tmp_path, doc)
+    (tmp_path / "v1.txt").write_bytes(b"caf\xe9 au lait")
+    with pytest.raises(SuiteError) as e:
+        load_suite(p)
+    assert (e.value.field, e.value.problem) == ("voices[v1].transcript_file", "v1.txt is not UTF-8 text")

@@ -24,6 +24,7 @@ things are deliberate rather than incidental:
 from __future__ import annotations
 
 import argparse
+import fcntl
 import json
 import os
 import shutil
@@ -293,14 +294,25 @@ def built_as(folder: Path, seed: int, model_type: str, eos_bias: float) -> bool:
 
 def build(out: str | Path, seed: int = 0, model_type: str = "base", eos_bias: float = 0.0,
           force: bool = False) -> Path:
-    """Build one checkpoint into `out` (atomically: a crash leaves no half folder)."""
-    import importlib.metadata as md
-
+    """Build one checkpoint into `out` (atomically: a crash leaves no half folder; concurrent
+    builders of the same folder take turns under a lock file beside it)."""
     if model_type not in MODEL_TYPES:
         raise ValueError(f"unknown model type {model_type!r} (known: {', '.join(MODEL_TYPES)})")
     out = Path(out).resolve()
     if built_as(out, seed, model_type, eos_bias):
         return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # Two runs starting on an empty store build the same folder: the second waits, then finds it built.
+    with open(out.parent / f".{out.name}.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if built_as(out, seed, model_type, eos_bias):
+            return out
+        return _build_locked(out, seed, model_type, eos_bias, force)
+
+
+def _build_locked(out: Path, seed: int, model_type: str, eos_bias: float, force: bool) -> Path:
+    import importlib.metadata as md
+
     if out.exists() and not force:
         raise FileExistsError(f"{out} exists and is not a {model_type} build with seed {seed}, "
                               f"eos bias {eos_bias}; remove it or pass --force")

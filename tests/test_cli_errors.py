@@ -1,0 +1,140 @@
+"""The exit-code contract on every path that used to end in a traceback: bad input exits 2 naming the
+file or field, infrastructure exits 3, only a judged divergence exits 1, and no traceback reaches the
+user. Each case here was reproduced against the first landing (a traceback, exit 1)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from difftest.results import atomic_write
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOKE = ROOT / "cases" / "suites" / "smoke.yaml"
+
+
+def difftest(*args, cwd, env=None):
+    p = subprocess.run([sys.executable, "-m", "difftest.cli", *map(str, args)], capture_output=True, text=True,
+                       cwd=cwd, timeout=600, env=env)
+    assert "Traceback" not in p.stderr, p.stderr
+    return p.returncode, p.stdout, p.stderr
+
+
+@pytest.fixture
+def read_only_dir(tmp_path):
+    """A folder no one may write into, root included (chattr +i; chmod is no bar to root)."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    if os.geteuid() == 0:
+        if shutil.which("chattr") is None:
+            pytest.fail("this test needs chattr (e2fsprogs) to make a folder read-only for root", pytrace=False)
+        subprocess.run(["chattr", "+i", str(d)], check=True)
+    else:
+        d.chmod(0o555)
+    yield d
+    if os.geteuid() == 0:
+        subprocess.run(["chattr", "-i", str(d)], check=True)
+    d.chmod(0o755)
+
+
+def test_verbose_reference_help_and_usage(tmp_path):
+    code, out, _ = difftest("-v", "reference", "--help", cwd=tmp_path)
+    assert code == 0 and "--store" in out
+    code, _, err = difftest("-v", "reference", SMOKE, cwd=tmp_path)
+    assert code == 2 and "--store" in err  # the usage error, not a crash
+    code, _, err = difftest("-v", "reference", SMOKE, "--store", tmp_path, "--python", tmp_path / "nope", cwd=tmp_path)
+    assert code == 2 and "reference environment not found" in err
+
+
+def test_out_that_is_a_file_or_read_only(tmp_path, read_only_dir):
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    code, _, err = difftest("run", SMOKE, "--candidate", "cpu-engine", "--out", f, "--store", tmp_path / "s",
+                            cwd=tmp_path)
+    assert code == 2 and f"--out {f}: exists and is not a folder" in err
+    code, _, err = difftest("run", SMOKE, "--candidate", "cpu-engine", "--out", read_only_dir / "run",
+                            "--store", tmp_path / "s", cwd=tmp_path)
+    assert code == 2 and f"--out {read_only_dir / 'run'}: cannot write there" in err
+    code, _, err = difftest("compare", tmp_path, tmp_path, "--out", f, cwd=tmp_path)
+    assert code == 2
+
+
+def test_policy_files_that_are_wrong(tmp_path):
+    cases = {
+        "typo.yaml": ("fail_onn:\n  - contamination\n", "fail_onn: unknown section"),
+        "not-utf8.yaml": (b"tiers:\n  close_max_abs: 1e-3 # \xe9\n", "not UTF-8 text"),
+        "section-type.yaml": ("tiers: 5\n", "tiers: expected a mapping, got int"),
+        "key-typo.yaml": ("require:\n  concurency: close\n", "require.concurency: unknown key"),
+        "no-fail-on.yaml": (Path(ROOT / "difftest" / "default_policy.yaml").read_text().split("fail_on:")[0],
+                            "fail_on: required"),
+    }
+    for name, (text, problem) in cases.items():
+        p = tmp_path / name
+        p.write_bytes(text if isinstance(text, bytes) else text.encode())
+        code, _, err = difftest("compare", tmp_path, tmp_path, "--out", tmp_path / "o", "--policy", p, cwd=tmp_path)
+        assert code == 2 and f"{p}: " in err and problem in err, (name, err)
+
+
+def test_candidate_urls_that_name_no_server(tmp_path):
+    code, _, err = difftest("run", SMOKE, "--candidate", "http://127.0.0.1:99999", "--out", tmp_path / "o",
+                            "--store", tmp_path / "s", cwd=tmp_path)
+    assert code == 2 and "Port out of range" in err
+    code, _, err = difftest("run", SMOKE, "--candidate", "http://", "--out", tmp_path / "o",
+                            "--store", tmp_path / "s", cwd=tmp_path)
+    assert code == 2 and "expected http://host:port" in err
+
+
+@pytest.mark.parametrize("command", ["gate", "log"])
+def test_malformed_reports_given_to_gate_and_log(tmp_path, command):
+    extra = ["--tracking-uri", f"sqlite:///{tmp_path / 'm.db'}"] if command == "log" else []
+    for body, problem in ((b"{not json", "not valid JSON"),
+                          (b'{"format": "difftest.report/1", "segments": 5}', "segments: expected list, got int"),
+                          (b'{"format": "difftest.report/1", "segments": [{"id": 1, "verdict": "pass"}]}',
+                           "segments[0].id: expected str, got int"),
+                          (b'{"format": "difftest.report/1", "segments": [{"id": "a", "verdict": "bogus"}]}',
+                           "segments[0].verdict: unknown verdict 'bogus'"),
+                          (b'["a list"]', "format: not a difftest report")):
+        (tmp_path / "report.json").write_bytes(body)
+        code, _, err = difftest(command, tmp_path, *extra, cwd=tmp_path)
+        assert code == 2 and problem in err, (body, err)
+
+
+def test_an_unknown_planted_defect_is_refused_before_any_model_work(tmp_path):
+    code, _, err = difftest("run", SMOKE, "--candidate", "cpu-engine:typo", "--out", tmp_path / "o",
+                            "--store", tmp_path / "s", cwd=tmp_path)
+    assert code == 2 and "has no defect 'typo' (known: batch-mixup" in err
+    assert "reference [" not in err  # refused before the reference phase
+    assert not list((tmp_path / "s").rglob("*.npz"))
+
+
+def test_files_get_the_users_umask(tmp_path):
+    old = os.umask(0o027)
+    try:
+        # atomic_write read the umask at import; a fresh interpreter sees this one
+        code = ("from pathlib import Path; from difftest.results import atomic_write; "
+                f"atomic_write(Path({str(tmp_path / 'f')!r}), b'x')")
+        subprocess.run([sys.executable, "-c", code], check=True)
+    finally:
+        os.umask(old)
+    assert (tmp_path / "f").stat().st_mode & 0o777 == 0o640
+    atomic_write(tmp_path / "g", b"x")  # this process: the usual 022
+    assert (tmp_path / "g").stat().st_mode & 0o777 == 0o666 & ~old
+
+
+def test_an_internal_error_is_one_line_and_exit_3(tmp_path):
+    """A bug in difftest (here: a report field that passes the schema but breaks the Markdown) is
+    reported as difftest's own failure, never as a verdict (exit 1) or a raw traceback."""
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    (tmp_path / "sitecustomize.py").write_text(
+        "import difftest.gate_output as g\n"
+        "def boom(*a, **k):\n    raise RuntimeError('planted')\n"
+        "g.headline = boom\n")
+    (tmp_path / "report.json").write_text(json.dumps({
+        "format": "difftest.report/1", "verdict": "pass",
+        "segments": [{"id": "a", "verdict": "identical"}]}))
+    code, _, err = difftest("gate", tmp_path, cwd=tmp_path, env=env)
+    assert code == 3 and "internal error: RuntimeError: planted" in err and "difftest-internal-error-" in err
