@@ -194,3 +194,15 @@ def test_core_and_gate_work_without_mlflow(tmp_path):
     p = subprocess.run([sys.executable, "-c", code, str(leak)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, p.stderr
     assert p.stdout.startswith("GATE FAIL") and (leak / "junit.xml").is_file()
+
+
+def test_the_headline_names_the_version_once():
+    from difftest.gate import GateResult
+    from difftest.gate_output import headline
+
+    report = {"candidate": {"label": "vllm-omni 0.30.0", "versions": {"vllm_omni": "0.30.0"}, "device": "cpu"},
+              "concurrency": 4, "suite": {"name": "smoke", "hash": "ab" * 32}, "segments": []}
+    what = headline(report, GateResult("pass", 0, [], None, False))[1]
+    assert what == "candidate vllm-omni 0.30.0 at concurrency 4 on cpu"
+    report["candidate"]["label"] = "vllm-omni"  # a label without it still gets it
+    assert headline(report, GateResult("pass", 0, [], None, False))[1].startswith("candidate vllm-omni 0.30.0 at")

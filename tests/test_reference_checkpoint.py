@@ -90,3 +90,17 @@ def test_existing_build_is_kept_and_a_different_one_refused(tiny):
     assert r.returncode == 2
     assert "seed 7" in r.stderr and "--force" in r.stderr
     assert {p: p.stat().st_mtime_ns for p in tiny.rglob("*") if p.is_file()} == before
+
+
+def test_two_builders_of_the_same_folder_take_turns(tiny, tmp_path):
+    """Two runs starting on an empty store build the same checkpoint at once: both succeed, the
+    second finds the first's build (the one that lost the race used to die with a traceback)."""
+    py = str(reference_python())
+    cmd = [py, "-m", "runners.reference.tiny_checkpoint", str(tmp_path / "same"), "--type", "base"]
+    procs = [subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+    assert _files(tmp_path / "same") == _files(tiny / "base")
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no half build left behind

@@ -247,3 +247,20 @@ def test_bad_output_folder_is_bad_input(tmp_path, capsys):
     (tmp_path / "report.json").write_text("{}")
     assert difftest_log(tmp_path) == 2
     assert not (tmp_path / STATE).exists()
+
+
+def test_an_explicit_sqlite_store_keeps_its_artifacts_beside_it(tmp_path, monkeypatch):
+    """`--tracking-uri sqlite:///elsewhere/m.db` used to write the artifacts into ./mlruns of
+    whatever folder difftest ran in."""
+    out = make_report(tmp_path, "leak", leak_into=("s0",))
+    cwd, store = tmp_path / "cwd", tmp_path / "elsewhere"
+    cwd.mkdir()
+    store.mkdir()
+    monkeypatch.chdir(cwd)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    uri = f"sqlite:///{store / 'm.db'}"
+    run_id = log_run(out, uri)
+    assert run_id and not (cwd / "mlruns").exists()
+    art = MlflowClient(uri).get_run(run_id).info.artifact_uri
+    assert art.startswith((store / "mlruns").as_uri()), art
+    assert list((store / "mlruns").rglob("report.json"))
