@@ -11,11 +11,20 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
 from .errors import InfraError
 from .speech_client import SpeechClient
+
+
+PROGRESS_EVERY_S = 15.0
+
+
+def _last_line(path: Path, width: int = 100) -> str:
+    lines = log_tail(path, 1).strip()
+    return (lines[-width:] if lines else "(no log yet)")
 
 
 def free_port() -> int:
@@ -62,7 +71,12 @@ class ServerProcess:
             log.close()
         client = SpeechClient(self.url, connect_retries=0)
         deadline = t0 + self.health_timeout
+        spoke = t0
         while time.monotonic() < deadline:
+            if time.monotonic() - spoke >= PROGRESS_EVERY_S:  # a start takes minutes: say it is under way
+                spoke = time.monotonic()
+                print(f"  ... starting {self.name}: {spoke - t0:.0f} s so far; {_last_line(self.log_path)}",
+                      file=sys.stderr, flush=True)
             code = self.proc.poll()
             if code is not None:
                 raise InfraError(f"{self.name} exited with status {code} before becoming healthy; "

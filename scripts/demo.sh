@@ -1,32 +1,43 @@
 #!/usr/bin/env bash
-# The CPU demo: install what is needed, then run difftest's main job on the smoke suite.
-#   1. qwen-tts (the reference) on the seeded tiny checkpoint, at concurrency 1;
-#   2. the candidate at concurrency 1 and 4: the real vLLM-Omni server when its environment
-#      (.venv-vllm-omni) is present, else the CPU test engine (not vLLM-Omni);
-#   3. the negative control: the CPU test engine with the seed's bug planted (ref-leak), which
-#      difftest must catch: contamination, the onset chunk, and the request it came from.
+# The main job on this CPU machine: the real vLLM-Omni 0.30.0 server against the official qwen-tts,
+# then the negative control. Installs what it needs first (about 7 min the first time; seconds after).
+#   1. qwen-tts 0.1.1 (the reference) on the seeded tiny checkpoint, at concurrency 1;
+#   2. vLLM-Omni 0.30.0 (vllm serve --omni, difftest's CPU platform) on the same checkpoint, at
+#      concurrency 1 and 4: its verdicts, report.json, MLflow;
+#   3. the negative control: the difftest CPU test engine (NOT vLLM-Omni) with the seed's bug planted
+#      (ref-leak), which difftest must catch: contamination, the onset chunk, stage and donor.
 # Safe to re-run: environments, the reference results and finished candidate results are reused.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
+source scripts/lib.sh
 OUT=${DEMO_OUT:-demo-out}
+DT=.venv/bin/difftest
 
-[ -x .venv/bin/python ] || "$PY" -m venv .venv
-.venv/bin/python -m pip install -q --disable-pip-version-check -e '.[mlflow]'
-bash runners/reference/make_env.sh
+echo "== installing side by side (cold: about 7 min, the vLLM-Omni environment is most of it)"
+install_bg tester install_tester '.[mlflow]'
+wait_installs || exit 1
+install_bg reference bash runners/reference/make_env.sh
+install_bg vllm-omni bash runners/vllm_omni/make_env.sh
+wait_installs || exit 1
 
-if [ -x .venv-vllm-omni/bin/python ]; then CANDIDATE=vllm-omni; else CANDIDATE=cpu-engine; fi
-DT=".venv/bin/difftest"
 set +e
-echo; echo "== 1/2: $CANDIDATE at concurrency 4 against qwen-tts at concurrency 1"
-$DT run cases/suites/smoke.yaml --candidate "$CANDIDATE" --concurrency 4 --out "$OUT/clean"
-clean=$?
-echo; echo "== 2/2: the negative control: the CPU test engine with the seed's ref-leak planted"
-$DT run cases/suites/smoke.yaml --candidate cpu-engine:ref-leak --concurrency 4 --out "$OUT/ref-leak"
+echo; echo "== 1/2: vLLM-Omni 0.30.0 (the real server, on difftest's CPU platform) at concurrency 4"
+echo "        against qwen-tts 0.1.1 at concurrency 1"
+$DT run cases/suites/smoke.yaml --candidate vllm-omni --concurrency 4 --out "$OUT/vllm-omni-0.30.0"
+real=$?
+echo; echo "== 2/2: negative control: the difftest CPU test engine (not vLLM-Omni) with the seed's ref-leak planted"
+$DT run cases/suites/smoke.yaml --candidate cpu-engine:ref-leak --concurrency 4 --out "$OUT/negative-control-ref-leak"
 leak=$?
+.venv/bin/python scripts/check_control.py ref-leak "$OUT/negative-control-ref-leak"
+caught=$?
 set -e
 echo
-echo "exit codes: $CANDIDATE $clean (0 = pass), ref-leak $leak (1 = the divergence was caught)"
-echo "reports: $OUT/clean/report.json $OUT/ref-leak/report.json"
+case $real in
+    0) echo "vLLM-Omni 0.30.0: pass (exit 0)" ;;
+    1) echo "vLLM-Omni 0.30.0: FAIL (exit 1): divergences the policy fails; see the report" ;;
+    *) echo "vLLM-Omni 0.30.0: no verdict (exit $real: 2 bad input, 3 infrastructure)" ;;
+esac
+echo "negative control (CPU test engine + ref-leak): exit $leak (1 expected), $([ $caught = 0 ] && echo caught || echo NOT CAUGHT)"
+echo "reports: $OUT/vllm-omni-0.30.0/report.json $OUT/negative-control-ref-leak/report.json"
 echo "MLflow: .venv/bin/mlflow ui --backend-store-uri sqlite:///$(pwd)/mlflow.db   then open http://127.0.0.1:5000"
-[ "$clean" = 0 ] && [ "$leak" = 1 ]
+[ "$real" -le 1 ] && [ "$leak" = 1 ] && [ "$caught" = 0 ]

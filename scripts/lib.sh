@@ -1,0 +1,47 @@
+# Shared by scripts/demo.sh and scripts/test.sh (sourced, not run).
+#
+# Installs take minutes and pip -q says nothing while it works, so they run side by side, each
+# logging to .cache/logs/install-NAME.log, and every 20 s the console hears which are still
+# running, for how long, and their latest step. A failed install shows its whole log.
+
+declare -A _install_pid _install_start
+
+install_bg() {  # NAME COMMAND...: start an install in the background
+    local name=$1; shift
+    mkdir -p .cache/logs
+    "$@" > ".cache/logs/install-$name.log" 2>&1 &
+    _install_pid[$name]=$!
+    _install_start[$name]=$SECONDS
+}
+
+wait_installs() {  # wait for every install started; non-zero when one failed
+    local failed=0 spoke=$SECONDS name pid log
+    while (( ${#_install_pid[@]} )); do
+        for name in "${!_install_pid[@]}"; do
+            pid=${_install_pid[$name]}
+            kill -0 "$pid" 2>/dev/null && continue
+            log=".cache/logs/install-$name.log"
+            if wait "$pid"; then
+                echo "== $name: ready in $((SECONDS - _install_start[$name])) s ($(tail -n 1 "$log"))"
+            else
+                echo "== $name: FAILED; its log ($log):"; cat "$log"; failed=1
+            fi
+            unset "_install_pid[$name]"
+        done
+        (( ${#_install_pid[@]} )) || break
+        if (( SECONDS - spoke >= 20 )); then
+            for name in "${!_install_pid[@]}"; do
+                echo "   ... $name: $((SECONDS - _install_start[$name])) s so far; $(tail -n 1 ".cache/logs/install-$name.log" | cut -c1-110)"
+            done
+            spoke=$SECONDS
+        fi
+        sleep 1
+    done
+    return $failed
+}
+
+install_tester() {  # .venv: difftest with the extras named, e.g. install_tester '.[test]'
+    [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
+    .venv/bin/python -m pip install -q --disable-pip-version-check -e "$1"
+    echo "difftest $(.venv/bin/python -c 'import difftest; print(difftest.__version__)') in .venv"
+}
