@@ -178,6 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bisect_parser(sub)
     add_probe_parser(sub)
+    from .cache import add_cache_parser; add_cache_parser(sub)  # noqa: E702
 
     sub.add_parser("reference", help="compute (or find cached) qwen-tts reference results for a suite "
                                      "(see difftest reference --help)")
