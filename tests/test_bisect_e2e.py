@@ -36,8 +36,10 @@ def world(tmp_path_factory, _empty_mlflow_store):
     shutil.copyfile(_empty_mlflow_store, root / "mlflow.db")
     env = {**os.environ, "FAKEOMNI_COUNTER": str(root / "counter")}
     env.pop("MLFLOW_TRACKING_URI", None)
+    # The builds go to difftest's cache (docs/caches.md), shared with every other test and run: the
+    # commits' ids are the same every time (tests/bisect_support.py fixes their dates and authors).
     common = ["--repo", str(root / "repo"), "--suite", str(suite), "--store", str(root / "store"),
-              "--builds", str(root / "builds"), "--recipe", "cpu-engine", "-n", "2",
+              "--recipe", "cpu-engine", "-n", "2",
               # A wave's two requests batch even when they arrive far apart on a loaded machine: the
               # batch closes as soon as both are in; only a request alone waits the window out.
               "--engine-arg=--max-batch=2", "--engine-arg=--batch-window-ms=1000"]
