@@ -222,7 +222,8 @@ class Cache:
         while True:
             lock.acquire(fcntl.LOCK_SH)
             try:
-                ready = meta.exists() and valid(path)
+                # what this call just built is taken as it is (a `valid` that says "refresh" would loop)
+                ready = meta.exists() and (built_s is not None or valid(path))
             except BaseException:
                 lock.release()
                 raise

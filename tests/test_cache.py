@@ -331,3 +331,13 @@ def test_handoff_environments_are_held_while_a_probe_runs(tmp_path, monkeypatch)
         assert env.base_built_s is None and env.target_built_s is None  # reused
     assert built == ["base", source.key]
     assert {e.in_use for e in cache.entries()} == {False}
+
+
+def test_an_entry_valid_only_when_freshly_built_is_built_once_per_use(tmp_path):
+    """A `valid` that always asks for a rebuild (a forced refresh) builds once and hands that out."""
+    cache = Cache(tmp_path, Limits(None, None))
+    build = writer(3)
+    for _ in range(2):
+        with cache.use("package-index", "vllm-omni.json", valid=lambda p: False, build=build) as lease:
+            assert lease.built and (lease.path / "blob").read_bytes() == b"xxx"
+    assert build.calls == ["vllm-omni.json"] * 2
