@@ -107,9 +107,15 @@ class _Lock:
         self.path, self.fd = path, None
 
     def acquire(self, mode: int, blocking: bool = True) -> bool:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise InfraError(f"cache: cannot make {self.path.parent}: {e}") from None
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError as e:
+                raise InfraError(f"cache: cannot open the lock {self.path}: {e}") from None
             try:
                 fcntl.flock(fd, mode | (0 if blocking else fcntl.LOCK_NB))
             except OSError as e:
@@ -335,7 +341,12 @@ class Cache:
             over_count = lim.max_entries is not None and count > lim.max_entries
             if not (over_bytes or over_count):
                 break
-            if self.remove(e):
+            try:
+                gone = self.remove(e)
+            except InfraError as err:  # the build that asked for room still stands
+                print(f"difftest: cache: warning: {err}", file=sys.stderr)
+                continue
+            if gone:
                 removed.append(e)
                 total -= e.size_bytes
                 count -= 1

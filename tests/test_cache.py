@@ -341,3 +341,28 @@ def test_an_entry_valid_only_when_freshly_built_is_built_once_per_use(tmp_path):
         with cache.use("package-index", "vllm-omni.json", valid=lambda p: False, build=build) as lease:
             assert lease.built and (lease.path / "blob").read_bytes() == b"xxx"
     assert build.calls == ["vllm-omni.json"] * 2
+
+
+def test_a_cache_that_cannot_be_written_is_exit_3_naming_it(tmp_path, monkeypatch, capsys):
+    root = tmp_path / "ro"
+    root.mkdir()
+    add(Cache(root, Limits(None, None)), "handoff-wheel", "vllm-omni-0.22.0", 10)
+    (root / "handoff-wheel" / "vllm-omni-0.22.0.lock").chmod(0o400)
+    (root / "handoff-wheel").chmod(0o500)
+    monkeypatch.setenv("DIFFTEST_CACHE", str(root))
+    try:
+        if os.access(root / "handoff-wheel" / "vllm-omni-0.22.0.lock", os.W_OK):  # root ignores modes
+            monkeypatch.setattr(os, "open", _refuse(os.open))
+        code, out, err = cli(capsys, "clean", "--all")
+    finally:
+        (root / "handoff-wheel").chmod(0o700)
+    assert code == 3 and "Traceback" not in err
+    assert err.startswith(f"difftest: error: cache: cannot open the lock {root / 'handoff-wheel' / 'vllm-omni-0.22.0.lock'}")
+
+
+def _refuse(real):
+    def fake(path, *a, **kw):
+        if str(path).endswith(".lock"):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real(path, *a, **kw)
+    return fake
