@@ -26,8 +26,8 @@ def main(argv: list[str]) -> int:
     for v in releases:
         src = envs.release_source(v)
         t0 = time.monotonic()
-        env = envs.ensure_env(src)
-        env_s = time.monotonic() - t0
+        with envs.open_env(src) as env:
+            env_s = time.monotonic() - t0
         t1 = time.monotonic()
         res = probe_source(src, cases, log=lambda m: None)
         rows.append({"release": v, "seconds": round(time.monotonic() - t1, 2), "env_s": round(env_s, 2),

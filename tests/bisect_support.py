@@ -12,6 +12,9 @@ changes what the CPU test engine does.
     c8  docs: changelog                                ref-leak
     c9  release 0.2                                    ref-leak
 
+planted_defect() (all but c7's) can be told to wait at a given call (FAKEOMNI_HOLD), so that a test
+interrupts a bisect at a point the bisect reached, not at a moment the test guessed.
+
 Each commit has its own author date (2024-01-0N), made with real git.
 """
 
@@ -41,8 +44,37 @@ packages = ["fakeomni"]
 """
 BROKEN_PYPROJECT = PYPROJECT.replace("[project]", "[project").format(version="0.1.4")
 
-CONSTANT = ('"""fakeomni {version}."""\n\nPLANTED_DEFECT = {defect!r}\n\n\n'
-            'def planted_defect():\n    return PLANTED_DEFECT\n')
+CONSTANT = '''"""fakeomni {version}."""
+
+import os
+
+PLANTED_DEFECT = {defect!r}
+
+
+def planted_defect():
+    hold()
+    return PLANTED_DEFECT
+
+
+def hold():
+    """Tests only: FAKEOMNI_HOLD=VERSION:CALL:DIR makes the CALL-th answer of the installed VERSION
+    write DIR/held and wait there until the process is interrupted: a point a test can interrupt at."""
+    import importlib.metadata
+    import pathlib
+    import time
+
+    version, _, rest = os.environ.get("FAKEOMNI_HOLD", "").partition(":")
+    if not version or version != importlib.metadata.version("fakeomni"):
+        return
+    call, _, folder = rest.partition(":")
+    calls = pathlib.Path(folder) / ("calls-" + version)
+    n = int(calls.read_text()) + 1 if calls.exists() else 1
+    calls.write_text(str(n))
+    if n == int(call):
+        (pathlib.Path(folder) / "held").write_text(str(os.getpid()))
+        while True:
+            time.sleep(0.1)
+'''
 FLAKY_SOURCE = '''"""fakeomni 0.1.7: batches sooner; the leak shows on odd calls only (a deterministic flake)."""
 
 import os

@@ -18,10 +18,14 @@ from difftest import wavio
 
 
 class FakeSpeechServer:
-    def __init__(self, capture_dir: Path | None = None, delay: float = 0.05):
+    def __init__(self, capture_dir: Path | None = None, delay: float = 0.05, gather: int = 0):
         self.capture_dir = capture_dir
         self.delay = delay
-        self.requests: list[dict] = []  # body + arrival time
+        # gather=k: each group of k requests (in arrival order) is answered only once all k are in (or
+        # after a 120 s guard), so "k in flight at once" does not depend on how fast the machine is
+        self.gather = gather
+        self.arrived = threading.Condition()
+        self.requests: list[dict] = []  # body + arrival time ("t") + answer time ("t_done")
         self.voices: dict[str, dict] = {}
         self.fail: dict[str, int] = {}  # text -> HTTP status to answer
         self.truncate: set[str] = set()  # texts whose body is cut short
@@ -65,12 +69,19 @@ class FakeSpeechServer:
                         threading.Thread(target=outer.stop, daemon=True).start()
                         self.connection.close()
                         return
-                    outer.requests.append({**body, "t": time.monotonic()})
+                    rec = {**body, "t": time.monotonic()}
+                    outer.requests.append(rec)
                     outer.in_flight += 1
                     outer.max_in_flight = max(outer.max_in_flight, outer.in_flight)
+                if outer.gather:
+                    with outer.arrived:
+                        outer.arrived.notify_all()
+                        group_end = (n // outer.gather + 1) * outer.gather
+                        outer.arrived.wait_for(lambda: len(outer.requests) >= group_end, timeout=120)
                 time.sleep(outer.delay)
                 with outer.lock:
                     outer.in_flight -= 1
+                    rec["t_done"] = time.monotonic()
                 if body["input"] in outer.fail:
                     return self._send(outer.fail[body["input"]], b'{"error":{"message":"engine exploded"}}')
                 seed = sum(body["input"].encode()) % 1000

@@ -4,13 +4,15 @@ environment that already holds the package, and the CPU recipe's declared (and f
 
 import subprocess
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
 from bisect_support import BROKEN, FLAKY, K, commit, git, make_fakeomni_repo
 
-from difftest.bisect.builds import (BuildFailed, CpuEngineRecipe, LaunchContext, Worktrees, commit_info,
+from difftest.bisect.builds import (STAMP, BuildFailed, CpuEngineRecipe, LaunchContext, Worktrees, commit_info,
                                     first_parent_range, make_overlay, prepare, resolve)
+from difftest.cache import Cache
 from difftest.errors import BadInput
 from difftest.run import RunOptions
 
@@ -67,16 +69,36 @@ def test_install_is_cached_per_commit_and_imports_from_the_worktree(repo, recipe
     t0 = time.perf_counter()
     build = prepare(recipe, trees, shas[0])
     first = time.perf_counter() - t0
-    assert not build.cached and build.src == tmp_path / "builds" / shas[0] / "src"
+    home = tmp_path / "builds" / "bisect-build" / shas[0]
+    assert not build.cached and build.src == home / "src" and build.python == home / "env" / "bin" / "python"
     assert Path(build.module_file).is_relative_to(build.src)
     assert git(build.src, "rev-parse", "HEAD") == shas[0]
+    log_and_stamp = (build.log, home / "env" / STAMP)
+    made = [p.stat().st_mtime_ns for p in log_and_stamp]
     t0 = time.perf_counter()
     again = prepare(recipe, trees, shas[0])
-    assert again.cached and again.python == build.python and time.perf_counter() - t0 < 1.0
+    assert again.cached and again.python == build.python and again.module_file == build.module_file
+    assert [p.stat().st_mtime_ns for p in log_and_stamp] == made  # reused, not redone (however slow the machine)
     print(f"install {first:.2f} s, cached {time.perf_counter() - t0:.3f} s")
     # Another recipe identity (other pip arguments) does not take the cached build.
     other = CpuEngineRecipe(REFERENCE_PYTHON, pip_args=("--no-deps", "--no-build-isolation"))
     assert not prepare(other, trees, shas[0]).cached
+
+
+def test_a_build_is_held_while_in_use_and_its_removal_prunes_the_worktree(repo, recipe, tmp_path):
+    path, shas = repo
+    trees = Worktrees(path, tmp_path / "builds")
+    cache = Cache(tmp_path / "builds")
+    with ExitStack() as hold:
+        build = prepare(recipe, trees, shas[2], hold)
+        [entry] = cache.entries("bisect-build")
+        assert (entry.key, entry.complete, entry.in_use) == (shas[2], True, True)
+        assert cache.clean(everything=True)["kept_in_use"][0]["key"] == shas[2]  # a probe is using it
+        assert build.src.is_dir()
+    assert str(build.src) in git(path, "worktree", "list")
+    result = cache.clean(everything=True)
+    assert [e["key"] for e in result["removed"]] == [shas[2]] and not build.src.parent.exists()
+    assert str(build.src) not in git(path, "worktree", "list")  # the repository forgot the worktree too
 
 
 def test_a_commit_that_does_not_install_fails_the_build(repo, recipe, tmp_path):

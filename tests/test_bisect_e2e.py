@@ -1,8 +1,9 @@
 """`difftest bisect` for real on CPU: a git repository (tests/bisect_support.py) whose package tells the
 CPU test engine to plant the seed's ref-leak from commit K on, with a commit that does not install
 and a flaky commit; real qwen-tts as the reference (one runner, one store for every probe), real
-engines per commit, MLflow in a sqlite store. Interrupted after three decisions and started again,
-it names K within ceil(log2 n) + 2 probes; `git bisect run difftest probe` names it too.
+engines per commit, MLflow in a sqlite store. Interrupted at a point the package under test signals
+(three commits decided, the fourth's engine serving) and started again, it names K within
+ceil(log2 n) + 2 probes; `git bisect run difftest probe` names it too.
 
 Cost on two busy cores: about 10-20 s per probe (the engine start), 2-3 minutes in all.
 """
@@ -35,9 +36,13 @@ def world(tmp_path_factory, _empty_mlflow_store):
     shutil.copyfile(_empty_mlflow_store, root / "mlflow.db")
     env = {**os.environ, "FAKEOMNI_COUNTER": str(root / "counter")}
     env.pop("MLFLOW_TRACKING_URI", None)
+    # The builds go to difftest's cache (docs/caches.md), shared with every other test and run: the
+    # commits' ids are the same every time (tests/bisect_support.py fixes their dates and authors).
     common = ["--repo", str(root / "repo"), "--suite", str(suite), "--store", str(root / "store"),
-              "--builds", str(root / "builds"), "--recipe", "cpu-engine", "-n", "2",
-              "--engine-arg=--batch-window-ms=200"]  # the two requests batch even on a loaded machine
+              "--recipe", "cpu-engine", "-n", "2",
+              # A wave's two requests batch even when they arrive far apart on a loaded machine: the
+              # batch closes as soon as both are in; only a request alone waits the window out.
+              "--engine-arg=--max-batch=2", "--engine-arg=--batch-window-ms=1000"]
     return {"root": root, "shas": shas, "env": env, "common": common, "uri": f"sqlite:///{root / 'mlflow.db'}"}
 
 
@@ -56,6 +61,9 @@ def engines_of(root: Path) -> list[str]:
     return found
 
 
+HOLD_COMMIT, HOLD_CALL = 5, 2  # the first session waits in c5's second run; its first run's engine is up
+
+
 @pytest.fixture(scope="module")
 def bisected(world):
     root, shas = world["root"], world["shas"]
@@ -63,25 +71,31 @@ def bisected(world):
     argv = [*BISECT, "bisect", "--good", shas[0], "--bad", "main", *world["common"], "--out", str(out),
             "--repeats", "3", "--tracking-uri", world["uri"]]
     t0 = time.monotonic()
-    # First session: interrupted (Ctrl-C to its process group) once three commits are decided.
-    first = subprocess.Popen(argv, cwd=root, env=world["env"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    # First session: c5's package waits (FAKEOMNI_HOLD) when asked for its defect the second time,
+    # and the test interrupts it there (Ctrl-C to its process group): three commits are decided,
+    # c5 is not, and c5's engine from its first run is serving.
+    hold = root / "hold"
+    hold.mkdir()
+    env = {**world["env"], "FAKEOMNI_HOLD": f"0.1.{HOLD_COMMIT}:{HOLD_CALL}:{hold}"}
+    first = subprocess.Popen(argv, cwd=root, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, start_new_session=True)
-    state = out / "bisect.json"
-    deadline = time.monotonic() + 400
-    while time.monotonic() < deadline and first.poll() is None:
-        try:
-            if len(json.loads(state.read_text())["decisions"]) >= 3:
-                break
-        except (OSError, ValueError, KeyError):
-            pass
+    deadline = time.monotonic() + 1800  # a guard against a hang only; the test waits for the marker
+    while not (hold / "held").exists():
+        if first.poll() is not None or time.monotonic() > deadline:
+            if first.poll() is None:
+                os.killpg(first.pid, signal.SIGKILL)
+            _, f_err = first.communicate()
+            pytest.fail(f"the first session never reached the hold point (exit {first.returncode}):\n"
+                        f"{f_err[-3000:]}")
         time.sleep(0.2)
+    state = out / "bisect.json"
+    at_interrupt = {"decisions": json.loads(state.read_text())["order"], "engines": engines_of(root)}
     os.killpg(first.pid, signal.SIGINT)
-    f_out, f_err = first.communicate(timeout=120)
-    interrupted = {"code": first.returncode, "stdout": f_out, "stderr": f_err,
-                   "decisions": json.loads(state.read_text())["order"],
-                   "engines_left": engines_of(root)}
-    # Second session, same --out: picks up where the first stopped.
-    second = subprocess.run(argv, cwd=root, env=world["env"], capture_output=True, text=True, timeout=900)
+    f_out, f_err = first.communicate(timeout=300)
+    interrupted = {"code": first.returncode, "stdout": f_out, "stderr": f_err, "at_interrupt": at_interrupt,
+                   "decisions": json.loads(state.read_text())["order"], "engines_left": engines_of(root)}
+    # Second session, same --out, nothing held: picks up where the first stopped.
+    second = subprocess.run(argv, cwd=root, env=world["env"], capture_output=True, text=True, timeout=1800)
     seconds = time.monotonic() - t0
     print(f"bisect, interrupted and resumed: {seconds:.0f} s")
     return {"interrupted": interrupted, "code": second.returncode, "stdout": second.stdout,
@@ -93,7 +107,9 @@ def test_interrupted_bisect_stops_cleanly(bisected, world):
     first = bisected["interrupted"]
     assert first["code"] == 3, first["stderr"][-3000:]
     assert "interrupted" in first["stderr"]
-    assert first["decisions"] == [shas[0], shas[-1], shas[BROKEN]]  # good end, bad end, the broken middle
+    # good end, bad end, the broken middle; c5 was mid-probe and is not recorded
+    assert first["at_interrupt"]["decisions"] == first["decisions"] == [shas[0], shas[-1], shas[BROKEN]]
+    assert len(first["at_interrupt"]["engines"]) == 1  # c5's engine was serving when Ctrl-C came
     assert first["engines_left"] == []  # every engine it started is gone
 
 
@@ -118,8 +134,17 @@ def test_bisect_names_the_first_bad_commit(bisected, world):
     n = len(shas) - 1  # commits that can be the first bad one
     assert len(dec) <= math.ceil(math.log2(n)) + 2
     result = st["result"]
-    assert result["first_bad"] == shas[K] and result["probes"] == 3  # the second session's own
-    assert [s["reused"] for s in result["steps"]] == [True, True, True, False, False, False]
+    assert result["first_bad"] == shas[K]
+    # The two sessions together walk the whole search once: the second reuses exactly what the
+    # first decided and probes the rest, none of it twice.
+    first = bisected["interrupted"]["decisions"]
+    walked = [s["commit"] for s in result["steps"]]
+    assert walked == [shas[i] for i in (0, 9, BROKEN, 5, FLAKY, K)] and st["order"] == walked
+    reused = [s["commit"] for s in result["steps"] if s["reused"]]
+    probed = [s["commit"] for s in result["steps"] if not s["reused"]]
+    assert reused == first and not set(probed) & set(first)
+    assert result["probes"] == len(probed) == len(dec) - len(first)
+    assert f"{len(first)} decided earlier (reused)" in bisected["stderr"]
     for r in by_index[K]["runs"]:
         assert {c["verdict"] for c in r["condemned"]} == {"contamination"}
         assert Path(r["report"]).is_file()

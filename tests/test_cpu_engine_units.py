@@ -145,12 +145,13 @@ def test_batches_compatible_requests_up_to_max_and_in_arrival_order():
 
 def test_a_request_with_no_key_runs_alone_and_the_window_waits_for_stragglers():
     rec = Recorder()
-    b = Batcher(rec, max_batch=8, window_s=0.3).start()
+    # A window far longer than any delay a loaded machine adds; the batch closes when it is full.
+    b = Batcher(rec, max_batch=2, window_s=120).start()
     p1 = b.submit("s1", None)
     p2 = b.submit("s2", None)
     first = b.submit("g1", "k")
     time.sleep(0.1)
-    late = b.submit("g2", "k")  # within the window of g1
+    late = b.submit("g2", "k")  # after g1, within its window
     for p in (p1, p2, first, late):
         p.wait(5)
     b.stop()
@@ -319,10 +320,12 @@ def fake_execute(jobs):
 
 
 @pytest.fixture
-def fake_server(tmp_path):
+def fake_server(tmp_path, request):
+    # indirect parametrisation: (max_batch, window_ms); a wave test closes batches by size, not by time
+    max_batch, window_ms = getattr(request, "param", (8, 20))
     ident = {"engine": ENGINE_NAME, "label": LABEL, "defect": None, "models": {}}
-    srv = EngineServer(fake_execute, MODELS, identity=ident, capture_dir=tmp_path / "capture", batch_window_ms=20,
-                       voices=VoiceStore(tmp_path / "voices")).start()
+    srv = EngineServer(fake_execute, MODELS, identity=ident, capture_dir=tmp_path / "capture", max_batch=max_batch,
+                       batch_window_ms=window_ms, voices=VoiceStore(tmp_path / "voices")).start()
     yield srv
     srv.stop()
 
@@ -378,6 +381,7 @@ def test_http_capture_is_written_before_the_answer_and_matches_it(fake_server, t
     assert not list((tmp_path / "capture").glob("*.tmp")) and not list((tmp_path / "capture").glob(".*"))
 
 
+@pytest.mark.parametrize("fake_server", [(4, 120_000)], indirect=True)  # the wave of 4 is one batch, however late
 def test_http_voices_identity_and_concurrent_batching(fake_server):
     url = fake_server.url
     ctype, body = multipart({"name": "amy", "consent": "true", "ref_text": "Hello."},
@@ -411,7 +415,7 @@ def test_http_voices_identity_and_concurrent_batching(fake_server):
     for t in threads:
         t.join()
     sizes = [int(a.headers["x-difftest-batch-size"]) for a in answers]
-    assert max(sizes) > 1 and sum(1 for a in answers if a.audio[:4] == b"RIFF") == 4
+    assert sizes == [4, 4, 4, 4] and sum(1 for a in answers if a.audio[:4] == b"RIFF") == 4
     with pytest.raises(SpeechError) as e:
         client.speech({"input": "Hi.", "voice": "amy", "response_format": "opus"})
     assert e.value.status == 400

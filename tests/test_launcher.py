@@ -32,26 +32,32 @@ def alive(pid):
         return f.read().split()[2] != "Z"
 
 
+def gone_soon(pid, guard_s=60.0):
+    """True once `pid` is gone (a guard against a hang, not a timing: a dead child goes in milliseconds)."""
+    deadline = time.monotonic() + guard_s
+    while alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def test_healthy_server_and_whole_tree_stopped(tmp_path):
     port = free_port()
     srv = ServerProcess([sys.executable, "-c", HEALTHY, str(port)], f"http://127.0.0.1:{port}",
-                        tmp_path / "s.log", health_timeout=30)
+                        tmp_path / "s.log", health_timeout=300)
     with srv:
-        assert srv.started_s is not None and srv.started_s < 30
-        for _ in range(50):
-            if "child" in (tmp_path / "s.log").read_text():
-                break
-            time.sleep(0.1)
+        assert srv.started_s is not None and srv.started_s > 0
+        # the server printed its child's pid (flushed) before it began to answer /health
         child = int((tmp_path / "s.log").read_text().split()[1])
         assert alive(srv.proc.pid) and alive(child)
     assert srv.proc.poll() is not None
-    time.sleep(0.2)
-    assert not alive(child)
+    assert gone_soon(child)  # the grandchild went with its process group
 
 
 def test_exits_at_once(tmp_path):
     srv = ServerProcess([sys.executable, "-c", "print('model not found: /x'); raise SystemExit(4)"],
-                        f"http://127.0.0.1:{free_port()}", tmp_path / "s.log", health_timeout=30, name="vllm serve")
+                        f"http://127.0.0.1:{free_port()}", tmp_path / "s.log", health_timeout=300, name="vllm serve")
     with pytest.raises(InfraError) as e:
         srv.start()
     assert e.value.exit_code == 3
@@ -65,5 +71,5 @@ def test_never_healthy(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(InfraError, match=r"not healthy after 2 s[\s\S]*loading\.\.\."):
         srv.start()
-    assert time.monotonic() - t0 < 20
+    assert time.monotonic() - t0 < 300  # gave up long before the process's own 600 s were over
     assert srv.proc.poll() is not None  # and it was stopped

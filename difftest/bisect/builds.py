@@ -1,21 +1,25 @@
 """How to start a build: one commit of the repository under test made into a running candidate.
 
-    worktrees = Worktrees(repo, builds_root)
-    build = prepare(recipe, worktrees, sha)                    # cached per commit; BuildFailed: skip it
-    with recipe.launcher(build, LaunchContext(...)) as launcher:
-        spec = launcher.candidate(repeat)                      # a CandidateSpec that `difftest run` can use
+    worktrees = Worktrees(repo)                                # builds in difftest's cache (or a root of their own)
+    with ExitStack() as hold:
+        build = prepare(recipe, worktrees, sha, hold)          # cached per commit, held; BuildFailed: skip it
+        with recipe.launcher(build, LaunchContext(...)) as launcher:
+            spec = launcher.candidate(repeat)                  # a CandidateSpec that `difftest run` can use
 
 A commit becomes a candidate in three steps, each cached or scoped:
 
-1. **Source**: a git worktree of the commit (`<builds>/<sha>/src`, detached), made with real git.
+1. **Source**: a git worktree of the commit (`<cache>/bisect-build/<sha>/src`, detached), made with real git.
 2. **Environment**: a per-commit venv *overlaid* on a shared base environment
-   (`<builds>/<sha>/env`): `python -m venv --without-pip`, then a `.pth` that adds the
+   (`<cache>/bisect-build/<sha>/env`): `python -m venv --without-pip`, then a `.pth` that adds the
    base environment's site directories after the overlay's own, then
    `pip install --no-deps --no-build-isolation -e <worktree>` in compat mode (a plain path
    entry, which wins over a copy of the same package in the base environment; setuptools'
    default finder would lose to it). The import location of the recipe's module is
    checked to be inside the worktree. About 2 s and a few kB per commit; the heavy
-   packages (torch, vllm) stay in the base. A stamp makes a second use free.
+   packages (torch, vllm) stay in the base. A stamp makes a second use free. The build is an
+   entry of difftest's cache (docs/caches.md): built under a lock (a second process building
+   the same commit waits and reuses it), held while its probe runs, removed least recently
+   used first when the cache is over its bound.
 3. **Launch**: the recipe's launcher, a context manager that starts the server(s) with the
    overlay's interpreter and stops them (whole process tree) on the way out.
 
@@ -45,6 +49,7 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..cache import Cache
 from ..errors import BadInput, InfraError
 from ..launcher import ServerProcess, free_port
 from ..reference import REPO
@@ -52,6 +57,7 @@ from ..results import atomic_write
 from ..run import CandidateSpec, RunOptions
 from ..suite import Suite
 
+KIND = "bisect-build"  # its entries in difftest's cache
 STAMP = ".difftest-build.json"
 STAMP_FORMAT = "difftest.build/1"
 BASE_PTH = "_difftest_base.pth"
@@ -114,14 +120,16 @@ def first_parent_range(repo: str | Path, good: str, bad: str) -> list[str]:
 
 
 class Worktrees:
-    """One detached git worktree per commit under `<root>/<sha>/src`, kept for reuse."""
+    """One detached git worktree per commit under `<cache>/bisect-build/<sha>/src`, kept for reuse.
 
-    def __init__(self, repo: str | Path, root: str | Path):
+    `root`: a cache root of its own (`--builds`); default difftest's cache (docs/caches.md)."""
+
+    def __init__(self, repo: str | Path, root: str | Path | None = None):
         self.repo = Path(repo).resolve()
-        self.root = Path(root).resolve()
+        self.cache = Cache(Path(root).resolve() if root is not None else None)
 
     def dir(self, sha: str) -> Path:
-        return self.root / sha
+        return self.cache.path(KIND, sha)
 
     def checkout(self, sha: str) -> Path:
         src = self.dir(sha) / "src"
@@ -213,23 +221,33 @@ class Build:
                 "module_file": self.module_file, "cached": self.cached, "seconds": round(self.seconds, 2)}
 
 
-def prepare(recipe: Recipe, worktrees: Worktrees, sha: str) -> Build:
-    """The commit's worktree and installed environment, made once and reused (BuildFailed: skip)."""
+def prepare(recipe: Recipe, worktrees: Worktrees, sha: str, hold: ExitStack | None = None) -> Build:
+    """The commit's worktree and installed environment, made once and reused (BuildFailed: skip).
+
+    With `hold`, the build stays in use (the cache does not remove it) until that stack closes."""
     t0 = time.perf_counter()
-    home = worktrees.dir(sha)
+    want = {"format": STAMP_FORMAT, "commit": sha, "recipe": recipe.identity()}
+
+    def intact(home: Path) -> bool:
+        try:
+            stamp = json.loads((home / "env" / STAMP).read_text())
+        except (OSError, ValueError):
+            return False
+        return ({k: stamp.get(k) for k in want} == want and (home / "env" / "bin" / "python").exists()
+                and git(home / "src", "rev-parse", "HEAD", check=False) == sha)
+
+    with ExitStack() as own:
+        lease = (hold or own).enter_context(
+            worktrees.cache.use(KIND, sha, valid=intact, build=lambda home: _build(recipe, worktrees, sha, home, want)))
+        home = lease.path
+        stamp = json.loads((home / "env" / STAMP).read_text())
+    return Build(sha, home / "src", home / "env" / "bin" / "python", home / "build.log", stamp.get("module_file", ""),
+                 not lease.built, time.perf_counter() - t0)
+
+
+def _build(recipe: Recipe, worktrees: Worktrees, sha: str, home: Path, want: dict) -> None:
     env = home / "env"
     log_path = home / "build.log"
-    stamp_path = env / STAMP
-    want = {"format": STAMP_FORMAT, "commit": sha, "recipe": recipe.identity()}
-    src = home / "src"
-    try:
-        stamp = json.loads(stamp_path.read_text())
-    except (OSError, ValueError):
-        stamp = None
-    python = env / "bin" / "python"
-    if (stamp and {k: stamp.get(k) for k in want} == want and python.exists()
-            and git(src, "rev-parse", "HEAD", check=False) == sha):
-        return Build(sha, src, python, log_path, stamp.get("module_file", ""), True, time.perf_counter() - t0)
     src = worktrees.checkout(sha)
     home.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as log:
@@ -253,8 +271,7 @@ def prepare(recipe: Recipe, worktrees: Worktrees, sha: str) -> Build:
     if not Path(module_file).resolve().is_relative_to(src.resolve()):
         raise BuildFailed(f"`import {recipe.module}` finds {module_file}, not the worktree {src}: another copy "
                           f"shadows it (log {log_path})")
-    atomic_write(stamp_path, (json.dumps({**want, "module_file": module_file}, indent=1) + "\n").encode())
-    return Build(sha, src, python, log_path, module_file, False, time.perf_counter() - t0)
+    atomic_write(env / STAMP, (json.dumps({**want, "module_file": module_file}, indent=1) + "\n").encode())
 
 
 # -- recipes and launchers -----------------------------------------------------------------------------

@@ -36,8 +36,9 @@ def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", required=True, help="suite YAML file")
     p.add_argument("--out", required=True, help="state (bisect.json / probes.json), probe runs, logs; "
                                                 "run again with the same --out to resume")
-    p.add_argument("--builds", help="per-commit worktrees and environments, reused across sessions "
-                                    "(default OUT/builds; share one between bisects of the same repository)")
+    p.add_argument("--builds", help="a cache root of its own for the per-commit worktrees and environments "
+                                    "(default: difftest's cache, $DIFFTEST_CACHE or .cache/difftest; "
+                                    "see `difftest cache list`)")
     g = p.add_argument_group("how a commit becomes a candidate")
     g.add_argument("--recipe", choices=("vllm-omni", "cpu-engine"), default="vllm-omni",
                    help="vllm-omni: a vLLM-Omni source checkout served by `vllm serve --omni`; cpu-engine: the CPU "
@@ -124,7 +125,7 @@ def _setup(args):
         recipe = VllmOmniRecipe(base, device=args.omni_device, options=dict(args.omni_option),
                                 pip_args=pip_args, **({"module": args.module} if args.module else {}))
     out = Path(args.out)
-    builds = Path(args.builds) if args.builds else out / "builds"
+    builds = Path(args.builds) if args.builds else None
     prober = Prober(args.repo, recipe, settings, builds, out)
     identity = {"recipe": recipe.identity(), **settings.identity()}
     tracking = Tracking(args.tracking_uri, args.experiment, not args.no_mlflow)

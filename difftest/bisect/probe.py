@@ -3,7 +3,7 @@
     with Prober(repo, recipe, settings, builds_root, out) as prober:
         record = prober.probe(sha)        # a ProbeRecord; record.vote is what the search gets
 
-For a commit: its build (builds.prepare: worktree + editable install, cached), its
+For a commit: its build (builds.prepare: worktree + editable install, cached and held), its
 launcher, then up to `repeats` runs of `difftest run` (difftest.run.run) against the
 one shared reference runner and result store, each in `OUT/probes/<sha12>/run<i>`.
 A run is
@@ -172,7 +172,7 @@ def _first_line(e: BaseException) -> str:
 class Prober:
     """Probes commits of one repository with one recipe; a context manager (owns the reference runner)."""
 
-    def __init__(self, repo: str | Path, recipe: Recipe, settings: ProbeSettings, builds_root: str | Path,
+    def __init__(self, repo: str | Path, recipe: Recipe, settings: ProbeSettings, builds_root: str | Path | None,
                  out: str | Path, reference: SharedReference | None = None):
         self.repo = Path(repo).resolve()
         self.recipe, self.settings = recipe, settings
@@ -200,15 +200,17 @@ class Prober:
         def record(v: Vote, build: dict) -> ProbeRecord:
             return ProbeRecord(sha, info["subject"], info["date"], v, runs, build, time.perf_counter() - t0, _now())
 
+        hold = contextlib.ExitStack()  # the build stays in use (not evictable) until the probe is done
         try:
-            build = prepare(self.recipe, self.worktrees, sha)
+            build = prepare(self.recipe, self.worktrees, sha, hold)
         except BuildFailed as e:
+            hold.close()
             runs.append({"repeat": 0, "outcome": SKIP, "reason": f"does not build: {_first_line(e)}",
                          "verdict": None, "exit_code": None, "report": None, "condemned": [], "seconds": 0.0})
             return record(Vote(SKIP, (SKIP,), f"does not build: {_first_line(e)}"), {"error": str(e)})
         s = self.settings
         ctx = LaunchContext(pdir, self.reference.models, s.suite, s.opts)
-        with self.recipe.launcher(build, ctx) as launcher:
+        with hold, self.recipe.launcher(build, ctx) as launcher:
             def run_once(i: int) -> str:
                 t = time.perf_counter()
                 rdir = pdir / f"run{i + 1}"

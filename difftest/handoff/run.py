@@ -13,7 +13,7 @@ from ..errors import DifftestError, InfraError
 from ..policy import Policy
 from ..report import build_report, write_report
 from ..verdicts import SegmentVerdict
-from .envs import Source, ensure_env
+from .envs import Source, open_env
 from .generate import Case, generate
 from .probe import Evaluator, Outcome, Probe
 from .shrink import shrink
@@ -54,22 +54,22 @@ def probe_source(source: Source, cases: list[Case], *, adapter: str | None = Non
     res = SourceResult(source, len(cases))
     t0 = time.monotonic()
     try:
-        env = ensure_env(source)
-        res.timings["env_s"] = round(time.monotonic() - t0, 2)
-        res.timings["env_built"] = {"base_s": env.base_built_s, "target_s": env.target_built_s}
-        t1 = time.monotonic()
-        with Probe(env, adapter) as probe:
-            res.layout = probe.layout
-            res.timings["probe_start_s"] = round(probe.start_s, 2)
-            t2 = time.monotonic()
-            ev = Evaluator(probe)
-            outcomes = ev.evaluate(cases)
-            res.timings["matrix_s"] = round(time.monotonic() - t2, 2)
-            t3 = time.monotonic()
-            _collect(res, ev, outcomes, do_shrink)
-            res.timings["shrink_s"] = round(time.monotonic() - t3, 2)
-            res.timings["probe_calls"] = ev.calls
-        res.timings["probe_total_s"] = round(time.monotonic() - t1, 2)
+        with open_env(source) as env:  # held until the probe is done: the cache leaves it alone
+            res.timings["env_s"] = round(time.monotonic() - t0, 2)
+            res.timings["env_built"] = {"base_s": env.base_built_s, "target_s": env.target_built_s}
+            t1 = time.monotonic()
+            with Probe(env, adapter) as probe:
+                res.layout = probe.layout
+                res.timings["probe_start_s"] = round(probe.start_s, 2)
+                t2 = time.monotonic()
+                ev = Evaluator(probe)
+                outcomes = ev.evaluate(cases)
+                res.timings["matrix_s"] = round(time.monotonic() - t2, 2)
+                t3 = time.monotonic()
+                _collect(res, ev, outcomes, do_shrink)
+                res.timings["shrink_s"] = round(time.monotonic() - t3, 2)
+                res.timings["probe_calls"] = ev.calls
+            res.timings["probe_total_s"] = round(time.monotonic() - t1, 2)
     except DifftestError as e:
         if not isinstance(e, InfraError):
             raise
