@@ -41,14 +41,14 @@ def keep_screenshot(path: Path, name: str) -> None:
 
 
 def dashboard(*args, cwd) -> subprocess.CompletedProcess:
-    """`python -m difftest.dashboard` (`difftest dashboard` once difftest/cli.py wires it in)."""
-    return subprocess.run([sys.executable, "-m", "difftest.dashboard", *map(str, args)], cwd=cwd,
+    """`python -m dashboards`, what `difftest dashboard` runs."""
+    return subprocess.run([sys.executable, "-m", "dashboards", *map(str, args)], cwd=cwd,
                           capture_output=True, text=True, timeout=300)
 
 
 def dashboard_here(*args, capsys) -> tuple[int, str, str]:
     """The same in this process (no second MLflow import): exit code, stdout, stderr."""
-    from difftest.dashboard.cli import add_dashboard_parser
+    from dashboards.cli import add_dashboard_parser
     from difftest.tracking import run_standalone
 
     capsys.readouterr()
@@ -161,7 +161,7 @@ def site(tmp_path_factory, _empty_mlflow_store):
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    from difftest.dashboard.browser import BrowserError, Chromium, find_chromium
+    from dashboards.browser import BrowserError, Chromium, find_chromium
 
     if find_chromium() is None:
         pytest.fail("no Chromium: apt-get install -y chromium (scripts/test.sh does it)", pytrace=False)
@@ -184,7 +184,7 @@ def run_page(site, suite, version) -> Path:
 
 def segment_pages(site, suite, version) -> dict[str, Path]:
     """segment id -> its page: one per segment that is not identical or numeric drift."""
-    from difftest.dashboard.pages import segment_file
+    from dashboards.pages import segment_file
 
     folder = run_page(site, suite, version).parent
     segs = site.runs[(suite, version)].report["segments"]
@@ -298,7 +298,7 @@ SEGMENT_JS = """(() => ({
 
 
 def test_contaminated_segment_page(site, browser, tmp_path):
-    from difftest.dashboard.browser import audio_state
+    from dashboards.browser import audio_state
 
     run = site.runs[("toy", "0.30.0")]
     pages = segment_pages(site, "toy", "0.30.0")
@@ -407,8 +407,8 @@ def test_a_second_build_reuses_what_it_fetched_and_refuses_foreign_folders(site,
 
 def test_without_report_json_the_segments_come_from_the_child_runs(site, tmp_path, capsys):
     """The fallback reads child-run tags and metric histories: the same verdicts and tiers."""
-    from difftest.dashboard import model
-    from difftest.dashboard.gather import _report_from_children
+    from dashboards import model
+    from dashboards.gather import _report_from_children
 
     run = site.runs[("toy", "0.30.0")]
     parent = site.client.get_run(run.run_id)
@@ -441,9 +441,9 @@ def test_without_report_json_the_segments_come_from_the_child_runs(site, tmp_pat
 
 
 def test_pages_escape_what_comes_from_data():
-    from difftest.dashboard import pages
-    from difftest.dashboard.gather import Run
-    from difftest.dashboard.html import esc, render
+    from dashboards import pages
+    from dashboards.gather import Run
+    from dashboards.html import esc, render
 
     assert render('<a title="{t}">{t}</a>', t='"><b>') == '<a title="&quot;&gt;&lt;b&gt;">&quot;&gt;&lt;b&gt;</a>'
     assert esc(esc("<")) == "&lt;"  # escaped once, not twice
@@ -463,8 +463,8 @@ def test_pages_escape_what_comes_from_data():
 def test_a_length_donor_is_shown_as_such():
     """The vocoder got the segment's own reference codes at the donor's length: the pages say so, and
     neither play the decode with the donor's reference codes nor mark it the culprit."""
-    from difftest.dashboard import pages
-    from difftest.dashboard.gather import Run
+    from dashboards import pages
+    from dashboards.gather import Run
 
     seg = {"id": "a", "verdict": "contamination", "donor": "b", "donor_kind": "length", "stage": "handoff",
            "first_divergent_chunk": 0, "first_divergent_frame": 0, "notes": [],
@@ -491,7 +491,7 @@ def test_a_length_donor_is_shown_as_such():
 
 
 def test_cells_rates_and_changes():
-    from difftest.dashboard import model
+    from dashboards import model
 
     seg = {"verdict": "contamination", "first_divergent_chunk": 0, "id": "a", "comparisons": {
         "codes": {"chunk_agreement": [1.0, 0.5]},
@@ -525,3 +525,4 @@ def test_from_a_tracking_server(mlflow_server, tmp_path, capsys):
         "reference.wav", "candidate.wav", "control.wav", "difference.wav"}
     page = (folder / "index.html").read_text()
     assert f'href="{mlflow_server}/#/experiments/' in page and "rebuilt from" not in page
+

@@ -16,8 +16,8 @@ from mlflow_support import copy_store
 from reference_support import reference_python
 from test_dashboard import keep_screenshot, open_page
 
-from difftest.dashboard.browser import audio_state
-from difftest.dashboard.pages import segment_file
+from dashboards.browser import audio_state
+from dashboards.pages import segment_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "cases" / "suites" / "smoke.yaml"
@@ -37,7 +37,7 @@ def real(tmp_path_factory, _empty_mlflow_store):
     report = json.loads((root / "leak" / "report.json").read_text())
     run_id = json.loads((root / "leak" / "mlflow.json").read_text())["runs"][0]["run_id"]
     site = root / "site"
-    b = subprocess.run([sys.executable, "-m", "difftest.dashboard", "--out", str(site), "--tracking-uri", uri],
+    b = subprocess.run([sys.executable, "-m", "dashboards", "--out", str(site), "--tracking-uri", uri],
                        cwd=root, capture_output=True, text=True, timeout=300)
     assert b.returncode == 0, b.stdout + b.stderr
     return SimpleNamespace(root=root, site=site, report=report, run_id=run_id)
@@ -45,7 +45,7 @@ def real(tmp_path_factory, _empty_mlflow_store):
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    from difftest.dashboard.browser import Chromium, find_chromium
+    from dashboards.browser import Chromium, find_chromium
 
     if find_chromium() is None:
         pytest.fail("no Chromium: apt-get install -y chromium (scripts/test.sh does it)", pytrace=False)

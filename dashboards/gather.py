@@ -22,9 +22,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..policy import TIERS
-from ..segment_media import safe_name
-from ..tracking import _search_all
+from difftest.policy import TIERS
+from difftest.segment_media import safe_name
+from difftest.tracking import _search_all
 from . import model
 
 log = logging.getLogger(__name__)
@@ -225,7 +225,7 @@ def _suite_texts(report: dict) -> dict[str, str]:
     if not path or not want or not Path(path).is_file():
         return {}
     try:
-        from ..suite import load_suite
+        from difftest.suite import load_suite
 
         s = load_suite(path)
     except Exception:  # a suite that no longer loads: no texts, nothing else lost

@@ -11,7 +11,7 @@ writes answers on fd 4, each message a JSON text ended by a NUL byte), so no por
 websocket library and no browser download are needed: Debian's `chromium` package is
 enough (`apt-get install -y chromium`).
 
-    python -m difftest.dashboard.browser SITE/index.html shot.png [--width 1400]
+    python -m dashboards.browser SITE/index.html shot.png [--width 1400]
 """
 
 from __future__ import annotations
@@ -307,7 +307,7 @@ def audio_state(page: Page, timeout_ms: int = 10000) -> list[dict]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m difftest.dashboard.browser",
+    ap = argparse.ArgumentParser(prog="python -m dashboards.browser",
                                  description="a full-page screenshot of an HTML file in headless Chromium")
     ap.add_argument("html")
     ap.add_argument("png")

@@ -6,9 +6,9 @@ from __future__ import annotations
 import datetime as _dt
 from dataclasses import dataclass, field
 
-from ..mlflow_records import donor_text
-from ..policy import TIERS, VERDICTS
-from ..segment_media import safe_name
+from difftest.mlflow_records import donor_text
+from difftest.policy import TIERS, VERDICTS
+from difftest.segment_media import safe_name
 from . import model
 from .assets import VERDICT_COLOURS, VIEWS
 from .html import Markup, esc, fmt_num, fmt_pct, href, join, render
