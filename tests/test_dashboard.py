@@ -441,12 +441,16 @@ def test_without_report_json_the_segments_come_from_the_child_runs(site, tmp_pat
 
 
 def test_pages_escape_what_comes_from_data():
+    from markupsafe import escape
+
     from dashboards import pages
     from dashboards.gather import Run
-    from dashboards.html import esc, render
 
-    assert render('<a title="{t}">{t}</a>', t='"><b>') == '<a title="&quot;&gt;&lt;b&gt;">&quot;&gt;&lt;b&gt;</a>'
-    assert esc(esc("<")) == "&lt;"  # escaped once, not twice
+    env = pages.environment()
+    assert env.list_templates() and all(env.autoescape(name) for name in env.list_templates())
+    assert (env.from_string('<a title="{{ t }}">{{ t }}</a>').render(t='"><b>')
+            == '<a title="&#34;&gt;&lt;b&gt;">&#34;&gt;&lt;b&gt;</a>')
+    assert env.from_string("{{ x }}").render(x=escape("<")) == "&lt;"  # escaped once, not twice
     seg = {"id": "<i>s</i>", "verdict": "<b>v</b>", "summary": "'<script>'", "donor": "\"><svg onload=x>",
            "donor_kind": "<k>", "first_divergent_chunk": 0, "stage": "<s>", "notes": ["<u>"], "comparisons": {}}
     report = {"verdict": "fail", "segments": [seg], "failing": [seg["id"]], "warnings": ["<w>"]}
