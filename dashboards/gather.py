@@ -72,6 +72,15 @@ class Run:
                 or self.tags.get("candidate.label") or "?")
 
     @property
+    def line(self) -> model.Line:
+        """The candidate line: vLLM-Omni's server or offline API, a URL, or a control (the CPU test engine)."""
+        return model.candidate_line(self.tags)
+
+    @property
+    def suite_hash(self) -> str:
+        return self.tags.get("suite.hash", "")
+
+    @property
     def failing(self) -> list[str]:
         return model.failing_ids(self.report)
 

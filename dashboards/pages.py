@@ -137,20 +137,24 @@ def trend(runs: list) -> dict:
     stats = [model.run_stats(r.report) for r in runs]
     grid = [{"x1": left, "x2": width - 10, "y": f"{y(f):.1f}", "tx": left - 6, "ty": f"{y(f) + 4:.1f}",
              "label": f"{f:.0%}"} for f in (0, 0.5, 1)]
-    lines = [{"points": " ".join(f"{x:.1f},{y(getattr(s, attr)):.1f}" for x, s in zip(xs, stats)), "colour": colour,
-              "dash": dash} for attr, colour, dash in (("diverged_rate", "#ef6c00", ""), ("failing_rate", "#c62828", "4 3"))]
+    kinds = sorted({r.line for r in runs}, key=lambda line: line.rank)
+    lines = []
+    for line in kinds:  # a polyline joins runs of one candidate line only
+        idx = [i for i, r in enumerate(runs) if r.line == line]
+        lines += [{"points": " ".join(f"{xs[i]:.1f},{y(getattr(stats[i], attr)):.1f}" for i in idx), "colour": colour,
+                   "dash": dash}
+                  for attr, colour, dash in (("diverged_rate", "#ef6c00", ""), ("failing_rate", "#c62828", "4 3"))]
     dots = [{"href": run_href(r.run_id), "x": f"{x:.1f}", "y": f"{y(s.failing_rate):.1f}",
              "colour": {"pass": "#2e7d32", "fail": "#c62828"}.get(r.verdict, "#37474f"), "label": clip(r.version, 9),
              "tip": f"{r.version} · {r.verdict} · {when(r.start_ms)} · diverged {fmt_pct(s.diverged_rate)} · "
-                    f"failing {fmt_pct(s.failing_rate)}"}
+                    f"failing {fmt_pct(s.failing_rate)}" + (f" · {r.line.title}" if len(kinds) > 1 else "")}
             for x, r, s in zip(xs, runs, stats)]
     return {"width": width, "height": top + height + 30, "label_y": top + height + 18, "grid": grid, "lines": lines,
             "dots": dots}
 
 
-def version_matrix(runs: list, ctx: Context) -> dict:
-    """Versions (newest first) × suites: the latest run of each version on each suite."""
-    suites = sorted({r.experiment for r in runs})
+def version_matrix(runs: list, ctx: Context, suites: list[str]) -> dict:
+    """One candidate line's versions (newest first) × suites: the latest run of each version on each suite."""
     latest: dict[tuple, object] = {}
     newest: dict[str, int] = {}
     for r in runs:  # runs are oldest first: the last one wins
@@ -165,6 +169,40 @@ def version_matrix(runs: list, ctx: Context) -> dict:
             cells.append(r and {"run": r, "stats": model.run_stats(r.report), "change": ch.kind if ch else None})
         labels = sorted({r.tags.get("candidate.label", "") for r in runs if r.version == v} - {"", v})
         rows.append({"version": v, "labels": ", ".join(labels), "when": when(newest[v]), "cells": cells})
+    return {"suites": [s.removeprefix("difftest/") for s in suites], "rows": rows}
+
+
+def version_matrices(runs: list, ctx: Context) -> list[dict]:
+    """A versions × suites table per candidate line (vLLM-Omni's server, its offline API, a URL, ...)."""
+    suites = sorted({r.experiment for r in runs})
+    return [{"line": line, **version_matrix([r for r in runs if r.line == line], ctx, suites)}
+            for line in sorted({r.line for r in runs}, key=lambda line: line.rank)]
+
+
+def control_outcome(r) -> tuple[str, bool]:
+    """What a control run says about the tester, in `difftest selfcheck`'s words, and whether that is right."""
+    line = r.line
+    if r.verdict == line.expect:
+        return ("caught" if line.defect else "clean"), True
+    if r.verdict == "error" or r.verdict not in ("pass", "fail"):
+        return r.verdict, False
+    return ("NOT caught" if line.defect else "FLAGGED"), False
+
+
+def control_matrix(runs: list, ctx: Context) -> dict:
+    """Control lines (the CPU test engine clean, then each planted defect) × suites: the latest run of each."""
+    suites = sorted({r.experiment for r in runs})
+    latest = {(r.line, r.experiment): r for r in runs}  # runs are oldest first: the last one wins
+    rows = []
+    for line in sorted({r.line for r in runs}, key=lambda line: line.rank):
+        cells = []
+        for s in suites:
+            r = latest.get((line, s))
+            ch = ctx.changes.get(r.run_id) if r else None
+            cells.append(r and {"run": r, "stats": model.run_stats(r.report), "outcome": control_outcome(r),
+                                "change": ch.kind if ch else None})
+        labels = sorted({r.tags.get("candidate.label", "") for r in runs if r.line == line} - {""})
+        rows.append({"line": line, "labels": ", ".join(labels), "cells": cells})
     return {"suites": [s.removeprefix("difftest/") for s in suites], "rows": rows}
 
 
@@ -189,11 +227,12 @@ def where_groups(run, root: str = "", limit: int = 3) -> dict:
     return {"items": items, "more_kinds": len(ordered) - limit}
 
 
-def run_row(r, ctx: Context) -> dict:
-    """One run in a runs table."""
+def run_row(r, ctx: Context, with_suite: bool = False) -> dict:
+    """One run in a runs table (`with_suite`: a table across suites says which)."""
     st = model.run_stats(r.report)
     label = r.tags.get("candidate.label", "")
-    facts = [x for x in (label if label != r.version else "", short(r.tags.get("candidate.commit")), r.device,
+    facts = [x for x in (r.suite if with_suite else "", label if label != r.version else "",
+                         short(r.tags.get("candidate.commit")), r.device,
                          f"c={r.tags['concurrency']}" if r.tags.get("concurrency") else "") if x]
     return {"run": r, "stats": st, "change": ctx.changes.get(r.run_id), "facts": " · ".join(facts),
             "where": where_groups(r), "ml": mlflow_url(ctx, r.experiment_id, r.run_id)}
@@ -204,17 +243,31 @@ def bisect_row(b, ctx: Context) -> dict:
             "commits": len({p.commit for p in b.probes}), "ml": mlflow_url(ctx, b.experiment_id, b.run_id)}
 
 
+def newest_first(runs: list) -> list:
+    return sorted(runs, key=lambda r: (-r.start_ms, r.run_id))
+
+
 def index_page(store, ctx: Context) -> str:
     runs = store.runs
+    candidates = [r for r in runs if not r.line.control]
+    controls = [r for r in runs if r.line.control]
     suites = []
-    for exp in sorted({r.experiment for r in runs}):
-        mine = [r for r in runs if r.experiment == exp]
+    for exp in sorted({r.experiment for r in candidates}):
+        mine = [r for r in candidates if r.experiment == exp]
         suites.append({"anchor": safe_name(exp), "name": mine[0].suite, "experiment": exp, "count": len(mine),
-                       "trend": trend(mine),
-                       "rows": [run_row(r, ctx) for r in sorted(mine, key=lambda r: (-r.start_ms, r.run_id))]})
+                       "trend": trend(mine), "rows": [run_row(r, ctx) for r in newest_first(mine)]})
     return _render("index.html", ctx=ctx, root="", title=ctx.title, crumbs=[("runs", None)], store=store, runs=runs,
-                   n_suites=len({r.experiment for r in runs}), matrix=version_matrix(runs, ctx) if runs else None,
-                   suites=suites, bisects=[bisect_row(b, ctx) for b in sorted(store.bisects, key=lambda b: -b.start_ms)])
+                   n_suites=len({r.experiment for r in runs}), matrices=version_matrices(candidates, ctx),
+                   suites=suites, controls=control_matrix(controls, ctx) if controls else None,
+                   control_rows=[run_row(r, ctx, with_suite=True) for r in newest_first(controls)],
+                   bisects=[bisect_row(b, ctx) for b in sorted(store.bisects, key=lambda b: -b.start_ms)])
+
+
+def section_crumb(run, root: str) -> tuple[str, str]:
+    """The index's section of a run: its suite's, or the controls' for a test engine."""
+    if run.line.control:
+        return "negative controls", f"{root}index.html#controls"
+    return run.suite, f"{root}index.html#suite-{safe_name(run.experiment)}"
 
 
 # -- a run ----------------------------------------------------------------------------------------------
@@ -299,10 +352,10 @@ def run_page(run, ctx: Context) -> str:
              ("policy fails on", ", ".join(model.fail_on(rep))), ("MLflow run", run.run_id),
              ("data", "report.json" if run.source == "report.json" else "rebuilt from the child runs' tags and "
                                                                          "metrics (no report.json artifact)")]
-    crumbs = [("runs", f"{root}index.html"), (run.suite, f"{root}index.html#suite-{safe_name(run.experiment)}"),
+    crumbs = [("runs", f"{root}index.html"), section_crumb(run, root),
               (f"{run.version} ({when(run.start_ms)})", None)]
     return _render("run.html", ctx=ctx, root=root, title=f"{run.version} on {run.suite}: {run.verdict}", crumbs=crumbs,
-                   run=run, tags=t, stats=st, cards=cards, change=ch, previous=ctx.runs.get(ch.previous) if ch else None,
+                   run=run, line=run.line, tags=t, stats=st, cards=cards, change=ch, previous=ctx.runs.get(ch.previous) if ch else None,
                    heat=heatmap(run), diverged=diverged_segments(rep), failing=set(run.failing), facts=facts,
                    ml=mlflow_url(ctx, run.experiment_id, run.run_id),
                    children={sid: mlflow_url(ctx, run.experiment_id, cid) for sid, cid in run.children.items()})
@@ -405,7 +458,7 @@ def segment_page(run, index: int, seg: dict, ctx: Context) -> str:
              ("first divergent frame", None if frame is None else f"{frame} ({frame * 0.08:.2f} s)"),
              ("stage", seg.get("stage")), ("donor", donor_text(seg)), ("error kind", seg.get("error_kind")),
              ("notes", "; ".join(seg.get("notes") or []))]
-    crumbs = [("runs", f"{root}index.html"), (run.suite, f"{root}index.html#suite-{safe_name(run.experiment)}"),
+    crumbs = [("runs", f"{root}index.html"), section_crumb(run, root),
               (run.version, "index.html"), (seg["id"], None)]
     return _render("segment.html", ctx=ctx, root=root, title=f"{seg['id']}: {seg.get('verdict')} ({run.version})",
                    crumbs=crumbs, run=run, seg=seg, failing=seg["id"] in set(run.failing), facts=facts,

@@ -67,6 +67,13 @@ def test_real_leak_run_on_the_dashboard(real, browser, tmp_path):
     row = index.evaluate("document.querySelector('table.runs tbody tr').innerText")
     assert "difftest-cpu-engine:ref-leak" in row and "FAIL" in row and "contamination" in row
     assert f"donor {donor}" in row and first in row
+    # a negative control: in its own section, caught, and no vLLM-Omni version
+    placed = index.evaluate("""(() => ({versions: document.querySelectorAll('table.matrix').length,
+      row: document.querySelector('#controls table.runs tbody tr').dataset.run,
+      control: document.querySelector('#controls table.controls tbody tr').innerText}))()""")
+    assert placed["versions"] == 0 and placed["row"] == real.run_id
+    assert placed["control"].startswith("CPU test engine, planted defect ref-leak\n")
+    assert "FAIL caught" in placed["control"]
 
     run = open_page(browser, real.site / "runs" / real.run_id / "index.html")
     got = run.evaluate("""(() => ({
@@ -78,6 +85,7 @@ def test_real_leak_run_on_the_dashboard(real, browser, tmp_path):
     assert got["cells"] == 12
     assert got["rows"] == [[k, segs[k]["verdict"], 3] for k in ("smoke-01", "smoke-02", "smoke-03", "smoke-04")]
     assert "candidate at concurrency 1 alone" in got["text"]  # `difftest run` judged c=1 alone: pass
+    assert "Negative control / test engine: CPU test engine, planted defect ref-leak, not vLLM-Omni" in got["text"]
 
     i = list(segs).index(first)
     page = open_page(browser, real.site / "runs" / real.run_id / segment_file(i, first))
