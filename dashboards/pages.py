@@ -214,7 +214,8 @@ def where_groups(run, root: str = "", limit: int = 3) -> dict:
     shown = [s for s in segs if s["id"] in failing] or [s for s in segs if s.get("verdict") not in model.CLEAN]
     groups: dict[tuple, list] = {}
     for s in shown:
-        groups.setdefault((s.get("verdict"), s.get("first_divergent_chunk"), s.get("stage"), donor_text(s)), []).append(s)
+        key = (s.get("verdict"), s.get("first_divergent_chunk"), s.get("stage"), donor_text(s))
+        groups.setdefault(key, []).append(s)
     rank = {v: i for i, v in enumerate(SERIOUSNESS)}
     ordered = sorted(groups.items(), key=lambda kv: (rank.get(kv[0][0], 99), -len(kv[1])))
     items = []
@@ -341,7 +342,8 @@ def run_page(run, ctx: Context) -> str:
     ]
     one = rep.get("at_concurrency_1")
     if isinstance(one, dict) and one.get("verdict"):
-        cards.append(("candidate at concurrency 1 alone", one["verdict"], "good" if one["verdict"] == "pass" else "bad"))
+        cards.append(("candidate at concurrency 1 alone", one["verdict"],
+                      "good" if one["verdict"] == "pass" else "bad"))
     facts = [("candidate", t.get("candidate.label")), ("version", t.get("candidate.version")),
              ("commit", t.get("candidate.commit")), ("vLLM-Omni", t.get("vllm_omni.version")),
              ("vLLM", t.get("vllm.version")), ("qwen-tts", t.get("qwen_tts.version")),
@@ -355,7 +357,8 @@ def run_page(run, ctx: Context) -> str:
     crumbs = [("runs", f"{root}index.html"), section_crumb(run, root),
               (f"{run.version} ({when(run.start_ms)})", None)]
     return _render("run.html", ctx=ctx, root=root, title=f"{run.version} on {run.suite}: {run.verdict}", crumbs=crumbs,
-                   run=run, line=run.line, tags=t, stats=st, cards=cards, change=ch, previous=ctx.runs.get(ch.previous) if ch else None,
+                   run=run, line=run.line, tags=t, stats=st, cards=cards, change=ch,
+                   previous=ctx.runs.get(ch.previous) if ch else None,
                    heat=heatmap(run), diverged=diverged_segments(rep), failing=set(run.failing), facts=facts,
                    ml=mlflow_url(ctx, run.experiment_id, run.run_id),
                    children={sid: mlflow_url(ctx, run.experiment_id, cid) for sid, cid in run.children.items()})
