@@ -41,14 +41,14 @@ def keep_screenshot(path: Path, name: str) -> None:
 
 
 def dashboard(*args, cwd) -> subprocess.CompletedProcess:
-    """`python -m difftest.dashboard` (`difftest dashboard` once difftest/cli.py wires it in)."""
-    return subprocess.run([sys.executable, "-m", "difftest.dashboard", *map(str, args)], cwd=cwd,
+    """`python -m dashboards`, what `difftest dashboard` runs."""
+    return subprocess.run([sys.executable, "-m", "dashboards", *map(str, args)], cwd=cwd,
                           capture_output=True, text=True, timeout=300)
 
 
 def dashboard_here(*args, capsys) -> tuple[int, str, str]:
     """The same in this process (no second MLflow import): exit code, stdout, stderr."""
-    from difftest.dashboard.cli import add_dashboard_parser
+    from dashboards.cli import add_dashboard_parser
     from difftest.tracking import run_standalone
 
     capsys.readouterr()
@@ -161,7 +161,7 @@ def site(tmp_path_factory, _empty_mlflow_store):
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    from difftest.dashboard.browser import BrowserError, Chromium, find_chromium
+    from dashboards.browser import BrowserError, Chromium, find_chromium
 
     if find_chromium() is None:
         pytest.fail("no Chromium: apt-get install -y chromium (scripts/test.sh does it)", pytrace=False)
@@ -184,7 +184,7 @@ def run_page(site, suite, version) -> Path:
 
 def segment_pages(site, suite, version) -> dict[str, Path]:
     """segment id -> its page: one per segment that is not identical or numeric drift."""
-    from difftest.dashboard.pages import segment_file
+    from dashboards.pages import segment_file
 
     folder = run_page(site, suite, version).parent
     segs = site.runs[(suite, version)].report["segments"]
@@ -285,6 +285,31 @@ def test_run_page_heatmap(site, browser, tmp_path):
     keep_screenshot(page.screenshot(tmp_path / "run.png"), "dashboard-run.png")
 
 
+HIDDEN_JS = """document.visibilityState === 'hidden' || new Promise(resolve => document.addEventListener(
+  'visibilitychange', () => resolve(document.visibilityState === 'hidden'), {once: true}))"""
+
+
+def test_a_tab_hidden_behind_another_still_gives_its_screenshot(site, browser, tmp_path):
+    """Headless Chromium hides a tab once another one opens and then draws no frame for it: a capture
+    there never answered (what failed the heatmap test on a busy machine). screenshot() brings it forward."""
+    import struct
+
+    from dashboards.browser import BrowserError
+
+    first = open_page(browser, site.out / "index.html")
+    open_page(browser, run_page(site, "toy", "0.30.0"))
+    try:
+        hidden = first.evaluate(HIDDEN_JS, timeout_s=120)  # waits for the visibilitychange event
+    except BrowserError as e:
+        pytest.fail(f"Chromium never hid the tab behind the new one ({e}): this test needs a browser that "
+                    f"hides background tabs, as headless Chromium does", pytrace=False)
+    assert hidden is True
+    png = first.screenshot(tmp_path / "hidden.png").read_bytes()  # the whole page, as the tests take them
+    width, height = struct.unpack(">II", png[16:24])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and width == 1400 and height > 900
+    assert first.evaluate("document.visibilityState") == "visible"
+
+
 SEGMENT_JS = """(() => ({
   title: document.title,
   h1: document.querySelector('h1').innerText,
@@ -298,7 +323,7 @@ SEGMENT_JS = """(() => ({
 
 
 def test_contaminated_segment_page(site, browser, tmp_path):
-    from difftest.dashboard.browser import audio_state
+    from dashboards.browser import audio_state
 
     run = site.runs[("toy", "0.30.0")]
     pages = segment_pages(site, "toy", "0.30.0")
@@ -315,7 +340,7 @@ def test_contaminated_segment_page(site, browser, tmp_path):
     assert [a["src"] for a in audio] == [f"media/audio/s0/{r}.wav" for r in got["players"]]
     for a in audio:
         assert a["error"] is None and abs(a["duration"] - 30 * 1920 / 24000) < 0.01, a
-    loaded = page.loaded_urls()
+    loaded = page.loaded_urls(expect=[a["url"] for a in audio])
     for a in audio:
         assert loaded.get(a["url"]) == 200, (a["url"], sorted(loaded))
     assert (page_dir := pages["s0"].parent / "media" / "audio" / "s0" / "difference.wav").is_file(), page_dir
@@ -407,8 +432,8 @@ def test_a_second_build_reuses_what_it_fetched_and_refuses_foreign_folders(site,
 
 def test_without_report_json_the_segments_come_from_the_child_runs(site, tmp_path, capsys):
     """The fallback reads child-run tags and metric histories: the same verdicts and tiers."""
-    from difftest.dashboard import model
-    from difftest.dashboard.gather import _report_from_children
+    from dashboards import model
+    from dashboards.gather import _report_from_children
 
     run = site.runs[("toy", "0.30.0")]
     parent = site.client.get_run(run.run_id)
@@ -441,12 +466,16 @@ def test_without_report_json_the_segments_come_from_the_child_runs(site, tmp_pat
 
 
 def test_pages_escape_what_comes_from_data():
-    from difftest.dashboard import pages
-    from difftest.dashboard.gather import Run
-    from difftest.dashboard.html import esc, render
+    from markupsafe import escape
 
-    assert render('<a title="{t}">{t}</a>', t='"><b>') == '<a title="&quot;&gt;&lt;b&gt;">&quot;&gt;&lt;b&gt;</a>'
-    assert esc(esc("<")) == "&lt;"  # escaped once, not twice
+    from dashboards import pages
+    from dashboards.gather import Run
+
+    env = pages.environment()
+    assert env.list_templates() and all(env.autoescape(name) for name in env.list_templates())
+    assert (env.from_string('<a title="{{ t }}">{{ t }}</a>').render(t='"><b>')
+            == '<a title="&#34;&gt;&lt;b&gt;">&#34;&gt;&lt;b&gt;</a>')
+    assert env.from_string("{{ x }}").render(x=escape("<")) == "&lt;"  # escaped once, not twice
     seg = {"id": "<i>s</i>", "verdict": "<b>v</b>", "summary": "'<script>'", "donor": "\"><svg onload=x>",
            "donor_kind": "<k>", "first_divergent_chunk": 0, "stage": "<s>", "notes": ["<u>"], "comparisons": {}}
     report = {"verdict": "fail", "segments": [seg], "failing": [seg["id"]], "warnings": ["<w>"]}
@@ -463,8 +492,8 @@ def test_pages_escape_what_comes_from_data():
 def test_a_length_donor_is_shown_as_such():
     """The vocoder got the segment's own reference codes at the donor's length: the pages say so, and
     neither play the decode with the donor's reference codes nor mark it the culprit."""
-    from difftest.dashboard import pages
-    from difftest.dashboard.gather import Run
+    from dashboards import pages
+    from dashboards.gather import Run
 
     seg = {"id": "a", "verdict": "contamination", "donor": "b", "donor_kind": "length", "stage": "handoff",
            "first_divergent_chunk": 0, "first_divergent_frame": 0, "notes": [],
@@ -491,7 +520,7 @@ def test_a_length_donor_is_shown_as_such():
 
 
 def test_cells_rates_and_changes():
-    from difftest.dashboard import model
+    from dashboards import model
 
     seg = {"verdict": "contamination", "first_divergent_chunk": 0, "id": "a", "comparisons": {
         "codes": {"chunk_agreement": [1.0, 0.5]},
@@ -525,3 +554,171 @@ def test_from_a_tracking_server(mlflow_server, tmp_path, capsys):
         "reference.wav", "candidate.wav", "control.wav", "difference.wav"}
     page = (folder / "index.html").read_text()
     assert f'href="{mlflow_server}/#/experiments/' in page and "rebuilt from" not in page
+
+
+# -- candidate lines: controls are not versions ---------------------------------------------------------
+CPU_ENGINE = "difftest CPU test engine (not vLLM-Omni)"  # what difftest/run.py records as the engine
+
+
+def omni_candidate(version: str, device: str = "cpu", api: str | None = None) -> dict:
+    """report.json's `candidate` as `difftest run --candidate vllm-omni[-offline[:async]]` writes it."""
+    from difftest.vllm_omni import VllmOmniOptions, _provenance
+
+    env = {"vllm_omni": version, "vllm": "0.30.1", "torch": "2.10.0", "difftest_capture": "0.1.0"}
+    info = _provenance(env, VllmOmniOptions(device=device), Path("/out/vllm-omni/deploy-overlay.yaml"), None)
+    if api is not None:  # difftest/vllm_omni.py's start_vllm_omni_offline
+        info.update(label=f"vllm-omni {version} offline" + (" async" if api == "async" else ""),
+                    api="offline (vllm_omni.Omni)" if api == "batch" else "offline (vllm_omni.AsyncOmni)")
+    return {**info, "pattern": "barrier", "order": "suite", "voice_mode": "inline", "batches": []}
+
+
+def cpu_engine_candidate(defect: str | None) -> dict:
+    """report.json's `candidate` as `difftest run --candidate cpu-engine[:DEFECT]` writes it."""
+    from difftest.run import CandidateSpec
+
+    spec = CandidateSpec.parse("cpu-engine" + (f":{defect}" if defect else ""))
+    return {"label": spec.label, "engine": CPU_ENGINE, "defect": spec.defect, "start_seconds": 1.0,
+            "pattern": "barrier", "order": "suite", "voice_mode": "inline", "batches": []}
+
+
+def as_run(out: Path, candidate: dict, suite_hash: str) -> Path:
+    """Make a `difftest compare` output read like a `difftest run` one: its candidate section and suite hash."""
+    path = out / "report.json"
+    report = json.loads(path.read_text())
+    report["candidate"] = candidate
+    report["suite"]["hash"] = suite_hash
+    path.write_text(json.dumps(report, indent=1, sort_keys=True))
+    return out
+
+
+# In this order, on suite `lines` (hash h1 unless said), device cpu unless said:
+LINES_PLAN = (
+    ("omni-pass", omni_candidate("0.30.0"), "h1", {}),
+    ("leak-control", cpu_engine_candidate("ref-leak"), "h1", {"leak": ("s0", "s1")}),  # the negative control
+    ("omni-fail", omni_candidate("0.31.0"), "h1", {"leak": ("s0",)}),  # regressed against omni-pass
+    ("clean-control", cpu_engine_candidate(None), "h1", {}),
+    ("omni-edited-suite", omni_candidate("0.31.1"), "h2", {}),  # another suite hash: not "fixed"
+    ("omni-cuda", omni_candidate("0.31.1", device="cuda"), "h1", {"leak": ("s1",)}),  # another device
+    ("offline-pass", omni_candidate("0.31.0", api="batch"), "h1", {}),  # another line: not "fixed"
+)
+
+
+@pytest.fixture(scope="module")
+def lines_site(tmp_path_factory, _empty_mlflow_store):
+    root = tmp_path_factory.mktemp("dashboard-lines")
+    copy_store(_empty_mlflow_store, root)
+    uri = f"sqlite:///{root / 'mlflow.db'}"
+    runs = {}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.chdir(root)
+        mp.delenv("MLFLOW_TRACKING_URI", raising=False)
+        for name, candidate, suite_hash, kw in LINES_PLAN:
+            out = as_run(make_run(root, name, version="unused", suite="lines", **kw), candidate, suite_hash)
+            runs[name] = log_run(out, uri)
+            assert runs[name]
+    site = root / "site"
+    p = dashboard("--out", site, "--tracking-uri", uri, cwd=root)
+    assert p.returncode == 0, p.stdout + p.stderr
+    return SimpleNamespace(root=root, uri=uri, out=site, runs=runs)
+
+
+LINES_JS = """(() => {
+  const controls = document.getElementById('controls');
+  const rest = document.body.cloneNode(true);  // the page without the controls' section
+  if (controls) rest.querySelector('#controls').remove();
+  return {
+    runs: Object.fromEntries([...document.querySelectorAll('table.runs tbody tr')].map(r => [r.dataset.run, r.innerText])),
+    versions: [...document.querySelectorAll('table.matrix')].map(t => [t.caption.innerText,
+               [...t.querySelectorAll('tbody tr')].map(r => r.innerText)]),
+    controls: controls && {heading: controls.querySelector('h2').innerText,
+                           rows: [...controls.querySelectorAll('table.controls tbody tr')].map(r => r.innerText),
+                           runs: [...controls.querySelectorAll('table.runs tbody tr')].map(r => r.dataset.run)},
+    outside: {text: rest.textContent, links: [...rest.querySelectorAll('a')].map(a => a.getAttribute('href'))},
+  };
+})()"""
+
+
+def test_controls_are_not_versions_and_changes_stay_within_a_line(lines_site, browser, tmp_path):
+    from dashboards import model
+
+    page = open_page(browser, lines_site.out / "index.html")
+    got = page.evaluate(LINES_JS)
+    keep_screenshot(page.screenshot(tmp_path / "controls.png"), "dashboard-controls.png")
+    runs = {name: got["runs"][rid] for name, rid in lines_site.runs.items()}
+    # the planted leak right after a clean vLLM-Omni run: a control doing its job, not a regression
+    assert "FAIL" in runs["leak-control"] and "regressed" not in runs["leak-control"]
+    # the vLLM-Omni run that fails after the one that passed: a regression, whatever ran between them
+    assert "▲ regressed" in runs["omni-fail"] and "new: s0" in runs["omni-fail"]
+    for name in ("omni-pass", "clean-control", "omni-edited-suite", "omni-cuda", "offline-pass"):
+        assert "regressed" not in runs[name] and "fixed" not in runs[name], (name, runs[name])
+    # the versions tables: vLLM-Omni only, a table per candidate line, newest version first
+    assert [(caption, [row.split()[0] for row in rows]) for caption, rows in got["versions"]] == [
+        ("vLLM-Omni server", ["0.31.1", "0.31.0", "0.30.0"]), ("vLLM-Omni offline API (Omni)", ["0.31.0"])]
+    cells = [row for _, rows in got["versions"] for row in rows]
+    assert [row.split()[0] for row in cells if "▲ regressed" in row] == ["0.31.0"]  # omni-fail's cell
+    assert not any("fixed" in row for row in cells)
+    # the controls: their own, labelled section, the clean engine first, and nothing of them elsewhere
+    ctl = got["controls"]
+    assert ctl["heading"] == "Negative controls / test engines"
+    assert [row.split("\n")[0] for row in ctl["rows"]] == ["CPU test engine, clean",
+                                                           "CPU test engine, planted defect ref-leak"]
+    assert "difftest-cpu-engine · must pass" in ctl["rows"][0] and "PASS clean" in ctl["rows"][0]
+    assert "difftest-cpu-engine:ref-leak · must fail" in ctl["rows"][1] and "FAIL caught" in ctl["rows"][1]
+    assert ctl["runs"] == [lines_site.runs["clean-control"], lines_site.runs["leak-control"]]  # newest first
+    assert "cpu-engine" not in got["outside"]["text"]
+    control_ids = (lines_site.runs["clean-control"], lines_site.runs["leak-control"])
+    assert not [a for a in got["outside"]["links"] if any(rid in a for rid in control_ids)]
+    # the same from the model: each run against the one before it in its series
+    ch = model.changes(gather_runs(lines_site.uri, lines_site.root))
+    prev = {name: ch[rid].previous for name, rid in lines_site.runs.items()}
+    assert prev == {"omni-pass": None, "leak-control": None, "omni-fail": lines_site.runs["omni-pass"],
+                    "clean-control": None, "omni-edited-suite": None, "omni-cuda": None, "offline-pass": None}
+    assert [n for n, rid in lines_site.runs.items() if ch[rid].kind] == ["omni-fail"]
+
+
+def gather_runs(uri: str, root: Path) -> list:
+    from dashboards.gather import gather
+    from difftest.tracking import mlflow_client
+
+    with mlflow_client(uri) as client:
+        return gather(client, root / "gathered").runs
+
+
+def test_candidate_lines_from_the_tags_difftest_logs():
+    """Each kind of candidate, logged as `difftest run` and as `difftest compare` log it, falls into its line."""
+    from dashboards import model
+    from difftest.mlflow_records import parent_tags
+
+    def line(candidate: dict):
+        return model.candidate_line(parent_tags({"format": "difftest.report/1", "candidate": candidate}, "sha"))
+
+    def compared(candidate: dict, runner: str):  # compare: the runner's label, the results' provenance
+        return line({"label": runner, "provenance": {k: v for k, v in candidate.items() if k != "pattern"}})
+
+    cases = {
+        "vllm-omni": [omni_candidate("0.30.0"), compared(omni_candidate("0.30.0"), "vllm-omni"),
+                      {"label": "cand", "provenance": candidate_provenance("0.29.0", "cpu")}],
+        "vllm-omni-offline": [omni_candidate("0.30.0", api="batch"),
+                              compared(omni_candidate("0.30.0", api="batch"), "vllm-omni-offline")],
+        "vllm-omni-offline:async": [omni_candidate("0.30.0", api="async"),
+                                    compared(omni_candidate("0.30.0", api="async"), "vllm-omni-offline:async")],
+        "url:http://gpu-host:8091": [{"label": "http://gpu-host:8091", "url": "http://gpu-host:8091"}],
+        "cpu-engine": [cpu_engine_candidate(None), compared(cpu_engine_candidate(None), "difftest-cpu-engine")],
+        "cpu-engine:ref-leak": [cpu_engine_candidate("ref-leak"),
+                                compared(cpu_engine_candidate("ref-leak"), "difftest-cpu-engine:ref-leak"),
+                                {"label": "difftest-cpu-engine:ref-leak"}],
+        "other:my-engine": [{"label": "my-engine"}],
+    }
+    for key, candidates in cases.items():
+        for c in candidates:
+            got = c if isinstance(c, model.Line) else line(c)
+            assert got.key == key, (key, c)
+    controls = {key: line(cands[0]) for key, cands in cases.items() if key.startswith("cpu-engine")}
+    assert {k: (v.control, v.expect, v.defect) for k, v in controls.items()} == {
+        "cpu-engine": (True, "pass", None), "cpu-engine:ref-leak": (True, "fail", "ref-leak")}
+    assert not any(line(c[0]).control for k, c in cases.items() if not k.startswith("cpu-engine"))
+    # a planted defect's line expects the run to fail: a run that passes after one that failed is the regression
+    R = lambda i, t, v: SimpleNamespace(run_id=i, experiment_id="1", device="cpu", start_ms=t, verdict=v,  # noqa: E731
+                                        failing=[], line=controls["cpu-engine:ref-leak"], suite_hash="h")
+    ch = model.changes([R("a", 1, "fail"), R("b", 2, "pass"), R("c", 3, "fail")])
+    assert (ch["a"].kind, ch["b"].kind, ch["c"].kind) == (None, "regressed", "fixed")

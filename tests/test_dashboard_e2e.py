@@ -16,8 +16,8 @@ from mlflow_support import copy_store
 from reference_support import reference_python
 from test_dashboard import keep_screenshot, open_page
 
-from difftest.dashboard.browser import audio_state
-from difftest.dashboard.pages import segment_file
+from dashboards.browser import audio_state
+from dashboards.pages import segment_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "cases" / "suites" / "smoke.yaml"
@@ -37,7 +37,7 @@ def real(tmp_path_factory, _empty_mlflow_store):
     report = json.loads((root / "leak" / "report.json").read_text())
     run_id = json.loads((root / "leak" / "mlflow.json").read_text())["runs"][0]["run_id"]
     site = root / "site"
-    b = subprocess.run([sys.executable, "-m", "difftest.dashboard", "--out", str(site), "--tracking-uri", uri],
+    b = subprocess.run([sys.executable, "-m", "dashboards", "--out", str(site), "--tracking-uri", uri],
                        cwd=root, capture_output=True, text=True, timeout=300)
     assert b.returncode == 0, b.stdout + b.stderr
     return SimpleNamespace(root=root, site=site, report=report, run_id=run_id)
@@ -45,7 +45,7 @@ def real(tmp_path_factory, _empty_mlflow_store):
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory):
-    from difftest.dashboard.browser import Chromium, find_chromium
+    from dashboards.browser import Chromium, find_chromium
 
     if find_chromium() is None:
         pytest.fail("no Chromium: apt-get install -y chromium (scripts/test.sh does it)", pytrace=False)
@@ -67,6 +67,13 @@ def test_real_leak_run_on_the_dashboard(real, browser, tmp_path):
     row = index.evaluate("document.querySelector('table.runs tbody tr').innerText")
     assert "difftest-cpu-engine:ref-leak" in row and "FAIL" in row and "contamination" in row
     assert f"donor {donor}" in row and first in row
+    # a negative control: in its own section, caught, and no vLLM-Omni version
+    placed = index.evaluate("""(() => ({versions: document.querySelectorAll('table.matrix').length,
+      row: document.querySelector('#controls table.runs tbody tr').dataset.run,
+      control: document.querySelector('#controls table.controls tbody tr').innerText}))()""")
+    assert placed["versions"] == 0 and placed["row"] == real.run_id
+    assert placed["control"].startswith("CPU test engine, planted defect ref-leak\n")
+    assert "FAIL caught" in placed["control"]
 
     run = open_page(browser, real.site / "runs" / real.run_id / "index.html")
     got = run.evaluate("""(() => ({
@@ -78,6 +85,7 @@ def test_real_leak_run_on_the_dashboard(real, browser, tmp_path):
     assert got["cells"] == 12
     assert got["rows"] == [[k, segs[k]["verdict"], 3] for k in ("smoke-01", "smoke-02", "smoke-03", "smoke-04")]
     assert "candidate at concurrency 1 alone" in got["text"]  # `difftest run` judged c=1 alone: pass
+    assert "Negative control / test engine: CPU test engine, planted defect ref-leak, not vLLM-Omni" in got["text"]
 
     i = list(segs).index(first)
     page = open_page(browser, real.site / "runs" / real.run_id / segment_file(i, first))

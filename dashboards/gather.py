@@ -22,9 +22,9 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..policy import TIERS
-from ..segment_media import safe_name
-from ..tracking import _search_all
+from difftest.policy import TIERS
+from difftest.segment_media import safe_name
+from difftest.tracking import _search_all
 from . import model
 
 log = logging.getLogger(__name__)
@@ -70,6 +70,15 @@ class Run:
         """What the run tested, as people name it: the candidate's version, else vLLM-Omni's, else its label."""
         return (self.tags.get("candidate.version") or self.tags.get("vllm_omni.version")
                 or self.tags.get("candidate.label") or "?")
+
+    @property
+    def line(self) -> model.Line:
+        """The candidate line: vLLM-Omni's server or offline API, a URL, or a control (the CPU test engine)."""
+        return model.candidate_line(self.tags)
+
+    @property
+    def suite_hash(self) -> str:
+        return self.tags.get("suite.hash", "")
 
     @property
     def failing(self) -> list[str]:
@@ -225,7 +234,7 @@ def _suite_texts(report: dict) -> dict[str, str]:
     if not path or not want or not Path(path).is_file():
         return {}
     try:
-        from ..suite import load_suite
+        from difftest.suite import load_suite
 
         s = load_suite(path)
     except Exception:  # a suite that no longer loads: no texts, nothing else lost

@@ -8,7 +8,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..policy import TIERS
+from difftest.policy import TIERS
 
 CLEAN = ("identical", "numeric_drift")
 DEFAULT_FAIL_ON = ("concurrency_defect", "vocoder_defect", "contamination", "length_mismatch", "error")
@@ -171,22 +171,97 @@ def close_logmel(report: dict) -> float:
     return v if v and v > 0 else 0.1
 
 
+# -- candidate lines --------------------------------------------------------------------------------------
+# The CPU test engine as difftest records it: runners/cpu_engine's ENGINE_NAME (the label's stem, and
+# the engine of its /v1/engine identity) and LABEL (difftest/run.py's `candidate.engine`).
+CPU_ENGINE_NAME = "difftest-cpu-engine"
+CPU_ENGINE_LABEL = "difftest CPU test engine (not vLLM-Omni)"
+
+
+@dataclass(frozen=True)
+class Line:
+    """What a run tested, as a series that its versions or commits continue. Runs are compared
+    (regressed, fixed) only within one line; a control line is never shown as a vLLM-Omni version."""
+
+    key: str  # "vllm-omni", "vllm-omni-offline", "vllm-omni-offline:async", "url:<URL>", "cpu-engine",
+    #           "cpu-engine:<defect>", "other:<label>"
+    title: str
+    control: bool = False  # the CPU test engine, clean or with a planted defect
+    expect: str = "pass"  # the verdict a healthy tester gives: "fail" for a planted defect
+    defect: str | None = None
+
+    @property
+    def rank(self) -> tuple:
+        order = ("vllm-omni", "vllm-omni-offline", "vllm-omni-offline:async", "url", "other", "cpu-engine")
+        stem = self.key if self.key in order else self.key.split(":", 1)[0]
+        return order.index(stem), self.key
+
+
+def _tag(tags: dict, field_name: str) -> str:
+    """A candidate fact as `difftest run` logs it (candidate.X) or `difftest compare` (candidate.provenance.X)."""
+    return str(tags.get(f"candidate.{field_name}") or tags.get(f"candidate.provenance.{field_name}") or "")
+
+
+def candidate_line(tags: dict) -> Line:
+    """The run's candidate line, from its parent run's tags (difftest/mlflow_records.py). The CPU test
+    engine is recognised first (its engine, label, defect or not_vllm_omni mark), whatever else it carries."""
+    label = tags.get("candidate.label") or ""
+    engine = _tag(tags, "engine")
+    defect = _tag(tags, "defect")
+    if (CPU_ENGINE_LABEL in (engine, _tag(tags, "label")) or engine == CPU_ENGINE_NAME or defect
+            or label.split(":", 1)[0] == CPU_ENGINE_NAME or _tag(tags, "not_vllm_omni").lower() == "true"):
+        defect = defect or (label.split(":", 1)[1] if label.startswith(CPU_ENGINE_NAME + ":") else "")
+        if defect:
+            return Line(f"cpu-engine:{defect}", f"CPU test engine, planted defect {defect}", True, "fail", defect)
+        return Line("cpu-engine", "CPU test engine, clean", True)
+    is_omni = (engine.lower().startswith("vllm-omni") or label.lower().startswith("vllm-omni")
+               or any(tags.get(k) for k in ("vllm_omni.version", "candidate.versions.vllm_omni",
+                                            "candidate.provenance.versions.vllm-omni",
+                                            "candidate.provenance.versions.vllm_omni")))
+    if is_omni:
+        api = _tag(tags, "api")
+        if "AsyncOmni" in api or (not api and "offline" in label and "async" in label):
+            return Line("vllm-omni-offline:async", "vLLM-Omni offline API (AsyncOmni)")
+        if api or "offline" in label:
+            return Line("vllm-omni-offline", "vLLM-Omni offline API (Omni)")
+        return Line("vllm-omni", "vLLM-Omni server")
+    if label.startswith(("http://", "https://")):
+        return Line(f"url:{label}", f"the server at {label}")
+    return Line(f"other:{label or '?'}", label or "unnamed candidate")
+
+
+def series(r) -> tuple:
+    """Which runs a run is compared with: the same candidate line, suite (its content: the suite hash)
+    and device. An object without a .line is grouped by experiment and device alone."""
+    line = getattr(r, "line", None)
+    if line is None:
+        return (r.experiment_id, r.device)
+    return (line.key, r.experiment_id, getattr(r, "suite_hash", ""), r.device)
+
+
 @dataclass
 class Change:
-    """A run against the run before it in the same experiment on the same device."""
+    """A run against the run before it in its series (same line, suite and device: series())."""
 
     previous: str | None  # its run id
-    kind: str | None  # "regressed" (pass -> fail/error), "fixed" (fail/error -> pass), None
+    kind: str | None  # "regressed" (from the line's expected verdict to another), "fixed" (back), None
     new_failures: list[str]  # failing now, not failing then
     gone_failures: list[str]
 
 
+def _judged(verdict: str, expect: str) -> bool | None:
+    """Whether a verdict is the one the line expects (None: no verdict to judge)."""
+    return verdict == expect if verdict in ("pass", "fail", "error") else None
+
+
 def changes(runs: list) -> dict[str, Change]:
-    """run id -> Change, for objects with .run_id, .experiment_id, .device, .start_ms, .verdict, .failing."""
+    """run id -> Change, for objects with .run_id, .experiment_id, .device, .start_ms, .verdict, .failing
+    (and .line, .suite_hash: series()). A line expects "pass", so pass -> fail is a regression; a planted
+    defect's line expects "fail", so there fail -> pass (the defect no longer caught) is one."""
     out: dict[str, Change] = {}
     groups: dict[tuple, list] = {}
     for r in runs:
-        groups.setdefault((r.experiment_id, r.device), []).append(r)
+        groups.setdefault(series(r), []).append(r)
     for group in groups.values():
         group.sort(key=lambda r: (r.start_ms, r.run_id))
         prev = None
@@ -194,11 +269,9 @@ def changes(runs: list) -> dict[str, Change]:
             if prev is None:
                 out[r.run_id] = Change(None, None, sorted(r.failing), [])
             else:
-                kind = None
-                if prev.verdict == "pass" and r.verdict in ("fail", "error"):
-                    kind = "regressed"
-                elif prev.verdict in ("fail", "error") and r.verdict == "pass":
-                    kind = "fixed"
+                expect = getattr(getattr(r, "line", None), "expect", "pass")
+                was, now_ok = _judged(prev.verdict, expect), _judged(r.verdict, expect)
+                kind = "regressed" if was and now_ok is False else "fixed" if was is False and now_ok else None
                 now, then = set(r.failing), set(prev.failing)
                 out[r.run_id] = Change(prev.run_id, kind, sorted(now - then), sorted(then - now))
             prev = r

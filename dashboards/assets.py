@@ -5,7 +5,7 @@ The heatmap switches views without JavaScript: a radio input per view precedes t
 `#view-X:checked ~ .heat .cell.X3` picks the colours of view X from each cell's classes.
 """
 
-from ..policy import TIERS
+from difftest.policy import TIERS
 
 VERDICT_COLOURS = {
     "identical": "#2e7d32", "numeric_drift": "#7cb342", "code_divergence": "#f9a825",
@@ -63,14 +63,22 @@ dl.facts dd { margin:0; overflow-wrap:anywhere; }
 .stat { background:var(--card); border:1px solid var(--line); border-radius:8px; padding:8px 14px; min-width:150px; }
 .stat b { display:block; font-size:20px; } .stat span { color:var(--muted); font-size:12px; }
 .stat.bad b { color:#c62828; } .stat.good b { color:#2e7d32; }
-.matrix td { text-align:center; } .matrix td.ver { text-align:left; }
+.matrix td, table.controls td { text-align:center; } .matrix td.ver, table.controls td.ver { text-align:left; }
+table.matrix { margin-bottom:12px; }
+table.matrix caption { text-align:left; font-weight:600; padding:6px 2px 4px; }
+p.toc { margin:-6px 0 12px; }
+/* negative controls: the CPU test engine, kept apart from vLLM-Omni */
+section.negative { margin-top:30px; padding:2px 16px 14px; border:1px dashed #90a4ae; border-radius:10px;
+                   background:#eef1f4; }
+table.controls { margin-bottom:12px; }
+.ctl-ok { color:#2e7d32; } .ctl-bad { color:#c62828; }
 .where li { margin:0 0 3px; } ul.where { margin:0; padding-left:0; list-style:none; }
 a.mlflow { white-space:nowrap; }
 figure.trend { margin:6px 0 10px; } figure.trend figcaption { font-size:12px; color:var(--muted); margin-top:2px; }
 svg.trend { background:var(--card); border:1px solid var(--line); border-radius:8px; display:block; }
 .tablewrap { overflow-x:auto; }
 td.wherecol { min-width:260px; max-width:460px; }
-.matrix td { min-width:170px; }
+.matrix td, table.controls td { min-width:170px; }
 table.perchunk td.num { min-width:64px; }
 svg.trend text { font: 11px system-ui, sans-serif; fill:#5f6b7a; }
 /* heatmap */

@@ -12,14 +12,19 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..errors import EXIT_INFRA, EXIT_PASS
+from difftest.errors import EXIT_INFRA, EXIT_PASS
 
 DEFAULT_UI = "http://127.0.0.1:5000"
 
 
 def main_dashboard(args) -> int:
-    from ..tracking import TrackingUnavailable, resolve_tracking_uri
-    from .site import build
+    from difftest.tracking import TrackingUnavailable, resolve_tracking_uri
+
+    try:
+        from .site import build
+    except ImportError as e:  # jinja2 comes with the mlflow extra, as mlflow does
+        print(f"difftest: error: the dashboard needs {e.name}: pip install 'difftest[mlflow]'", file=sys.stderr)
+        return EXIT_INFRA
 
     uri = resolve_tracking_uri(args.tracking_uri)
     try:
@@ -49,9 +54,3 @@ def add_dashboard_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--title", default="difftest dashboard", help="the name in the page header")
     p.set_defaults(func=main_dashboard)
     return p
-
-
-if __name__ == "__main__":
-    from ..tracking import run_standalone
-
-    sys.exit(run_standalone(add_dashboard_parser, "dashboard"))

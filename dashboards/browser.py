@@ -11,7 +11,7 @@ writes answers on fd 4, each message a JSON text ended by a NUL byte), so no por
 websocket library and no browser download are needed: Debian's `chromium` package is
 enough (`apt-get install -y chromium`).
 
-    python -m difftest.dashboard.browser SITE/index.html shot.png [--width 1400]
+    python -m dashboards.browser SITE/index.html shot.png [--width 1400]
 """
 
 from __future__ import annotations
@@ -41,8 +41,17 @@ TRAMPOLINE = ("import os, sys; r, w = int(sys.argv[1]), int(sys.argv[2]); os.dup
               "os.close(r); os.close(w); os.execv(sys.argv[3], sys.argv[3:])")
 
 
+# How long one answer or event may take. Every wait ends as soon as what it waits for happens; the bound
+# only ends a wait on a browser that will never answer, so it is minutes: a loaded machine is slow, not dead.
+TIMEOUT_S = 300.0
+
+
 class BrowserError(RuntimeError):
     pass
+
+
+class BrowserTimeout(BrowserError):
+    """No answer (or event) within the bound."""
 
 
 def find_chromium(explicit: str | None = None) -> str | None:
@@ -63,7 +72,7 @@ class Chromium:
     the error message when something fails)."""
 
     def __init__(self, executable: str | None = None, *, width: int = 1400, height: int = 900,
-                 timeout_s: float = 30.0, log: Path | None = None, extra_flags=()):
+                 timeout_s: float = TIMEOUT_S, log: Path | None = None, extra_flags=()):
         self.executable = find_chromium(executable)
         if self.executable is None:
             raise BrowserError("no Chromium found: apt-get install -y chromium (or set $CHROMIUM)")
@@ -183,7 +192,7 @@ class Chromium:
             self._write(msg)
             answer = q.get(timeout=timeout_s or self.timeout_s)
         except queue.Empty:
-            raise BrowserError(f"{method}: no answer in {timeout_s or self.timeout_s:.0f} s") from None
+            raise BrowserTimeout(f"{method}: no answer in {timeout_s or self.timeout_s:.0f} s") from None
         except OSError as e:
             raise BrowserError(f"{method}: Chromium is gone ({e}); its log ends:\n{self._log_tail()}") from None
         finally:
@@ -228,7 +237,7 @@ class Page:
     def send(self, method: str, params: dict | None = None, timeout_s: float | None = None) -> dict:
         return self.browser.send(method, params, self.session, timeout_s)
 
-    def _drain(self, until=None, timeout_s: float = 30.0) -> bool:
+    def _drain(self, until=None, timeout_s: float = TIMEOUT_S) -> bool:
         """Record this tab's events; True when `until(event)` held for one before timeout_s."""
         for ev in self.browser.events(timeout_s):
             if ev.get("sessionId") != self.session:
@@ -242,15 +251,21 @@ class Page:
                 return True
         return False
 
-    def goto(self, url: str, timeout_s: float = 30.0) -> None:
+    def goto(self, url: str, timeout_s: float = TIMEOUT_S) -> None:
         self.network.clear()
         result = self.send("Page.navigate", {"url": url})
         if result.get("errorText"):
             raise BrowserError(f"{url}: {result['errorText']}")
         if not self._drain(lambda ev: ev["method"] == "Page.loadEventFired", timeout_s):
-            raise BrowserError(f"{url}: no load event in {timeout_s:.0f} s")
+            raise BrowserTimeout(f"{url}: no load event in {timeout_s:.0f} s")
 
-    def evaluate(self, expression: str, timeout_s: float = 30.0):
+    def front(self) -> None:
+        """Make this the visible tab. Headless Chromium hides a tab once another one opens (within a
+        second or so, later on a busy machine), and then draws no frame for it: a screenshot of a hidden
+        tab never answers, and its media may wait to load."""
+        self.send("Page.bringToFront")
+
+    def evaluate(self, expression: str, timeout_s: float = TIMEOUT_S):
         """The expression's value (awaited when it is a promise), as JSON."""
         r = self.send("Runtime.evaluate", {"expression": expression, "awaitPromise": True, "returnByValue": True,
                                            "timeout": int(timeout_s * 1000)}, timeout_s=timeout_s + 5)
@@ -260,15 +275,29 @@ class Page:
             raise BrowserError(f"evaluate: {d.get('exception', {}).get('description') or d.get('text')}")
         return r.get("result", {}).get("value")
 
-    def loaded_urls(self) -> dict[str, int]:
-        """url -> HTTP-like status for every response this tab received (file:// included)."""
+    def loaded_urls(self, expect=(), timeout_s: float = TIMEOUT_S) -> dict[str, int]:
+        """url -> HTTP-like status for every response this tab received (file:// included), once those
+        in `expect` are among them (or timeout_s passed: the caller sees which are missing)."""
+        def got():
+            return {ev["params"]["response"]["url"]: ev["params"]["response"].get("status", 0)
+                    for ev in self.network if ev["method"] == "Network.responseReceived"}
+
+        def arrived(ev) -> bool:
+            if ev["method"] == "Network.responseReceived":
+                missing.discard(ev["params"]["response"]["url"])
+            return not missing
+
         self._drain(timeout_s=0.05)
-        return {ev["params"]["response"]["url"]: ev["params"]["response"].get("status", 0)
-                for ev in self.network if ev["method"] == "Network.responseReceived"}
+        missing = set(expect) - set(got())
+        if missing:
+            self._drain(arrived, timeout_s)
+        return got()
 
     def screenshot(self, path: Path, full_page: bool = True) -> Path:
-        """A PNG of the viewport, or of the whole page (the viewport stretched to the content)."""
+        """A PNG of the viewport, or of the whole page (the viewport stretched to the content). The tab
+        is brought to the front first (front()); a capture that still gets no answer is tried once more."""
         b = self.browser
+        self.front()
         if full_page:
             m = self.send("Page.getLayoutMetrics")
             size = m.get("cssContentSize") or m["contentSize"]
@@ -276,7 +305,11 @@ class Page:
             self.send("Emulation.setDeviceMetricsOverride", {"width": b.width, "height": height,
                                                              "deviceScaleFactor": 1, "mobile": False})
         try:
-            data = self.send("Page.captureScreenshot", {"format": "png"})["data"]
+            try:
+                data = self.send("Page.captureScreenshot", {"format": "png"})["data"]
+            except BrowserTimeout:
+                self.front()
+                data = self.send("Page.captureScreenshot", {"format": "png"})["data"]
         finally:
             if full_page:
                 self.send("Emulation.setDeviceMetricsOverride", {"width": b.width, "height": b.height,
@@ -301,13 +334,15 @@ AUDIO_STATE_JS = """(async () => {
 })()"""
 
 
-def audio_state(page: Page, timeout_ms: int = 10000) -> list[dict]:
-    """Every <audio> on the page once its metadata loaded (or it failed): src, duration, error."""
-    return page.evaluate(AUDIO_STATE_JS % timeout_ms, timeout_s=timeout_ms / 1000 + 5)
+def audio_state(page: Page, timeout_ms: int = int(TIMEOUT_S * 1000)) -> list[dict]:
+    """Every <audio> on the page once its metadata loaded (or it failed): src, duration, error. Each
+    waits for its loadedmetadata or error event; timeout_ms only bounds a load that never ends."""
+    page.front()
+    return page.evaluate(AUDIO_STATE_JS % timeout_ms, timeout_s=timeout_ms / 1000 + 30)
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m difftest.dashboard.browser",
+    ap = argparse.ArgumentParser(prog="python -m dashboards.browser",
                                  description="a full-page screenshot of an HTML file in headless Chromium")
     ap.add_argument("html")
     ap.add_argument("png")
