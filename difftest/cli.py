@@ -194,7 +194,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_bisect_parser(sub)
     add_probe_parser(sub)
-    from .cache import add_cache_parser; add_cache_parser(sub)  # noqa: E702
+    from .cache import add_cache_parser
+
+    add_cache_parser(sub)
 
     from .reference import add_reference_parser
 
