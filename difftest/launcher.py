@@ -8,6 +8,7 @@ carries the tail of its log.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -22,9 +23,12 @@ from .speech_client import SpeechClient
 PROGRESS_EVERY_S = 15.0
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+
+
 def _last_line(path: Path, width: int = 100) -> str:
-    lines = log_tail(path, 1).strip()
-    return (lines[-width:] if lines else "(no log yet)")
+    line = _ANSI.sub("", log_tail(path, 1)).strip()
+    return line[-width:] if line else "(no log yet)"
 
 
 def free_port() -> int:

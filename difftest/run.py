@@ -288,6 +288,8 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
             with timings(f"candidate_c{n}_s"):
                 outcomes[n] = _candidate_at(n, client, capture, suite, spec, cand_info, folder, key, opts, run_id)
         cand, ctrl = outcomes[opts.concurrency], outcomes[1]
+        print(f"cross-decodes: {len(_segments_with_codes(cand.results))} segments through the reference vocoder",
+              file=sys.stderr, flush=True)
         with timings("cross_decode_s"):
             verdicts = _judge(suite, ref_run, cand, ctrl, _Vocoder(runner, out / "results" / "cross",
                                                                     opts.reference.timeout), policy)
