@@ -97,9 +97,9 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    from difftest import wavio
-    from difftest.runner_client import RunnerProcess
-    from difftest.suite import DECODE_DEFAULTS, Segment, Voice, content_hash
+    from difftest.engines.runner_client import RunnerProcess
+    from difftest.suites import wavio
+    from difftest.suites.suite import DECODE_DEFAULTS, Segment, Voice, content_hash
 
     work = Path(tempfile.mkdtemp(prefix="bench-reference-"))
     build = subprocess.run([a.python, "-m", "runners.reference.tiny_checkpoint", str(work / "tiny"), "--type", "base"],

@@ -3,7 +3,7 @@
     python benchmarks/bench_vllm_omni.py [--levels 1,2,4,8,16] [--max-num-seqs 16] [--max-new-tokens 32]
                                          [--checkpoint DIR] [--serve-seconds 0]
 
-Starts `vllm serve --omni` on the tiny voice-clone checkpoint through difftest.vllm_omni (the CPU
+Starts `vllm serve --omni` on the tiny voice-clone checkpoint through difftest.engines.vllm_omni (the CPU
 platform, capture on, length-capped voice clones answered), then sends waves of N simultaneous
 voice-clone requests for each level. A level is "held" when every request of the wave answered
 200 with a capture file. Prints one JSON object: start seconds, the server's process-tree RSS
@@ -30,8 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from difftest import vllm_omni as vo  # noqa: E402
-from difftest.speech_client import SpeechClient, SpeechError  # noqa: E402
+from difftest.engines import vllm_omni as vo  # noqa: E402
+from difftest.engines.speech_client import SpeechClient, SpeechError  # noqa: E402
 
 TEXTS = ["Good morning, how are you today?", "The weather is lovely this afternoon.",
          "Guten Morgen, wie geht es dir?", "Thank you, see you tomorrow."]

@@ -4,7 +4,7 @@
                                                  [--api batch|async]
 
 Starts the offline runner (runners/vllm_omni_offline, `vllm_omni.Omni`) on the tiny Base checkpoint
-through difftest.vllm_omni (the CPU platform, capture on). A first `generate` job of one voice clone
+through difftest.engines.vllm_omni (the CPU platform, capture on). A first `generate` job of one voice clone
 starts the engine; then, for each level N, N distinct voice clones built from the smoke suite's voices
 go as one wave (one batch). A level is "held" when every request came back with codes captured and
 float32 audio equal, to the bit, to the capture's wav. Prints one JSON object: engine start seconds,
@@ -32,9 +32,9 @@ sys.path.insert(0, str(REPO))
 
 from bench_vllm_omni import tree_rss_mb  # noqa: E402
 
-from difftest import vllm_omni as vo  # noqa: E402
-from difftest.candidate_runner import run_candidate_runner  # noqa: E402
-from difftest.suite import content_hash, load_suite  # noqa: E402
+from difftest.engines import vllm_omni as vo  # noqa: E402
+from difftest.engines.runner_candidate import run_candidate_runner  # noqa: E402
+from difftest.suites.suite import content_hash, load_suite  # noqa: E402
 
 
 def segments(smoke, n: int, label: str, max_new_tokens: int) -> list:

@@ -2,8 +2,6 @@
 
 import sys
 
-from difftest.tracking import run_standalone
+from difftest.cli import main
 
-from .cli import add_dashboard_parser
-
-sys.exit(run_standalone(add_dashboard_parser, "dashboard"))
+sys.exit(main(["dashboard", *sys.argv[1:]]))

@@ -5,7 +5,7 @@ The heatmap switches views without JavaScript: a radio input per view precedes t
 `#view-X:checked ~ .heat .cell.X3` picks the colours of view X from each cell's classes.
 """
 
-from difftest.policy import TIERS
+from difftest.verdicts.policy import TIERS
 
 VERDICT_COLOURS = {
     "identical": "#2e7d32", "numeric_drift": "#7cb342", "code_divergence": "#f9a825",

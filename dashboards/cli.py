@@ -18,10 +18,10 @@ DEFAULT_UI = "http://127.0.0.1:5000"
 
 
 def main_dashboard(args) -> int:
-    from difftest.tracking import TrackingUnavailable, resolve_tracking_uri
+    from difftest.records.tracking import TrackingUnavailable, resolve_tracking_uri
 
     try:
-        from .site import build
+        from dashboards.site import build
     except ImportError as e:  # jinja2 comes with the mlflow extra, as mlflow does
         print(f"difftest: error: the dashboard needs {e.name}: pip install 'difftest[mlflow]'", file=sys.stderr)
         return EXIT_INFRA

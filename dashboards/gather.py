@@ -22,10 +22,11 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from difftest.policy import TIERS
-from difftest.segment_media import safe_name
-from difftest.tracking import _search_all
-from . import model
+from difftest.verdicts.policy import TIERS
+
+from dashboards import model
+from difftest.records.segment_media import safe_name
+from difftest.records.tracking import _search_all
 
 log = logging.getLogger(__name__)
 
@@ -234,7 +235,7 @@ def _suite_texts(report: dict) -> dict[str, str]:
     if not path or not want or not Path(path).is_file():
         return {}
     try:
-        from difftest.suite import load_suite
+        from difftest.suites.suite import load_suite
 
         s = load_suite(path)
     except Exception:  # a suite that no longer loads: no texts, nothing else lost

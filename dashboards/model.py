@@ -8,7 +8,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
-from difftest.policy import TIERS
+from difftest.verdicts.policy import TIERS
 
 CLEAN = ("identical", "numeric_drift")
 DEFAULT_FAIL_ON = ("concurrency_defect", "vocoder_defect", "contamination", "length_mismatch", "error")

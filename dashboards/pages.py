@@ -8,15 +8,14 @@ import datetime as _dt
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+from difftest.verdicts.policy import TIERS, VERDICTS
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
-from difftest.mlflow_records import donor_text
-from difftest.policy import TIERS, VERDICTS
-from difftest.segment_media import safe_name
-
-from . import model
-from .assets import VERDICT_COLOURS, VIEWS
-from .html import fmt_num, fmt_pct, href
+from dashboards import model
+from dashboards.assets import VERDICT_COLOURS, VIEWS
+from dashboards.html import fmt_num, fmt_pct, href
+from difftest.records.mlflow_records import donor_text
+from difftest.records.segment_media import safe_name
 
 SEGMENT_ROLES = (  # audio role -> (title, what it is)
     ("reference", "reference", "qwen-tts at concurrency 1"),

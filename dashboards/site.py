@@ -16,12 +16,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
+from dashboards import model, pages
+from dashboards.assets import stylesheet
+from dashboards.gather import Store, gather
 from difftest.errors import BadInput
+from difftest.records.segment_media import safe_name
 from difftest.results import atomic_write
-from difftest.segment_media import safe_name
-from . import model, pages
-from .assets import stylesheet
-from .gather import Store, gather
 
 MARKER = ".difftest-dashboard"
 
@@ -76,7 +76,7 @@ def build(uri: str, site: str | Path, *, ui_url: str = "http://127.0.0.1:5000", 
           title: str = "difftest dashboard") -> Built:
     """Gather from the MLflow store at `uri` and write the site into `site`. Raises BadInput for an
     unusable --out or a missing local store, tracking.TrackingUnavailable when MLflow cannot be read."""
-    from difftest.tracking import mlflow_client
+    from difftest.records.tracking import mlflow_client
 
     site = Path(site)
     if uri.startswith("sqlite:///"):

@@ -38,9 +38,9 @@ def _chunks(text: str) -> tuple[int, int]:
 
 
 def cmd_compare(args) -> int:
-    from .compare_sets import compare_result_sets
-    from .policy import load_policy
-    from .report import summary_lines, write_report
+    from .compare.sets import compare_result_sets
+    from .records.report import summary_lines, write_report
+    from .verdicts.policy import load_policy
 
     policy = load_policy(args.policy)
     report = compare_result_sets(args.reference, args.candidate, policy, control_dir=args.control,
@@ -53,11 +53,11 @@ def cmd_compare(args) -> int:
 def cmd_run(args) -> int:
     from pathlib import Path
 
-    from .candidate_http import ORDERS, PATTERNS  # noqa: F401  (choices below)
-    from .policy import load_policy
-    from .reference import ReferenceOptions
+    from .engines.http import ORDERS, PATTERNS  # noqa: F401  (choices below)
+    from .engines.reference import ReferenceOptions
     from .run import CandidateSpec, RunOptions, print_summary, run
-    from .suite import load_suite
+    from .suites.suite import load_suite
+    from .verdicts.policy import load_policy
 
     suite = load_suite(args.suite)
     policy = load_policy(args.policy)
@@ -74,7 +74,7 @@ def cmd_run(args) -> int:
     report = run(suite, spec, Path(args.out), policy, opts)
     print_summary(report, Path(args.out))
     if not args.no_mlflow:
-        from .tracking import log_run
+        from .records.tracking import log_run
 
         log_run(args.out, args.tracking_uri)  # unreachable: one warning, `difftest log OUT` uploads later
     return report["exit_code"]
@@ -83,11 +83,11 @@ def cmd_run(args) -> int:
 def cmd_selfcheck(args) -> int:
     from pathlib import Path
 
-    from .policy import load_policy
-    from .reference import ReferenceOptions
+    from .engines.reference import ReferenceOptions
     from .run import RunOptions
     from .selfcheck import CHECKS, DEFECTS, selfcheck, table
-    from .suite import load_suite
+    from .suites.suite import load_suite
+    from .verdicts.policy import load_policy
 
     suite = load_suite(args.suite)
     policy = load_policy(args.policy)
@@ -109,7 +109,7 @@ def cmd_selfcheck(args) -> int:
 
 
 def cmd_validate(args) -> int:
-    from .suite import load_suite
+    from .suites.suite import load_suite
 
     for p in args.suites:
         s = load_suite(p)
@@ -138,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("candidate", help="directory of candidate results (at concurrency N)")
     c.add_argument("--control", help="directory of candidate results at concurrency 1")
     c.add_argument("--out", required=True, help="where report.json and summary.md go")
-    c.add_argument("--policy", help="policy YAML (default: the built-in difftest/default_policy.yaml)")
+    c.add_argument("--policy", help="policy YAML (default: the built-in difftest/verdicts/default_policy.yaml)")
     c.add_argument("--chunks", type=_chunks, default=(1, 25), metavar="INITIAL,FRAMES",
                    help="the candidate's chunk schedule in frames (default 1,25)")
     c.add_argument("--json", action="store_true", help="print only the report path as JSON")
@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_cache_parser(sub)
 
-    from .reference import add_reference_parser
+    from .engines.reference import add_reference_parser
 
     add_reference_parser(sub)
 
@@ -214,13 +214,15 @@ def build_parser() -> argparse.ArgumentParser:
     sc.add_argument("--reference-python")
     sc.set_defaults(func=cmd_selfcheck)
 
-    from .gate import add_gate_parser
-    from .tracking import add_log_parser
+    from .records.gate import add_gate_parser
+    from .records.tracking import add_log_parser
 
     add_log_parser(sub)
     add_gate_parser(sub)
 
-    from dashboards.cli import add_dashboard_parser  # the dashboard is its own part; only its parser is here
+    from dashboards.cli import (
+        add_dashboard_parser,  # the dashboard is its own part; only its parser is here
+    )
 
     add_dashboard_parser(sub)
 
@@ -305,6 +307,3 @@ def _write_crash(e: BaseException) -> str:
         f.write(text)
     return path
 
-
-if __name__ == "__main__":
-    sys.exit(main())

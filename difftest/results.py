@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .suite import CODEBOOKS, content_hash
+from .suites.suite import CODEBOOKS, content_hash
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class Result:
 
     @property
     def lead_samples(self) -> int:
-        """Samples before frame 0 (qwen-tts's proportional cut can leave one; difftest.align)."""
+        """Samples before frame 0 (qwen-tts's proportional cut can leave one; difftest.compare.align)."""
         return int(self.meta.get("lead_samples") or 0)
 
     @property

@@ -25,20 +25,36 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
-from . import identity as ident
-from .candidate_http import run_candidate
-from .candidate_runner import run_candidate_runner
-from .candidates import (CPU_ENGINE, URL, VLLM_OMNI, VLLM_OMNI_OFFLINE, CandidateSpec, Setup, engine_identity,
-                         is_runner, start_candidate)
+from .engines import identity as ident
+from .engines.http import run_candidate
+from .engines.reference import (
+    REPO,
+    ReferenceOptions,
+    reference_python,
+    run_reference,
+    runner_argv,
+    tiny_checkpoints,
+)
+from .engines.runner_candidate import run_candidate_runner
+from .engines.runner_client import RunnerDied, RunnerProcess
+from .engines.start import (
+    CPU_ENGINE,
+    URL,
+    VLLM_OMNI,
+    VLLM_OMNI_OFFLINE,
+    CandidateSpec,
+    Setup,
+    engine_identity,
+    is_runner,
+    start_candidate,
+)
 from .errors import BadInput, InfraError
-from .policy import Policy
 from .progress import Progress
-from .reference import REPO, ReferenceOptions, reference_python, run_reference, runner_argv, tiny_checkpoints
-from .report import build_report, overall, summary_lines, write_report
-from .results import CorruptResult, Result, ResultStore, atomic_write, _ext, read_result
-from .runner_client import RunnerDied, RunnerProcess
-from .suite import Suite, content_hash
-from .verdicts import Evidence, classify
+from .records.report import build_report, overall, summary_lines, write_report
+from .results import CorruptResult, Result, ResultStore, _ext, atomic_write, read_result
+from .suites.suite import Suite, content_hash
+from .verdicts.classify import Evidence, classify
+from .verdicts.policy import Policy
 
 __all__ = ["CPU_ENGINE", "URL", "VLLM_OMNI", "VLLM_OMNI_OFFLINE", "CandidateSpec", "RunOptions", "run"]
 
@@ -53,7 +69,7 @@ class RunOptions:
     reference: ReferenceOptions = field(default_factory=ReferenceOptions)
     request_timeout: float = 600.0
     engine_health_timeout: float = 300.0
-    vllm_omni: dict = field(default_factory=dict)  # difftest.vllm_omni.VllmOmniOptions fields (python, device, ...)
+    vllm_omni: dict = field(default_factory=dict)  # difftest.engines.vllm_omni.VllmOmniOptions fields (python, device, ...)
     replace: bool = False  # discard a run folder's results that another candidate or configuration produced
 
 

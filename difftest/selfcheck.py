@@ -18,16 +18,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .candidates import CPU_ENGINE_CODE
+from .engines.identity import code_hash
+from .engines.launcher import ServerProcess, free_port
+from .engines.reference import REPO, ReferenceOptions, reference_python
+from .engines.speech_client import SpeechClient
+from .engines.start import CPU_ENGINE_CODE
 from .errors import BadInput
-from .identity import code_hash
-from .launcher import ServerProcess, free_port
-from .policy import Policy
-from .reference import REPO, ReferenceOptions, reference_python
 from .results import atomic_write, load_result_set
 from .run import CandidateSpec, RunOptions, resolve_models, run, start_reference_runner
-from .speech_client import SpeechClient
-from .suite import Suite, content_hash
+from .suites.suite import Suite, content_hash
+from .verdicts.policy import Policy
 
 CLEAN = {"identical", "numeric_drift"}
 

@@ -9,7 +9,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/toy.py, the vo
 
 @pytest.fixture
 def policy():
-    from difftest.policy import load_policy
+    from difftest.verdicts.policy import load_policy
     return load_policy()
 
 

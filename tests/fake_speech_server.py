@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 from toy import toy_codes, toy_decode
 
-from difftest import wavio
+from difftest.suites import wavio
 
 
 class FakeSpeechServer:

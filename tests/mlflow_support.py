@@ -83,7 +83,7 @@ def serve(folder: Path, timeout_s: float = 120.0, store: Path | None = None):
 
 def make_empty_store(folder: Path) -> Path:
     """A migrated, empty MLflow sqlite database."""
-    from difftest.tracking import mlflow_client
+    from difftest.records.tracking import mlflow_client
 
     db = folder / "mlflow.db"
     with mlflow_client(f"sqlite:///{db}") as client:

@@ -17,9 +17,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from difftest import wavio
-from difftest.runner_client import RunnerProcess
-from difftest.suite import DECODE_DEFAULTS, Segment, Voice, content_hash
+from difftest.engines.runner_client import RunnerProcess
+from difftest.suites import wavio
+from difftest.suites.suite import DECODE_DEFAULTS, Segment, Voice, content_hash
 
 REPO = Path(__file__).resolve().parents[1]
 VENV_PYTHON = REPO / ".venv-reference" / "bin" / "python"

@@ -10,8 +10,18 @@ from pathlib import Path
 import pytest
 from bisect_support import BROKEN, FLAKY, K, commit, git, make_fakeomni_repo
 
-from difftest.bisect.builds import (STAMP, BuildFailed, CpuEngineRecipe, LaunchContext, Worktrees, commit_info,
-                                    first_parent_range, make_overlay, prepare, resolve)
+from difftest.bisect.builds import (
+    STAMP,
+    BuildFailed,
+    CpuEngineRecipe,
+    LaunchContext,
+    Worktrees,
+    commit_info,
+    first_parent_range,
+    make_overlay,
+    prepare,
+    resolve,
+)
 from difftest.cache import Cache
 from difftest.errors import BadInput
 from difftest.run import RunOptions
@@ -146,12 +156,12 @@ def test_vllm_omni_launcher_serves_the_commit_with_its_own_interpreter(tmp_path,
     """The vllm-omni recipe's launcher, with start_vllm_omni stood in for (a real server is minutes on CPU;
     docs/bisect.md has the measured real probe): one server per probe, the commit's interpreter, the
     suite's decode settings, length-capped answers for tiny suites, one checkpoint type only."""
-    vo = pytest.importorskip("difftest.vllm_omni")
+    vo = pytest.importorskip("difftest.engines.vllm_omni")
     from bisect_support import write_suite
 
     from difftest.bisect import builds
     from difftest.bisect.builds import Build, VllmOmniRecipe
-    from difftest.suite import load_suite
+    from difftest.suites.suite import load_suite
 
     calls = []
 

@@ -8,8 +8,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from difftest.bisect import search
-from difftest.bisect.search import (AMBIGUOUS, BAD, BAD_END_IS_GOOD, END_SKIPPED, FOUND, GOOD, GOOD_END_IS_BAD, SKIP,
-                                    Vote, bisect, max_probes, tally, vote)
+from difftest.bisect.search import (
+    AMBIGUOUS,
+    BAD,
+    BAD_END_IS_GOOD,
+    END_SKIPPED,
+    FOUND,
+    GOOD,
+    GOOD_END_IS_BAD,
+    SKIP,
+    Vote,
+    bisect,
+    max_probes,
+    tally,
+    vote,
+)
 
 
 def line(n):

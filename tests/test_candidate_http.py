@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from fake_speech_server import FakeSpeechServer, decode_ref_audio
 
-from difftest.candidate_http import order_segments, run_candidate
+from difftest.engines.http import order_segments, run_candidate
+from difftest.engines.speech_client import SpeechClient, registered_name, speech_request
 from difftest.results import read_result
-from difftest.speech_client import SpeechClient, registered_name, speech_request
-from difftest.suite import load_suite
+from difftest.suites.suite import load_suite
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -8,10 +8,10 @@ import pytest
 from fake_speech_server import FakeSpeechServer
 from toy import toy_codes
 
-from difftest import capture
-from difftest.candidate_http import run_candidate
-from difftest.speech_client import SpeechClient
-from difftest.suite import load_suite
+from difftest.engines import capture
+from difftest.engines.http import run_candidate
+from difftest.engines.speech_client import SpeechClient
+from difftest.suites.suite import load_suite
 
 ROOT = Path(__file__).resolve().parent.parent
 GOOD = {"codes": toy_codes(6, 1), "ref_codes": toy_codes(3, 2), "wav": np.zeros(6 * 1920, np.float32)}
@@ -78,7 +78,7 @@ def test_a_run_keeps_going_past_hostile_captures(tmp_path, monkeypatch):
     segs = [s for s in suite.segments if s.task == "voice_clone"][:6]
     cap_dir = tmp_path / "cap"
     cap_dir.mkdir()
-    monkeypatch.setattr("difftest.candidate_http.CAPTURE_WAIT_S", 1.0)  # the missing one is waited for
+    monkeypatch.setattr("difftest.engines.http.CAPTURE_WAIT_S", 1.0)  # the missing one is waited for
     with FakeSpeechServer(capture_dir=cap_dir, delay=0.0) as srv:
         srv.capture_override = {segs[0].text: HOSTILE["float codes"][0],
                                 segs[1].text: HOSTILE["uint64 beyond int64"][0],
@@ -95,8 +95,8 @@ def test_a_run_keeps_going_past_hostile_captures(tmp_path, monkeypatch):
 
 
 def test_a_missing_capture_is_waited_for_then_named(tmp_path, monkeypatch):
-    monkeypatch.setattr("difftest.candidate_http.CAPTURE_WAIT_S", 0.2)
-    from difftest.candidate_http import read_capture
+    monkeypatch.setattr("difftest.engines.http.CAPTURE_WAIT_S", 0.2)
+    from difftest.engines.http import read_capture
 
     with pytest.raises(capture.CaptureMissing, match="no capture for this request within 0 s"):
         read_capture(tmp_path, "absent")

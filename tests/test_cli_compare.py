@@ -11,7 +11,7 @@ from difftest.results import write_result
 
 
 def run(*args):
-    p = subprocess.run([sys.executable, "-m", "difftest.cli", *map(str, args)], capture_output=True, text=True)
+    p = subprocess.run([sys.executable, "-m", "difftest", *map(str, args)], capture_output=True, text=True)
     return p.returncode, p.stdout, p.stderr
 
 

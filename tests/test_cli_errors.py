@@ -18,7 +18,7 @@ SMOKE = ROOT / "cases" / "suites" / "smoke.yaml"
 
 
 def difftest(*args, cwd, env=None):
-    p = subprocess.run([sys.executable, "-m", "difftest.cli", *map(str, args)], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "difftest", *map(str, args)], capture_output=True, text=True,
                        cwd=cwd, timeout=600, env=env)
     assert "Traceback" not in p.stderr, p.stderr
     return p.returncode, p.stdout, p.stderr
@@ -69,7 +69,7 @@ def test_policy_files_that_are_wrong(tmp_path):
         "not-utf8.yaml": (b"tiers:\n  close_max_abs: 1e-3 # \xe9\n", "not UTF-8 text"),
         "section-type.yaml": ("tiers: 5\n", "tiers: expected a mapping, got int"),
         "key-typo.yaml": ("require:\n  concurency: close\n", "require.concurency: unknown key"),
-        "no-fail-on.yaml": (Path(ROOT / "difftest" / "default_policy.yaml").read_text().split("fail_on:")[0],
+        "no-fail-on.yaml": (Path(ROOT / "difftest" / "verdicts" / "default_policy.yaml").read_text().split("fail_on:")[0],
                             "fail_on: required"),
     }
     for name, (text, problem) in cases.items():
@@ -130,7 +130,7 @@ def test_an_internal_error_is_one_line_and_exit_3(tmp_path):
     reported as difftest's own failure, never as a verdict (exit 1) or a raw traceback."""
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     (tmp_path / "sitecustomize.py").write_text(
-        "import difftest.gate_output as g\n"
+        "import difftest.records.gate_output as g\n"
         "def boom(*a, **k):\n    raise RuntimeError('planted')\n"
         "g.headline = boom\n")
     (tmp_path / "report.json").write_text(json.dumps({

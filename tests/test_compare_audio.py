@@ -3,9 +3,17 @@
 import numpy as np
 import pytest
 
-from difftest.align import chunk_frame_bounds
-from difftest.compare_audio import (MEL_BANDS, SNR_CAP_DB, frame_metrics, log_mel,
-                                    mel_filterbank, non_finite, reduce_frames, snr_db)
+from difftest.compare.align import chunk_frame_bounds
+from difftest.compare.audio import (
+    MEL_BANDS,
+    SNR_CAP_DB,
+    frame_metrics,
+    log_mel,
+    mel_filterbank,
+    non_finite,
+    reduce_frames,
+    snr_db,
+)
 
 
 def test_snr_hand_values():

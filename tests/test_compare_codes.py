@@ -2,7 +2,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from difftest.compare_codes import diff_codes
+from difftest.compare.codes import diff_codes
 
 
 def codes(n, seed=0):

@@ -22,15 +22,26 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from reference_support import (
+    REPO,
+    all_models,
+    by_segment,
+    generate,
+    reference_python,
+    segment,
+    start_runner,
+    tiny,  # noqa: F401
+    voice,
+    write_voice,
+)
 
-from difftest import align, wavio
-from difftest.candidate_http import run_candidate
-from difftest.launcher import ServerProcess, free_port
+from difftest.compare import align
+from difftest.engines.http import run_candidate
+from difftest.engines.launcher import ServerProcess, free_port
+from difftest.engines.speech_client import SpeechClient, SpeechError, speech_request
 from difftest.results import read_result
-from difftest.speech_client import SpeechClient, SpeechError, speech_request
-from difftest.suite import DECODE_DEFAULTS
-from reference_support import (REPO, all_models, by_segment, generate, reference_python, segment, start_runner,
-                               tiny, voice, write_voice)  # noqa: F401
+from difftest.suites import wavio
+from difftest.suites.suite import DECODE_DEFAULTS
 from runners.cpu_engine import ENGINE_NAME, LABEL
 from runners.cpu_engine.defects import DEFECTS
 from runners.reference.checkpoint import open_checkpoint

@@ -18,13 +18,18 @@ from types import SimpleNamespace
 
 import pytest
 from bisect_support import BROKEN, K, make_fakeomni_repo
-from mlflow_support import REFERENCE_PROVENANCE, candidate_provenance, closed_uri, copy_store
+from mlflow_support import (
+    REFERENCE_PROVENANCE,
+    candidate_provenance,
+    closed_uri,
+    copy_store,
+)
 from toy import toy_codes, toy_decode, toy_result
 
 from difftest.cli import main as difftest_main
+from difftest.records.segment_media import safe_name
+from difftest.records.tracking import log_run
 from difftest.results import write_result
-from difftest.segment_media import safe_name
-from difftest.tracking import log_run
 
 ROOT = Path(__file__).resolve().parents[1]
 ARTIFACTS = ROOT / "test-artifacts"
@@ -48,11 +53,10 @@ def dashboard(*args, cwd) -> subprocess.CompletedProcess:
 
 def dashboard_here(*args, capsys) -> tuple[int, str, str]:
     """The same in this process (no second MLflow import): exit code, stdout, stderr."""
-    from dashboards.cli import add_dashboard_parser
-    from difftest.tracking import run_standalone
+    from difftest.cli import main
 
     capsys.readouterr()
-    code = run_standalone(add_dashboard_parser, "dashboard", [str(a) for a in args])
+    code = main(["dashboard", *map(str, args)])
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -562,7 +566,7 @@ CPU_ENGINE = "difftest CPU test engine (not vLLM-Omni)"  # what difftest/run.py 
 
 def omni_candidate(version: str, device: str = "cpu", api: str | None = None) -> dict:
     """report.json's `candidate` as `difftest run --candidate vllm-omni[-offline[:async]]` writes it."""
-    from difftest.vllm_omni import VllmOmniOptions, _provenance
+    from difftest.engines.vllm_omni import VllmOmniOptions, _provenance
 
     env = {"vllm_omni": version, "vllm": "0.30.1", "torch": "2.10.0", "difftest_capture": "0.1.0"}
     info = _provenance(env, VllmOmniOptions(device=device), Path("/out/vllm-omni/deploy-overlay.yaml"), None)
@@ -678,7 +682,7 @@ def test_controls_are_not_versions_and_changes_stay_within_a_line(lines_site, br
 
 def gather_runs(uri: str, root: Path) -> list:
     from dashboards.gather import gather
-    from difftest.tracking import mlflow_client
+    from difftest.records.tracking import mlflow_client
 
     with mlflow_client(uri) as client:
         return gather(client, root / "gathered").runs
@@ -687,7 +691,7 @@ def gather_runs(uri: str, root: Path) -> list:
 def test_candidate_lines_from_the_tags_difftest_logs():
     """Each kind of candidate, logged as `difftest run` and as `difftest compare` log it, falls into its line."""
     from dashboards import model
-    from difftest.mlflow_records import parent_tags
+    from difftest.records.mlflow_records import parent_tags
 
     def line(candidate: dict):
         return model.candidate_line(parent_tags({"format": "difftest.report/1", "candidate": candidate}, "sha"))

@@ -30,7 +30,7 @@ def real(tmp_path_factory, _empty_mlflow_store):
     root = tmp_path_factory.mktemp("dashboard-e2e")
     copy_store(_empty_mlflow_store, root)
     uri = f"sqlite:///{root / 'mlflow.db'}"
-    env_cmd = [sys.executable, "-m", "difftest.cli", "run", str(SMOKE), "--candidate", "cpu-engine:ref-leak", "-n", "4",
+    env_cmd = [sys.executable, "-m", "difftest", "run", str(SMOKE), "--candidate", "cpu-engine:ref-leak", "-n", "4",
                "--out", str(root / "leak"), "--store", str(root / "store"), "--tracking-uri", uri]
     p = subprocess.run(env_cmd, cwd=root, capture_output=True, text=True, timeout=900)
     assert p.returncode == 1, p.stdout + p.stderr[-3000:]
@@ -54,7 +54,7 @@ def browser(tmp_path_factory):
 
 
 def test_real_leak_run_on_the_dashboard(real, browser, tmp_path):
-    from difftest.suite import load_suite
+    from difftest.suites.suite import load_suite
 
     segs = {s["id"]: s for s in real.report["segments"]}
     # Which requests leak depends on how the engine batched them (see test_run_e2e): take the report's word.

@@ -6,16 +6,15 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
+from difftest.verdicts.policy import DEFAULT_POLICY, load_policy
 from mlflow_support import closed_uri, make_report
 
 from difftest.errors import BadInput
-from difftest.gate import add_gate_parser
-from difftest.policy import DEFAULT_POLICY, load_policy
-from difftest.tracking import run_standalone
+from difftest.cli import main as difftest_main
 
 
 def gate(*args) -> int:
-    return run_standalone(add_gate_parser, "gate", [str(a) for a in args])
+    return difftest_main(["gate", *map(str, args)])
 
 
 def junit_cases(path):
@@ -108,7 +107,7 @@ def test_gate_infrastructure_error_exits_3_and_bad_input_2(tmp_path, capsys):
 
 
 def test_regression_known_and_fixed_against_a_logged_baseline(mlflow_cwd, tmp_path, capsys):
-    from difftest.tracking import log_run
+    from difftest.records.tracking import log_run
 
     assert log_run(make_report(tmp_path, "base", leak_into=("s0",), version="0.30.0"))
     now = make_report(tmp_path, "now", leak_into=("s0", "s1"), version="0.31.0")
@@ -138,7 +137,7 @@ def test_regression_known_and_fixed_against_a_logged_baseline(mlflow_cwd, tmp_pa
 
 
 def test_baseline_is_the_latest_matching_run(mlflow_cwd, tmp_path, capsys):
-    from difftest.tracking import log_run
+    from difftest.records.tracking import log_run
 
     suite = {"name": "toy", "hash": "5017e" * 8}
     log_run(make_report(tmp_path, "b-pass", suite=suite))  # older: all clean
@@ -167,11 +166,11 @@ def test_baseline_is_the_latest_matching_run(mlflow_cwd, tmp_path, capsys):
 
 def test_gate_against_a_server_baseline(tmp_path, mlflow_server, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    from difftest.tracking import log_run
+    from difftest.records.tracking import log_run
 
     assert log_run(make_report(tmp_path, "base", version="0.29.0"), mlflow_server)
     now = make_report(tmp_path, "now", leak_into=("s1",), version="0.31.0")
-    p = subprocess.run([sys.executable, "-m", "difftest.gate", str(now), "--baseline-version", "0.29.0",
+    p = subprocess.run([sys.executable, "-m", "difftest", "gate", str(now), "--baseline-version", "0.29.0",
                         "--tracking-uri", mlflow_server], capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, p.stderr
     assert "1 regression" in p.stdout
@@ -187,18 +186,18 @@ def test_gate_with_mlflow_down_is_infrastructure(tmp_path, capsys):
 
 def test_core_and_gate_work_without_mlflow(tmp_path):
     leak = make_report(tmp_path, "leak", leak_into=("s0",))
-    code = ("import sys; import difftest.tracking, difftest.gate;"
+    code = ("import sys; import difftest.cli, difftest.records.tracking, difftest.records.gate;"
             "assert 'mlflow' not in sys.modules and 'matplotlib' not in sys.modules, 'imported eagerly';"
             "sys.modules['mlflow'] = None;"  # as if not installed
-            "sys.exit(difftest.tracking.run_standalone(difftest.gate.add_gate_parser, 'gate', sys.argv[1:]))")
+            "sys.exit(difftest.cli.main(['gate', *sys.argv[1:]]))")
     p = subprocess.run([sys.executable, "-c", code, str(leak)], capture_output=True, text=True, timeout=120)
     assert p.returncode == 1, p.stderr
     assert p.stdout.startswith("GATE FAIL") and (leak / "junit.xml").is_file()
 
 
 def test_the_headline_names_the_version_once():
-    from difftest.gate import GateResult
-    from difftest.gate_output import headline
+    from difftest.records.gate import GateResult
+    from difftest.records.gate_output import headline
 
     report = {"candidate": {"label": "vllm-omni 0.30.0", "versions": {"vllm_omni": "0.30.0"}, "device": "cpu"},
               "concurrency": 4, "suite": {"name": "smoke", "hash": "ab" * 32}, "segments": []}

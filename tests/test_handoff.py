@@ -17,7 +17,6 @@ from difftest.handoff import envs
 from difftest.handoff.cli import main
 
 
-
 def _run(tmp_path_factory, name, *args):
     out = tmp_path_factory.mktemp(name)
     code = main([*args, "--out", str(out)])

@@ -11,12 +11,19 @@ import pytest
 
 from difftest.errors import BadInput
 from difftest.handoff import envs
-from difftest.handoff.generate import Case, RequestSpec, audio_row, generate, ref_frame, tag_of
+from difftest.handoff.generate import (
+    Case,
+    RequestSpec,
+    audio_row,
+    generate,
+    ref_frame,
+    tag_of,
+)
 from difftest.handoff.oracle import check, family
 from difftest.handoff.probe import Evaluator
 from difftest.handoff.run import SourceResult, _collect, verdicts_for
 from difftest.handoff.shrink import shrink
-from difftest.report import build_report
+from difftest.records.report import build_report
 
 
 class FakeProbe:

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
+from difftest.engines.launcher import ServerProcess, free_port
 from difftest.errors import InfraError
-from difftest.launcher import ServerProcess, free_port
 
 HEALTHY = textwrap.dedent("""
     import subprocess, sys

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from bisect_support import commit, git
 
-from difftest.vllm_omni import environment_info
+from difftest.engines.vllm_omni import environment_info
 
 ROOT = Path(__file__).resolve().parents[1]
 MAKE_ENV = ROOT / "runners" / "vllm_omni" / "make_env.sh"

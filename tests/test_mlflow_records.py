@@ -2,7 +2,7 @@
 
 import math
 
-from difftest import mlflow_records as rec
+from difftest.records import mlflow_records as rec
 
 # The layout `difftest run` writes (difftest/run.py, difftest/vllm_omni.py), trimmed.
 RUN_REPORT = {

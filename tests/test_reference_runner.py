@@ -7,12 +7,23 @@ import shutil
 
 import numpy as np
 import pytest
+from reference_support import (
+    DECODE,
+    Stopwatch,
+    all_models,
+    by_segment,
+    generate,
+    load_npz,
+    segment,
+    start_runner,
+    tiny,  # noqa: F401
+    voice,
+    write_voice,
+)
 
-from difftest import align
+from difftest.compare import align
+from difftest.engines.runner_client import RunnerDied
 from difftest.results import read_result
-from difftest.runner_client import RunnerDied
-from reference_support import (DECODE, Stopwatch, all_models, by_segment, generate, load_npz, segment, start_runner,
-                               tiny, voice, write_voice)  # noqa: F401
 
 VOICE_SECONDS = 1.3  # 31200 samples: 16.25 frames, so the reference encodes to 17 frames
 
@@ -113,7 +124,7 @@ def test_generate_writes_codes_ref_codes_and_wav(first_run, segments):
         if seg.voice is not None and seg.voice.mode == "icl":
             assert r.ref_codes.shape == (math.ceil(seg.voice.n_samples / 1920), 16)
             # qwen-tts cuts the reference part with a float expression: one sample in front of frame 0
-            # when it falls short, and the result says so (difftest.align).
+            # when it falls short, and the result says so (difftest.compare.align).
             lead = align.lead_samples(len(r.ref_codes), frames)
             assert len(r.wav) - frames * 1920 == lead
         else:

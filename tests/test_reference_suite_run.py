@@ -1,4 +1,4 @@
-"""difftest.reference: a suite's reference results through the runner, with the store as cache."""
+"""difftest.engines.reference: a suite's reference results through the runner, with the store as cache."""
 
 from __future__ import annotations
 
@@ -12,14 +12,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from reference_support import REPO, all_models, reference_python, tiny, write_voice  # noqa: F401
 
-from difftest import reference
+from difftest.engines import reference
+from difftest.engines.runner_client import RunnerProcess
 from difftest.errors import BadInput
+from difftest.cli import main as difftest_main
 from difftest.progress import Progress
 from difftest.results import Result, ResultStore
-from difftest.runner_client import RunnerProcess
-from difftest.suite import load_suite
-from reference_support import REPO, all_models, reference_python, tiny, write_voice  # noqa: F401
+from difftest.suites.suite import load_suite
 
 SUITE = """\
 name: ref-run
@@ -105,7 +106,7 @@ def test_dies_mid_suite_then_resumes_then_serves_from_the_store(tiny, suite, tmp
     #    (the store's tiny set is already there: the builder keeps an intact build).
     shutil.copytree(tiny, store / "checkpoints" / "tiny-seed0")
     capsys.readouterr()
-    code = reference.main([str(suite.path), "--store", str(store), "--python", str(reference_python())])
+    code = difftest_main(["reference", str(suite.path), "--store", str(store), "--python", str(reference_python())])
     out, err = capsys.readouterr()
     summary = json.loads(out)
     assert code == 2  # s4 is bad input
@@ -147,7 +148,7 @@ class Block:
         if name.split(".")[0] in ("torch", "qwen_tts", "vllm_omni", "transformers"):
             raise ImportError("blocked: " + name)
 sys.meta_path.insert(0, Block())
-import difftest.reference, difftest.progress
+import difftest.engines.reference, difftest.progress
 print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)

@@ -20,7 +20,7 @@ SMOKE = ROOT / "cases" / "suites" / "smoke.yaml"
 
 
 def difftest(*args, cwd):
-    p = subprocess.run([sys.executable, "-m", "difftest.cli", *map(str, args)], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "difftest", *map(str, args)], capture_output=True, text=True,
                        cwd=cwd, timeout=900)
     return p.returncode, p.stdout, p.stderr
 

@@ -8,7 +8,6 @@ smoke-02)` became `vocoder_defect` with no donor; SIGTERM left the engine runnin
 """
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -23,7 +22,7 @@ SMOKE = ROOT / "cases" / "suites" / "smoke.yaml"
 
 
 def difftest(*args, cwd):
-    p = subprocess.run([sys.executable, "-m", "difftest.cli", *map(str, args)], capture_output=True, text=True,
+    p = subprocess.run([sys.executable, "-m", "difftest", *map(str, args)], capture_output=True, text=True,
                        cwd=cwd, timeout=1200)
     assert "Traceback" not in p.stderr, p.stderr
     return p.returncode, p.stdout, p.stderr
@@ -131,7 +130,7 @@ def test_a_signal_stops_every_process_it_started(store, tmp_path, sig):
     """Signalled once the candidate is up (its announcement on stderr), `difftest run` stops the CPU
     engine and the reference runner, keeps its finished results, and exits 3."""
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "difftest.cli", "run", SMOKE, "--candidate", "cpu-engine",
+    proc = subprocess.Popen([sys.executable, "-m", "difftest", "run", SMOKE, "--candidate", "cpu-engine",
                              "-n", "4", "--out", out, "--store", store, "--no-mlflow"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                             start_new_session=True)

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
+from difftest.engines.runner_client import RunnerDied, RunnerProcess
 from difftest.results import read_result
-from difftest.runner_client import RunnerDied, RunnerProcess
 
 FAKE = [sys.executable, str(Path(__file__).with_name("fake_runner.py"))]
 

@@ -9,7 +9,7 @@ from reference_support import reference_python
 
 def test_selfcheck_catches_planted_defects_and_passes_the_clean_engine(tmp_path):
     reference_python()
-    p = subprocess.run([sys.executable, "-m", "difftest.cli", "selfcheck", "--defects", "ref-in-output,batch-mixup",
+    p = subprocess.run([sys.executable, "-m", "difftest", "selfcheck", "--defects", "ref-in-output,batch-mixup",
                         "--out", str(tmp_path / "sc"), "--store", str(tmp_path / "store")],
                        capture_output=True, text=True, timeout=900, cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
@@ -29,6 +29,6 @@ def test_selfcheck_catches_planted_defects_and_passes_the_clean_engine(tmp_path)
 
 
 def test_unknown_defect_is_bad_input(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "difftest.cli", "selfcheck", "--defects", "gremlins",
+    p = subprocess.run([sys.executable, "-m", "difftest", "selfcheck", "--defects", "gremlins",
                         "--out", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path)
     assert p.returncode == 2 and "unknown gremlins" in p.stderr

@@ -7,9 +7,9 @@ import numpy as np
 import pytest
 import yaml
 
-from difftest import wavio
 from difftest.errors import SuiteError
-from difftest.suite import load_suite
+from difftest.suites import wavio
+from difftest.suites.suite import load_suite
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITES = ROOT / "cases" / "suites"

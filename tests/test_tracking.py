@@ -10,18 +10,18 @@ import time
 
 import numpy as np
 import pytest
-
 from mlflow import MlflowClient  # noqa: E402  (installed by the test extra; scripts/test.sh)
 from mlflow_support import closed_uri, make_report  # noqa: E402
 
-from difftest import mlflow_records as rec  # noqa: E402
-from difftest import wavio  # noqa: E402
+from difftest.records import mlflow_records as rec  # noqa: E402
+from difftest.cli import main as difftest_main  # noqa: E402
+from difftest.records.tracking import STATE, log_run  # noqa: E402
 from difftest.results import read_result  # noqa: E402
-from difftest.tracking import STATE, add_log_parser, log_run, run_standalone  # noqa: E402
+from difftest.suites import wavio  # noqa: E402
 
 
 def difftest_log(*args) -> int:
-    return run_standalone(add_log_parser, "log", [str(a) for a in args])
+    return difftest_main(["log", *map(str, args)])
 
 
 def parent_runs(client, experiment="difftest/adhoc"):
@@ -204,7 +204,7 @@ def test_unreachable_server_leaves_a_pending_note_then_uploads(tmp_path, mlflow_
     stat = (out / "report.json").stat()
     down = closed_uri()
     t0 = time.monotonic()
-    p = subprocess.run([sys.executable, "-m", "difftest.tracking", str(out), "--tracking-uri", down],
+    p = subprocess.run([sys.executable, "-m", "difftest", "log", str(out), "--tracking-uri", down],
                        capture_output=True, text=True, timeout=120)
     elapsed = time.monotonic() - t0
     assert p.returncode == 3, p.stderr

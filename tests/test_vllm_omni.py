@@ -19,12 +19,20 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from vllm_omni_support import FRAME, OMNI_PYTHON, Q16, REPO, omni_python, run_in_env, voice_clone_checkpoint  # noqa: F401
+from vllm_omni_support import (  # noqa: F401
+    FRAME,
+    OMNI_PYTHON,
+    Q16,
+    REPO,
+    omni_python,
+    run_in_env,
+    voice_clone_checkpoint,
+)
 
-from difftest import vllm_omni as vo
-from difftest import capture as capture_files
-from difftest.candidate_http import run_candidate
-from difftest.suite import load_suite
+from difftest.engines import capture as capture_files
+from difftest.engines import vllm_omni as vo
+from difftest.engines.http import run_candidate
+from difftest.suites.suite import load_suite
 
 
 @pytest.fixture(scope="session")
@@ -176,7 +184,7 @@ def test_difftest_run_end_to_end_against_the_real_server(server, voice_clone_che
 
     _, capture, _, _ = server
     url = server[0].base_url
-    p = subprocess.run([sys.executable, "-m", "difftest.cli", "run", str(REPO / "cases" / "suites" / "smoke.yaml"),
+    p = subprocess.run([sys.executable, "-m", "difftest", "run", str(REPO / "cases" / "suites" / "smoke.yaml"),
                         "--candidate", url, "--capture-dir", str(capture), "-n", "4",
                         "--reference-model", str(voice_clone_checkpoint), "--out", str(tmp_path / "run"),
                         "--store", str(tmp_path / "store"), "--no-mlflow"],

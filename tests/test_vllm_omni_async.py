@@ -13,12 +13,19 @@ from contextlib import ExitStack
 
 import numpy as np
 import pytest
-from vllm_omni_support import FRAME, OMNI_PYTHON, Q16, REPO, omni_python, voice_clone_checkpoint  # noqa: F401
+from vllm_omni_support import (  # noqa: F401
+    FRAME,
+    OMNI_PYTHON,
+    Q16,
+    REPO,
+    omni_python,
+    voice_clone_checkpoint,
+)
 
-from difftest import vllm_omni as vo
-from difftest import capture as capture_files
-from difftest.candidate_http import run_candidate
-from difftest.suite import load_suite
+from difftest.engines import capture as capture_files
+from difftest.engines import vllm_omni as vo
+from difftest.engines.http import run_candidate
+from difftest.suites.suite import load_suite
 
 
 @pytest.fixture(scope="module")

@@ -15,12 +15,19 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from vllm_omni_support import FRAME, OMNI_PYTHON, Q16, REPO, omni_python, voice_clone_checkpoint  # noqa: F401
+from vllm_omni_support import (  # noqa: F401
+    FRAME,
+    OMNI_PYTHON,
+    Q16,
+    REPO,
+    omni_python,
+    voice_clone_checkpoint,
+)
 
-from difftest import vllm_omni as vo
-from difftest.candidate_runner import run_candidate_runner
-from difftest.runner_client import RunnerProcess
-from difftest.suite import load_suite
+from difftest.engines import vllm_omni as vo
+from difftest.engines.runner_candidate import run_candidate_runner
+from difftest.engines.runner_client import RunnerProcess
+from difftest.suites.suite import load_suite
 from runners.reference.engine import Utterance
 from runners.vllm_omni_offline import prompts
 
@@ -94,8 +101,8 @@ def test_waves_are_sent_and_a_dying_runner_loses_nothing_written(smoke, tmp_path
 
 
 def test_batches_are_the_ones_the_engine_ran():
-    from difftest.candidate_http import CandidateOutcome
-    from difftest.candidate_runner import _batches_run
+    from difftest.engines.http import CandidateOutcome
+    from difftest.engines.runner_candidate import _batches_run
 
     def r(batch):
         return type("R", (), {"meta": {"batch": batch}})()
@@ -189,7 +196,7 @@ def test_difftest_run_with_the_offline_candidate(tmp_path):
     request each, submitted together; the batch API is the runner tests' above). The seeded tiny
     checkpoints: the offline API answers a length-capped request, so no EOS bias is needed."""
     omni_python()
-    p = subprocess.run([sys.executable, "-m", "difftest.cli", "run", str(REPO / "cases" / "suites" / "smoke.yaml"),
+    p = subprocess.run([sys.executable, "-m", "difftest", "run", str(REPO / "cases" / "suites" / "smoke.yaml"),
                         "--candidate", "vllm-omni-offline:async", "-n", "4", "--out", str(tmp_path / "run"),
                         "--store", str(tmp_path / "store"), "--no-mlflow"],
                        capture_output=True, text=True, timeout=900, cwd=tmp_path)
@@ -209,7 +216,7 @@ def test_difftest_run_with_the_offline_candidate(tmp_path):
 
 
 def test_offline_refuses_server_only_options(tmp_path):
-    p = subprocess.run([sys.executable, "-m", "difftest.cli", "run", str(REPO / "cases" / "suites" / "smoke.yaml"),
+    p = subprocess.run([sys.executable, "-m", "difftest", "run", str(REPO / "cases" / "suites" / "smoke.yaml"),
                         "--candidate", "vllm-omni-offline", "--pattern", "pool", "--out", str(tmp_path / "run"),
                         "--store", str(tmp_path / "store"), "--no-mlflow"],
                        capture_output=True, text=True, timeout=120, cwd=tmp_path)

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 import yaml
 
-from difftest import vllm_omni as vo
+from difftest.engines import vllm_omni as vo
 from difftest.errors import BadInput, InfraError
-from difftest.suite import load_suite
+from difftest.suites.suite import load_suite
 
 REPO = Path(__file__).resolve().parents[1]
 for pkg in ("difftest_cpu_platform", "difftest_capture"):  # the plugins' numpy-only parts import anywhere
@@ -25,7 +25,6 @@ for pkg in ("difftest_cpu_platform", "difftest_capture"):  # the plugins' numpy-
 
 from difftest_capture.store import CaptureStore, valid_tag  # noqa: E402
 from difftest_cpu_platform import versions  # noqa: E402
-
 
 # --- the deploy overlay ---
 

@@ -3,7 +3,7 @@ import struct
 import numpy as np
 import pytest
 
-from difftest import wavio
+from difftest.suites import wavio
 
 
 def test_pcm16_roundtrip_is_within_one_lsb():

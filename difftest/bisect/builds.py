@@ -50,12 +50,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..cache import Cache
+from ..engines.launcher import ServerProcess, free_port
+from ..engines.reference import REPO
 from ..errors import BadInput, InfraError
-from ..launcher import ServerProcess, free_port
-from ..reference import REPO
 from ..results import atomic_write
 from ..run import CandidateSpec, RunOptions
-from ..suite import Suite
+from ..suites.suite import Suite
 
 KIND = "bisect-build"  # its entries in difftest's cache
 STAMP = ".difftest-build.json"
@@ -400,11 +400,11 @@ class CpuEngineLauncher(Launcher):
 def vllm_omni_hook():
     """`start_vllm_omni(out, models, opts, stack, tasks)` and its options, from difftest/vllm_omni.py.
 
-    THE HOOK: a vLLM-Omni commit is served by difftest.vllm_omni.start_vllm_omni with the
+    THE HOOK: a vLLM-Omni commit is served by difftest.engines.vllm_omni.start_vllm_omni with the
     commit's overlay interpreter as `VllmOmniOptions.python`. Without that module, this is the
     one function to fill in: return (start_vllm_omni, VllmOmniOptions, decode_settings)."""
     try:
-        from .. import vllm_omni as vo
+        from ..engines import vllm_omni as vo
     except ImportError as e:
         raise BadInput(f"the vllm-omni recipe needs difftest/vllm_omni.py (start_vllm_omni), which does not "
                        f"import here ({e}); fill in difftest.bisect.builds.vllm_omni_hook") from None

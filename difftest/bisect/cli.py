@@ -83,10 +83,10 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _setup(args):
     """(prober, identity, suite, tracking) from the arguments."""
-    from ..policy import VERDICTS, load_policy
-    from ..reference import ReferenceOptions, reference_python
+    from ..engines.reference import ReferenceOptions, reference_python
     from ..run import RunOptions
-    from ..suite import load_suite
+    from ..suites.suite import load_suite
+    from ..verdicts.policy import VERDICTS, load_policy
     from .builds import DEFAULT_PIP_ARGS, CpuEngineRecipe, VllmOmniRecipe
     from .probe import Prober, ProbeSettings
     from .session import Tracking
@@ -119,7 +119,7 @@ def _setup(args):
             from .builds import vllm_omni_hook
 
             vllm_omni_hook()  # a clear message now, not at the first probe, when the module is missing
-            from ..vllm_omni import omni_python
+            from ..engines.vllm_omni import omni_python
 
             base = str(omni_python())
         recipe = VllmOmniRecipe(base, device=args.omni_device, options=dict(args.omni_option),

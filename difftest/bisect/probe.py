@@ -26,11 +26,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..engines.reference import ReferenceOptions, reference_python
 from ..errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_PASS, BadInput, InfraError
-from ..policy import Policy
-from ..reference import ReferenceOptions, reference_python
 from ..run import RunOptions, resolve_models, run, start_reference_runner
-from ..suite import Suite
+from ..suites.suite import Suite
+from ..verdicts.policy import Policy
 from .builds import BuildFailed, LaunchContext, Recipe, Worktrees, commit_info, prepare
 from .search import BAD, GOOD, SKIP, Vote, agreement, vote
 

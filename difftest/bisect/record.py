@@ -41,17 +41,17 @@ class Recorder:
         self.enabled = enabled
         self.uri = None
         if enabled:
-            from ..tracking import resolve_tracking_uri
+            from ..records.tracking import resolve_tracking_uri
 
             self.uri = resolve_tracking_uri(uri)
         self.parent: str | None = None
 
     # -- plumbing -------------------------------------------------------------------------------
     def _call(self, what: str, fn):
-        """fn(client) inside difftest.tracking.mlflow_client; on failure: warn once, go on without MLflow."""
+        """fn(client) inside difftest.records.tracking.mlflow_client; on failure: warn once, go on without MLflow."""
         if not self.enabled:
             return None
-        from ..tracking import TrackingUnavailable, mlflow_client
+        from ..records.tracking import TrackingUnavailable, mlflow_client
 
         try:
             with mlflow_client(self.uri) as client:

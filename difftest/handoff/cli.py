@@ -32,7 +32,7 @@ def add_handoff_parser(subparsers) -> argparse.ArgumentParser:
     h.add_argument("--orders", type=int, default=6, help="arrival orders per mix: all up to this many, else sampled")
     h.add_argument("--no-shrink", action="store_true", help="report the first failing batch as is")
     h.add_argument("--policy", help="policy YAML (default: the built-in one)")
-    h.add_argument("--tracking-uri", help="also log the report to MLflow (difftest.tracking.log_run)")
+    h.add_argument("--tracking-uri", help="also log the report to MLflow (difftest.records.tracking.log_run)")
     h.add_argument("--json", action="store_true", help="print only the report path as JSON")
     h.set_defaults(func=cmd_handoff)
     return h
@@ -57,8 +57,8 @@ def _sources(args) -> list:
 
 
 def cmd_handoff(args) -> int:
-    from ..policy import load_policy
-    from ..report import summary_lines
+    from ..records.report import summary_lines
+    from ..verdicts.policy import load_policy
     from .run import run_handoff
 
     if not 1 <= args.max_batch <= 9:
@@ -71,7 +71,7 @@ def cmd_handoff(args) -> int:
                                    do_shrink=not args.no_shrink, log=log)
     if args.tracking_uri:
         try:
-            from ..tracking import log_run
+            from ..records.tracking import log_run
 
             log_run(args.out, args.tracking_uri)
         except Exception as e:  # logging is a side channel: the verdict stands without it

@@ -10,9 +10,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import DifftestError, InfraError
-from ..policy import Policy
-from ..report import build_report, write_report
-from ..verdicts import SegmentVerdict
+from ..records.report import build_report, write_report
+from ..verdicts.classify import SegmentVerdict
+from ..verdicts.policy import Policy
 from .envs import Source, open_env
 from .generate import Case, generate
 from .probe import Evaluator, Outcome, Probe

@@ -20,10 +20,10 @@ import signal
 import sys
 import time
 
+from runners.cpu_engine import ENGINE_NAME, LABEL, defects
+from runners.cpu_engine.app import CAPTURE_ENV, build_server, subtalker_from_json
 from runners.reference.checkpoint import CheckpointError, open_checkpoints
 
-from . import ENGINE_NAME, LABEL, defects
-from .app import CAPTURE_ENV, build_server, subtalker_from_json
 
 def parse_args(argv):
     ap = argparse.ArgumentParser(prog="python -m runners.cpu_engine", description=__doc__.split("\n\n")[0])
@@ -42,7 +42,7 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = parse_args(argv)
-    from .server import log
+    from runners.cpu_engine.server import log
 
     if args.max_batch < 1:
         print("runners.cpu_engine: --max-batch must be at least 1", file=sys.stderr)

@@ -26,7 +26,7 @@ from email import policy
 from email.parser import BytesParser
 from pathlib import Path
 
-from difftest import wavio
+from difftest.suites import wavio
 
 SAMPLE_RATE = 24000
 MAX_VOICE_SECONDS = 120.0

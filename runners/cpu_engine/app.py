@@ -9,17 +9,16 @@ from __future__ import annotations
 import json
 import os
 
+from runners.cpu_engine import ENGINE_NAME, ENGINE_VERSION, LABEL, defects
+from runners.cpu_engine.api import ModelInfo, VoiceStore
 from runners.reference.environment import host, package_versions, repo_commit
-
-from . import ENGINE_NAME, ENGINE_VERSION, LABEL, defects
-from .api import ModelInfo, VoiceStore
 
 FAIL_ON_ENV = "DIFFTEST_CPU_ENGINE_FAIL_ON"  # test hook: inputs containing it raise inside the engine
 CAPTURE_ENV = "DIFFTEST_CAPTURE_DIR"
 
 
 def subtalker_from_json(text: str):
-    from .engine import SubtalkerSampling
+    from runners.cpu_engine.engine import SubtalkerSampling
 
     try:
         d = json.loads(text)
@@ -69,8 +68,8 @@ def identity(checkpoints: dict, defect: str | None, *, max_batch: int, batch_win
 def build_server(checkpoints, defect, *, host_name, port, max_batch, batch_window_ms, subtalker, qwen=None,
                  capture_dir=None):
     """An EngineServer (not started) for one defect; `qwen` shares already loaded models."""
-    from .engine import BatchEngine
-    from .server import EngineServer
+    from runners.cpu_engine.engine import BatchEngine
+    from runners.cpu_engine.server import EngineServer
 
     engine = BatchEngine(checkpoints, defect=defect, subtalker=subtalker, qwen=qwen,
                          fail_on=os.environ.get(FAIL_ON_ENV) or None)

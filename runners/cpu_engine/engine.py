@@ -33,11 +33,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from runners.cpu_engine import defects, handoff
+from runners.cpu_engine.api import SpeechJob
 from runners.reference.checkpoint import Checkpoint
 from runners.reference.engine import QwenTTSEngine
-
-from . import defects, handoff
-from .api import SpeechJob
 
 MODEL_LOCK = threading.Lock()
 PROMPT_CACHE_SIZE = 64

@@ -22,11 +22,10 @@ import signal
 import sys
 import threading
 
+from runners.cpu_engine import LABEL, defects
+from runners.cpu_engine.app import CAPTURE_ENV, build_server, subtalker_from_json
 from runners.reference.checkpoint import CheckpointError, open_checkpoints
 from runners.reference.engine import QwenTTSEngine
-
-from . import LABEL, defects
-from .app import CAPTURE_ENV, build_server, subtalker_from_json
 
 
 def parse_args(argv):
@@ -44,7 +43,7 @@ def parse_args(argv):
 def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     args = parse_args(argv)
-    from .server import log
+    from runners.cpu_engine.server import log
 
     listeners = []
     for spec in args.serve:

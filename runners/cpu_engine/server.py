@@ -28,13 +28,19 @@ from typing import Callable
 
 import numpy as np
 
-from difftest import wavio
-from difftest.align import lead_of
+from difftest.compare.align import lead_of
 from difftest.results import atomic_write
-
-from . import ENGINE_NAME, LABEL
-from .api import API_OF_TASK, BadRequest, ModelInfo, VoiceStore, parse_speech, parse_voice_upload
-from .scheduler import Batcher, EngineStopped
+from difftest.suites import wavio
+from runners.cpu_engine import ENGINE_NAME, LABEL
+from runners.cpu_engine.api import (
+    API_OF_TASK,
+    BadRequest,
+    ModelInfo,
+    VoiceStore,
+    parse_speech,
+    parse_voice_upload,
+)
+from runners.cpu_engine.scheduler import Batcher, EngineStopped
 
 MAX_BODY = 64 << 20
 

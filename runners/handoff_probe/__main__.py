@@ -41,7 +41,8 @@ def _import_release() -> dict:
     import importlib.metadata as md
 
     import vllm_omni  # noqa: F401  (the package __init__ pulls config, platforms, connectors)
-    from .adapters import STAGE_PROC, TALKER, resolve
+
+    from runners.handoff_probe.adapters import STAGE_PROC, TALKER, resolve
 
     resolve(TALKER)
     resolve(STAGE_PROC)
@@ -100,8 +101,8 @@ def main(argv: list[str]) -> int:
         send({"ok": False, "error": {"kind": "import", "type": type(e).__name__, "message": str(e)[:1000],
                                      "missing": _missing_symbol(e)}})
         return 3
-    from . import adapters
-    from .engine import Talker, run_case
+    from runners.handoff_probe import adapters
+    from runners.handoff_probe.engine import Talker, run_case
 
     try:
         if forced:

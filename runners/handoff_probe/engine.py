@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .adapters import TALKER, Adapter, resolve
+from runners.handoff_probe.adapters import TALKER, Adapter, resolve
 
 NUM_CODE_GROUPS = 16
 HIDDEN = 8

@@ -18,11 +18,16 @@ import os
 import sys
 
 from runners.protocol import serve
-
-from .checkpoint import CheckpointError, open_checkpoints
-from .engine import QwenTTSEngine
-from .environment import cuda_device_name, host, log, package_versions, repo_commit
-from .service import LABEL, ReferenceService
+from runners.reference.checkpoint import CheckpointError, open_checkpoints
+from runners.reference.engine import QwenTTSEngine
+from runners.reference.environment import (
+    cuda_device_name,
+    host,
+    log,
+    package_versions,
+    repo_commit,
+)
+from runners.reference.service import LABEL, ReferenceService
 
 # Bump when the runner's own behaviour changes what it writes for the same inputs.
 RUNNER_VERSION = 2  # 2: results record meta.lead_samples

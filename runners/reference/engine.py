@@ -16,8 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .checkpoint import Checkpoint
-from .environment import import_qwen_tts, log
+from runners.reference.checkpoint import Checkpoint
+from runners.reference.environment import import_qwen_tts, log
 
 # Decode parameters passed to qwen-tts by name (`seed` and `non_streaming_mode` are handled apart).
 GENERATE_KWARGS = ("do_sample", "subtalker_dosample", "repetition_penalty", "max_new_tokens", "top_k", "top_p",

@@ -50,7 +50,7 @@ def import_qwen_tts():
     """Import qwen_tts the one way this runner does: offline, torchaudio stood in if unusable."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    from .torchaudio_stub import install
+    from runners.reference.torchaudio_stub import install
 
     install()
     import qwen_tts

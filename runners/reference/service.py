@@ -15,14 +15,19 @@ from pathlib import Path
 
 import numpy as np
 
-from difftest import wavio
-from difftest.align import lead_of
-from difftest.results import CorruptResult, Result, ResultStore, read_result, write_result
-from difftest.suite import DECODE_FIELDS, SAMPLE_RATE
-
-from .checkpoint import MODEL_TYPE_OF_TASK, Checkpoint
-from .engine import QwenTTSEngine, Utterance
-from .environment import log
+from difftest.compare.align import lead_of
+from difftest.results import (
+    CorruptResult,
+    Result,
+    ResultStore,
+    read_result,
+    write_result,
+)
+from difftest.suites import wavio
+from difftest.suites.suite import DECODE_FIELDS, SAMPLE_RATE
+from runners.reference.checkpoint import MODEL_TYPE_OF_TASK, Checkpoint
+from runners.reference.engine import QwenTTSEngine, Utterance
+from runners.reference.environment import log
 
 LABEL = "qwen-tts"
 REQUIRED_DECODE = ("seed", "max_new_tokens")

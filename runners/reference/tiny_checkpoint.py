@@ -32,7 +32,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .checkpoint import MANIFEST, hash_files
+from runners.reference.checkpoint import MANIFEST, hash_files
 
 BUILDER_VERSION = 1
 MODEL_TYPES = ("base", "custom_voice", "voice_design")
@@ -229,13 +229,17 @@ def _write_json(path: Path, obj) -> None:
 
 
 def _build_into(out: Path, seed: int, model_type: str, eos_bias: float) -> None:
-    from .environment import import_qwen_tts
+    from runners.reference.environment import import_qwen_tts
 
     import_qwen_tts()
     import torch
     import transformers
     from qwen_tts.core import Qwen3TTSTokenizerV2Config, Qwen3TTSTokenizerV2Model
-    from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSForConditionalGeneration, Qwen3TTSProcessor
+    from qwen_tts.core.models import (
+        Qwen3TTSConfig,
+        Qwen3TTSForConditionalGeneration,
+        Qwen3TTSProcessor,
+    )
     from transformers import EncodecFeatureExtractor
 
     stamp = {"transformers_version": transformers.__version__}

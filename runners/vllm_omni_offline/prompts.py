@@ -21,7 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
-from difftest import wavio
+from difftest.suites import wavio
 
 API_TASK = {"voice_clone": "Base", "custom_voice": "CustomVoice", "voice_design": "VoiceDesign"}
 CODEC_FRAME_RATE = 12.5  # Qwen3-TTS 12 Hz tokenizer

@@ -21,15 +21,14 @@ from pathlib import Path
 
 import numpy as np
 
-from difftest import capture
-from difftest.capture import Capture, CaptureError
+from difftest.engines import capture
+from difftest.engines.capture import Capture, CaptureError
 from difftest.results import CorruptResult, Result, ResultStore, write_result
 from runners.reference.checkpoint import MODEL_TYPE_OF_TASK, Checkpoint
 from runners.reference.environment import log
 from runners.reference.service import BadInput, parse_segment
-
-from . import LABEL, prompts
-from .engine import OmniPool
+from runners.vllm_omni_offline import LABEL, prompts
+from runners.vllm_omni_offline.engine import OmniPool
 
 CAPTURE_WAIT_S = 30.0  # the vocoder's side of a capture may land a moment after the answer (longer when busy)
 
@@ -40,7 +39,7 @@ class OfflineService:
         self.pool = pool
         self.provenance = provenance
         self.capture_dir = Path(os.environ["DIFFTEST_CAPTURE_DIR"]) if os.environ.get("DIFFTEST_CAPTURE_DIR") else None
-        self.identity = None  # the job's: what the tester says produced its results (difftest.identity)
+        self.identity = None  # the job's: what the tester says produced its results (difftest.engines.identity)
 
     def generate(self, job: dict, emit) -> None:
         segments = [s for s in job.get("segments") or [] if isinstance(s, dict)]

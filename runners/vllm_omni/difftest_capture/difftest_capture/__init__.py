@@ -44,7 +44,9 @@ logger = logging.getLogger("vllm.difftest_capture")
 def register() -> None:
     if os.environ.get("DIFFTEST_ACCEPT_LENGTH_FINISH", "").strip() in ("1", "true", "yes"):
         try:
-            from .length_cap import install as accept_length_finish
+            from runners.vllm_omni.difftest_capture.difftest_capture.length_cap import (
+                install as accept_length_finish,
+            )
 
             accept_length_finish()
         except Exception:
@@ -53,7 +55,7 @@ def register() -> None:
     if not root:
         return
     try:
-        from .hooks import install
+        from runners.vllm_omni.difftest_capture.difftest_capture.hooks import install
 
         install(root)
     except Exception:  # the server must come up even when capture cannot

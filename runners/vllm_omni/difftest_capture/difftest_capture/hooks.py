@@ -31,8 +31,15 @@ from pathlib import Path
 
 import numpy as np
 
-from . import TAG_KEY, UNTAGGED_ENV, request_id_tag
-from .store import CaptureStore, valid_tag
+from runners.vllm_omni.difftest_capture.difftest_capture import (
+    TAG_KEY,
+    UNTAGGED_ENV,
+    request_id_tag,
+)
+from runners.vllm_omni.difftest_capture.difftest_capture.store import (
+    CaptureStore,
+    valid_tag,
+)
 
 logger = logging.getLogger("vllm.difftest_capture")
 

@@ -14,7 +14,11 @@ from __future__ import annotations
 import logging
 import os
 
-from .versions import ENV_SWITCH, SUPPORTED, refusal
+from runners.vllm_omni.difftest_cpu_platform.difftest_cpu_platform.versions import (
+    ENV_SWITCH,
+    SUPPORTED,
+    refusal,
+)
 
 __all__ = ["SUPPORTED", "detect", "installed_versions"]
 

@@ -18,13 +18,13 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .errors import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_PASS, BadInput, InfraError
-from .progress import Progress
-from .results import CorruptResult, Result, ResultStore, read_result
+from ..errors import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_PASS, BadInput, InfraError
+from ..progress import Progress
+from ..results import CorruptResult, Result, ResultStore, read_result
+from ..suites.suite import Suite, load_suite
 from .runner_client import RunnerDied, RunnerProcess
-from .suite import Suite, load_suite
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PYTHON = REPO / ".venv-reference" / "bin" / "python"
 PYTHON_ENV_VAR = "DIFFTEST_REFERENCE_PYTHON"
 LABEL = "qwen-tts"
@@ -265,14 +265,3 @@ def cmd_reference(args) -> int:
             summary["segments"][sid] = {"status": "error", "kind": outcome.kind, "error": outcome.message}
     print(json.dumps(summary, indent=1))
     return exit_code(run)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`python -m difftest.reference ...`: the same as `difftest reference ...`."""
-    from .cli import main as difftest_main
-
-    return difftest_main(["reference", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

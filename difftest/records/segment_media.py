@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 
-from . import wavio
-from .compare_audio import MEL_HOP, log_mel
-from .results import CorruptResult, read_result
-from .suite import SAMPLES_PER_FRAME
+from ..compare.audio import MEL_HOP, log_mel
+from ..results import CorruptResult, read_result
+from ..suites import wavio
+from ..suites.suite import SAMPLES_PER_FRAME
 
 log = logging.getLogger(__name__)
 

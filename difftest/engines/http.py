@@ -27,11 +27,12 @@ from pathlib import Path
 
 import numpy as np
 
-from . import capture, wavio
+from ..results import Result, ResultStore, write_result
+from ..suites import wavio
+from ..suites.suite import Segment
+from . import capture
 from .capture import Capture, CaptureError
-from .results import Result, ResultStore, write_result
 from .speech_client import ServerUnreachable, SpeechClient, SpeechError, speech_request
-from .suite import Segment
 
 PATTERNS = ("barrier", "pool", "staggered")
 # Engines write the capture before they answer; a server's stages can still finish a moment apart,
@@ -103,7 +104,7 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
     """Send every segment; write each answer as a result under out_dir; return what happened.
 
     A result already in out_dir is reused when `reuse` and it records `identity_key` (what
-    produced it: difftest.identity); it keeps the wave it was sent in, for the donor search."""
+    produced it: difftest.engines.identity); it keeps the wave it was sent in, for the donor search."""
     if pattern not in PATTERNS:
         raise ValueError(f"unknown pattern {pattern!r} (known: {', '.join(PATTERNS)})")
     if concurrency < 1:

@@ -19,11 +19,17 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from . import align
-from .compare_audio import ChunkMetrics, frame_metrics, log_mel, non_finite, reduce_frames
-from .compare_codes import diff_codes
+from ..compare import align
+from ..compare.audio import (
+    ChunkMetrics,
+    frame_metrics,
+    log_mel,
+    non_finite,
+    reduce_frames,
+)
+from ..compare.codes import diff_codes
+from ..results import Result
 from .policy import TIERS, Policy, chunk_tiers
-from .results import Result
 
 # Most serious first; the verdict is the finding of lowest rank.
 RANK = ("error", "contamination", "vocoder_length", "vocoder_defect", "concurrency_defect",
@@ -92,7 +98,7 @@ class _Audio:
         for r in (a, b):
             if id(r) not in mels:
                 mels[id(r)] = log_mel(r.grid_wav, r.sample_rate)
-        # Both sides from their frame 0: qwen-tts's cut can leave one sample in front (difftest.align).
+        # Both sides from their frame 0: qwen-tts's cut can leave one sample in front (difftest.compare.align).
         self.fm = frame_metrics(a.grid_wav, b.grid_wav, a.sample_rate, mel_a=mels[id(a)], mel_b=mels[id(b)])
         n_frames = len(self.fm.max_abs)
         self.bounds = align.chunk_frame_bounds(n_frames, ev.initial_frames, ev.chunk_frames)

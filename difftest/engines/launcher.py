@@ -16,9 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import InfraError
+from ..errors import InfraError
 from .speech_client import SpeechClient
-
 
 PROGRESS_EVERY_S = 15.0
 

@@ -12,7 +12,7 @@ An engine started with `DIFFTEST_CAPTURE_DIR=<dir>` writes, per tagged request,
 | `wav`          | (S,) floats            | the vocoder's output before 16-bit quantisation       |
 | `sample_rate`  | integer scalar         | of `wav` (24000)                                      |
 | `lead_samples` | integer scalar, 0 or 1 | samples before the first generated frame: qwen-tts's  |
-|                |                        | proportional cut can leave one (see difftest.align)   |
+|                |                        | proportional cut can leave one (see difftest.compare.align)   |
 
 The file comes from the engine under test, so nothing in it is trusted: a
 file that breaks these rules is a `CaptureError`, which the caller turns into

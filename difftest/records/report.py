@@ -7,12 +7,12 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from . import __version__
-from .errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput
+from .. import __version__
+from ..errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput
+from ..results import atomic_write
+from ..verdicts.classify import SegmentVerdict
+from ..verdicts.policy import RUN_VERDICTS, VERDICTS, Policy
 from .mlflow_records import donor_text
-from .policy import RUN_VERDICTS, VERDICTS, Policy
-from .results import atomic_write
-from .verdicts import SegmentVerdict
 
 FORMAT = "difftest.report/1"
 

@@ -17,7 +17,7 @@ import uuid
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from .suite import API_TASK_TYPE, Segment, Voice
+from ..suites.suite import API_TASK_TYPE, Segment, Voice
 
 
 class SpeechError(Exception):

@@ -30,9 +30,9 @@ import urllib.request
 import warnings
 from pathlib import Path
 
+from ..errors import EXIT_INFRA, EXIT_PASS, BadInput
+from ..results import atomic_write
 from . import mlflow_records as rec
-from .errors import EXIT_INFRA, EXIT_PASS, BadInput
-from .results import atomic_write
 from .segment_media import write_segment_media
 
 log = logging.getLogger(__name__)
@@ -337,15 +337,3 @@ def add_log_parser(subparsers) -> argparse.ArgumentParser:
                    help="an extra tag on the parent run; overrides one taken from the report (repeatable)")
     p.set_defaults(func=main_log)
     return p
-
-
-def run_standalone(add_parser, name: str, argv=None) -> int:
-    """One subcommand as its own program (`python -m difftest.tracking OUT`): the difftest CLI
-    itself, so its exit codes and error handling are the same."""
-    from .cli import main
-
-    return main([name, *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(run_standalone(add_log_parser, "log"))

@@ -21,18 +21,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlsplit
 
+from ..errors import BadInput, InfraError
+from ..suites.suite import Suite
 from . import identity as ident
-from .errors import BadInput, InfraError
 from .launcher import ServerProcess, free_port
 from .runner_client import RunnerProcess
 from .speech_client import SpeechClient
-from .suite import Suite
 
 CPU_ENGINE = "cpu-engine"
 VLLM_OMNI = "vllm-omni"
 VLLM_OMNI_OFFLINE = "vllm-omni-offline"
 URL = "url"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 CPU_ENGINE_CODE = ("runners/cpu_engine", "runners/reference", "runners/protocol.py")
 VLLM_OMNI_PLUGINS = ("runners/vllm_omni", "runners/vllm_omni_offline")
 

@@ -11,7 +11,7 @@ writes the deploy overlay (the settings exact comparison needs: greedy
 sub-talker, the suite's repetition penalty, enough sequences per stage that
 concurrency N really batches; on the CPU also eager mode, explicit KV-cache
 bytes, model lengths, thread binding, the v1 runner), starts one server per
-checkpoint the suite needs under `difftest.launcher.ServerProcess` (stopped
+checkpoint the suite needs under `difftest.engines.launcher.ServerProcess` (stopped
 with its whole process tree when `stack` closes), waits for health, and
 returns a client, the capture folder and provenance. A server that never
 becomes healthy or exits early is an InfraError (exit 3) with its log tail.
@@ -38,12 +38,12 @@ from pathlib import Path
 
 import yaml
 
-from .errors import BadInput, InfraError
+from ..errors import BadInput, InfraError
 from .launcher import ServerProcess, free_port
 from .runner_client import RunnerDied, RunnerProcess
 from .speech_client import SpeechAnswer, SpeechClient
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = REPO / ".venv-vllm-omni"
 PYTHON_ENV_VAR = "DIFFTEST_VLLM_OMNI_PYTHON"
 MAKE_ENV = "runners/vllm_omni/make_env.sh"
@@ -271,7 +271,7 @@ def write_overlay(path: str | Path, overlay: dict) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + ".tmp")
-    header = "# written by difftest.vllm_omni: the deploy overlay of this run's vLLM-Omni server\n"
+    header = "# written by difftest.engines.vllm_omni: the deploy overlay of this run's vLLM-Omni server\n"
     tmp.write_text(header + yaml.safe_dump(overlay, sort_keys=False), encoding="utf-8")
     os.replace(tmp, path)
     return path
@@ -370,7 +370,7 @@ def _provenance(env_info: dict, opts: VllmOmniOptions, overlay_path: Path, captu
 def describe(models: list[str], opts: VllmOmniOptions, tasks, api: str) -> dict:
     """What decides this vLLM-Omni candidate's results, without starting it: the environment's
     versions (and commit), the deploy overlay with its base file's content, the server's extra
-    arguments, and the settings difftest applies. For difftest.identity."""
+    arguments, and the settings difftest applies. For difftest.engines.identity."""
     python = omni_python(opts.python)
     env_info = environment_info(python)
     base = Path(opts.deploy_base) if opts.deploy_base else Path(env_info["deploy_dir"]) / "qwen3_tts.yaml"

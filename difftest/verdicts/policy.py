@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from .compare_audio import ChunkMetrics
-from .errors import BadInput
+from ..compare.audio import ChunkMetrics
+from ..errors import BadInput
 
 DEFAULT_POLICY = Path(__file__).with_name("default_policy.yaml")
 

@@ -15,12 +15,25 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
+from ..errors import (
+    EXIT_BAD_INPUT,
+    EXIT_FAIL,
+    EXIT_INFRA,
+    EXIT_PASS,
+    BadInput,
+    InfraError,
+)
+from ..results import atomic_write
+from ..verdicts.policy import Policy, load_policy
 from . import mlflow_records as rec
-from .errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput, InfraError
 from .gate_output import headline, junit_xml, markdown
-from .policy import Policy, load_policy
-from .results import atomic_write
-from .tracking import TrackingUnavailable, child_runs, mlflow_client, read_report, resolve_tracking_uri
+from .tracking import (
+    TrackingUnavailable,
+    child_runs,
+    mlflow_client,
+    read_report,
+    resolve_tracking_uri,
+)
 
 # Per segment: pass, fixed (failed in the baseline, clean now), known, regression, new (failing,
 # absent from the baseline), fail (failing, no baseline asked for), error (infrastructure or bad input).
@@ -146,7 +159,7 @@ def add_gate_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("gate", help="decide pass/fail for CI from a run's report, optionally against a baseline",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("out", help="a difftest output folder (holds report.json)")
-    p.add_argument("--policy", help="policy YAML (default: the built-in difftest/default_policy.yaml)")
+    p.add_argument("--policy", help="policy YAML (default: the built-in difftest/verdicts/default_policy.yaml)")
     p.add_argument("--baseline-version", metavar="V", help="compare with the latest logged run of candidate version V")
     p.add_argument("--tracking-uri", help="MLflow tracking URI for the baseline "
                                           "(default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db)")
@@ -155,8 +168,3 @@ def add_gate_parser(subparsers) -> argparse.ArgumentParser:
     p.set_defaults(func=main_gate)
     return p
 
-
-if __name__ == "__main__":
-    from .tracking import run_standalone
-
-    sys.exit(run_standalone(add_gate_parser, "gate"))

@@ -17,7 +17,7 @@ from collections import deque
 from pathlib import Path
 from typing import Iterator
 
-from .errors import InfraError
+from ..errors import InfraError
 
 _EOF = object()
 

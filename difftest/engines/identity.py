@@ -18,14 +18,14 @@ import json
 import shutil
 from pathlib import Path
 
-from .errors import BadInput
-from .results import FORMAT as RESULT_FORMAT
-from .results import atomic_write
-from .suite import content_hash
+from ..errors import BadInput
+from ..results import FORMAT as RESULT_FORMAT
+from ..results import atomic_write
+from ..suites.suite import content_hash
 
 FORMAT = "difftest.identity/1"
 FILE = "identity.json"
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 def code_hash(*folders: str | Path) -> str:

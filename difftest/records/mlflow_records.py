@@ -33,8 +33,8 @@ import json
 import math
 import re
 
-from .compare_audio import SNR_CAP_DB
-from .policy import TIERS, VERDICTS
+from ..compare.audio import SNR_CAP_DB
+from ..verdicts.policy import TIERS, VERDICTS
 
 MAX_METRICS_PER_BATCH = 1000  # mlflow/utils/validation.py
 MAX_PARAMS_TAGS_PER_BATCH = 100

@@ -17,8 +17,8 @@ from typing import Any
 
 import yaml
 
+from ..errors import SuiteError
 from . import wavio
-from .errors import SuiteError
 
 SAMPLE_RATE = 24000
 CODEBOOKS = 16

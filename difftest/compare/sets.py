@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .errors import BadInput
-from .policy import Policy
-from .report import build_report
-from .results import load_result_set
-from .verdicts import Evidence, classify
+from ..errors import BadInput
+from ..records.report import build_report
+from ..results import load_result_set
+from ..verdicts.classify import Evidence, classify
+from ..verdicts.policy import Policy
 
 
 def _load(path: str | Path, what: str):

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .candidate_http import CandidateOutcome, _waves
-from .results import CorruptResult, ResultStore, read_result
+from ..results import CorruptResult, ResultStore, read_result
+from ..suites.suite import Segment
+from .http import CandidateOutcome, _waves
 from .runner_client import RunnerDied, RunnerProcess
-from .suite import Segment
 
 
 def run_candidate_runner(segments: list[Segment], runner: RunnerProcess, out_dir: Path, *, concurrency: int,

@@ -1,0 +1,1 @@
+"""The comparisons: frames and chunks, codes, audio, result sets."""

@@ -1,0 +1,1 @@
+"""What a run leaves: report.json, MLflow, the gate's decision, media."""

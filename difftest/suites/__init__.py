@@ -1,0 +1,1 @@
+"""What to synthesise: suites, voices, WAV files."""

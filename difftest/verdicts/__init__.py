@@ -1,0 +1,1 @@
+"""From comparisons to verdicts: the classifier and the policy."""
