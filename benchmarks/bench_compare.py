@@ -23,13 +23,12 @@ from pathlib import Path  # noqa: E402
 import numpy as np  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from difftest.verdicts.classify import Evidence, classify  # noqa: E402
-from difftest.verdicts.policy import load_policy  # noqa: E402
-
 from difftest.compare.align import chunk_frame_bounds  # noqa: E402
 from difftest.compare.audio import frame_metrics, reduce_frames  # noqa: E402
 from difftest.compare.codes import diff_codes  # noqa: E402
 from difftest.results import Result  # noqa: E402
+from difftest.verdicts.classify import Evidence, classify  # noqa: E402
+from difftest.verdicts.policy import load_policy  # noqa: E402
 
 
 def main():

@@ -20,12 +20,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from difftest.verdicts.policy import load_policy  # noqa: E402
-
 from difftest.records import segment_media, tracking  # noqa: E402
 from difftest.records.mlflow_records import segment_metrics  # noqa: E402
 from difftest.records.report import write_report  # noqa: E402
 from difftest.results import Result, write_result  # noqa: E402
+from difftest.verdicts.policy import load_policy  # noqa: E402
 
 AUDIO_COMPARISONS = ("audio", "concurrency", "vocoder")
 

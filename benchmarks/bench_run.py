@@ -19,10 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from difftest.verdicts.policy import load_policy  # noqa: E402
-
 from difftest.run import CandidateSpec, RunOptions, run  # noqa: E402
 from difftest.suites.suite import load_suite  # noqa: E402
+from difftest.verdicts.policy import load_policy  # noqa: E402
 
 MODEL_PHASES = ("checkpoints_s", "reference_s", "candidate_start_s", "candidate_c1_s", "cross_decode_s")
 

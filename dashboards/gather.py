@@ -22,11 +22,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from difftest.verdicts.policy import TIERS
-
 from dashboards import model
 from difftest.records.segment_media import safe_name
 from difftest.records.tracking import _search_all
+from difftest.verdicts.policy import TIERS
 
 log = logging.getLogger(__name__)
 

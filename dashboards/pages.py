@@ -8,7 +8,6 @@ import datetime as _dt
 from dataclasses import dataclass, field
 from functools import lru_cache
 
-from difftest.verdicts.policy import TIERS, VERDICTS
 from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescape
 
 from dashboards import model
@@ -16,6 +15,7 @@ from dashboards.assets import VERDICT_COLOURS, VIEWS
 from dashboards.html import fmt_num, fmt_pct, href
 from difftest.records.mlflow_records import donor_text
 from difftest.records.segment_media import safe_name
+from difftest.verdicts.policy import TIERS, VERDICTS
 
 SEGMENT_ROLES = (  # audio role -> (title, what it is)
     ("reference", "reference", "qwen-tts at concurrency 1"),

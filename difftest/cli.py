@@ -1,4 +1,4 @@
-"""The `difftest` command. Exit codes follow the design's contract 7:
+"""The `difftest` command. Exit codes follow contract 7 (docs/architecture.md):
 0 pass, 1 a divergence the policy calls a failure, 2 bad input or usage, 3 infrastructure failure."""
 
 from __future__ import annotations
@@ -220,9 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_log_parser(sub)
     add_gate_parser(sub)
 
-    from dashboards.cli import (
-        add_dashboard_parser,  # the dashboard is its own part; only its parser is here
-    )
+    from dashboards.cli import add_dashboard_parser  # the dashboard is its own part; only its parser is here
 
     add_dashboard_parser(sub)
 

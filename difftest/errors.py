@@ -1,4 +1,4 @@
-"""Errors that map onto the exit codes of the design's contract 7."""
+"""Errors that map onto the exit codes of contract 7 (docs/architecture.md)."""
 
 EXIT_PASS = 0
 EXIT_FAIL = 1

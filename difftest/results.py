@@ -1,4 +1,4 @@
-"""Result artifacts (design contract 1) and the result store (contract 2).
+"""Result artifacts and the result store (contracts 1 and 2, docs/architecture.md).
 
 One result per (runner configuration, segment): `<stem>.npz` holding `codes`
 (T, 16), `ref_codes` (R, 16) and `wav` (float32 mono), plus `<stem>.json`, the

@@ -26,16 +26,8 @@ import numpy as np
 
 from . import __version__
 from .engines import identity as ident
-from .engines.http import run_candidate
-from .engines.reference import (
-    REPO,
-    ReferenceOptions,
-    reference_python,
-    run_reference,
-    runner_argv,
-    tiny_checkpoints,
-)
-from .engines.runner_candidate import run_candidate_runner
+from .engines.base import Engine
+from .engines.reference import REPO, ReferenceEngine, ReferenceOptions, reference_python, runner_argv, tiny_checkpoints
 from .engines.runner_client import RunnerDied, RunnerProcess
 from .engines.start import (
     CPU_ENGINE,
@@ -45,7 +37,6 @@ from .engines.start import (
     CandidateSpec,
     Setup,
     engine_identity,
-    is_runner,
     start_candidate,
 )
 from .errors import BadInput, InfraError
@@ -183,22 +174,9 @@ def _result_folders(out: Path, engine: dict, opts: RunOptions, pattern: str) -> 
     return {n: (folder, ident.key(identity)) for n, (folder, identity) in folders.items()}
 
 
-def _candidate_at(n: int, client, capture: Path | None, suite: Suite, spec: CandidateSpec, info: dict,
-                  folder: Path, key: str, opts: RunOptions, run_id: str):
+def _candidate_at(n: int, engine, suite: Suite, folder: Path, key: str):
     progress = Progress(len(suite.segments), label=f"candidate c={n}")
-    if is_runner(client):  # the offline runner: each wave one batch
-        outcome = run_candidate_runner(
-            suite.segments, client, folder, concurrency=n, order=opts.order,
-            timeout=opts.vllm_omni.get("health_timeout", 900.0), identity_key=key, on_progress=progress.note,
-            on_result=lambda seg, r: progress.segment(seg.id, audio_seconds=r.seconds,
-                                                      seconds=r.timings.get("batch_seconds", 0.0)))
-    else:
-        outcome = run_candidate(
-            suite.segments, client, folder, concurrency=n, pattern=opts.pattern, order=opts.order,
-            voice_mode=opts.voice_mode, capture_dir=capture, label=spec.label, provenance=info,
-            run_tag=f"{run_id}c{n}", identity_key=key,
-            on_result=lambda seg, r: progress.segment(seg.id, audio_seconds=r.seconds,
-                                                      seconds=r.timings.get("request_seconds", 0.0)))
+    outcome = engine.generate(suite.segments, concurrency=n, out_dir=folder, identity_key=key, progress=progress)
     for sid, err in outcome.errors.items():
         progress.segment(sid, error=err["message"])
     progress.close()
@@ -227,11 +205,7 @@ def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy)
 
     def evidence(sid, donors=None):
         errors = []
-        if sid in ref_run.failures:
-            f = ref_run.failures[sid]
-            errors.append({"source": "reference", "message": f.message,
-                           "kind": "bad_input" if f.kind == "bad_input" else "infrastructure"})
-        for label, o in (("candidate", cand), ("control", ctrl)):
+        for label, o in (("reference", ref_run), ("candidate", cand), ("control", ctrl)):
             if sid in o.errors:
                 errors.append({**o.errors[sid], "source": label})
         x = cross.get(f"{sid}.own")
@@ -260,11 +234,13 @@ def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy)
 
 
 def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunOptions,
-        runner: RunnerProcess | None = None) -> dict:
+        runner: RunnerProcess | None = None, candidate: Engine | None = None) -> dict:
     """Run everything; returns report.json's content (already written under `out`).
 
     `runner`: a reference runner already started (with the models this run needs), to share one
-    between runs; it is left running. Otherwise one is started and stopped here."""
+    between runs; it is left running. Otherwise one is started and stopped here. `candidate`: the
+    candidate `spec` names, already started (start_candidate; bisect serves one build for several
+    runs); otherwise it is started and stopped here."""
     out = prepare_out(out)  # resolved: engines and runners run in other working folders
     t_start = time.perf_counter()
     run_id = uuid.uuid4().hex[:8]  # tags capture files: engines may serve several runs at once
@@ -295,14 +271,16 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         }, indent=1, sort_keys=True).encode())
 
         with timings("reference_s"):
-            ref_run = run_reference(suite, store.root, ref_opts, runner=runner)
-        with timings("candidate_start_s"):
-            client, capture, cand_info = start_candidate(spec, setup, stack)
+            ref_run = ReferenceEngine(runner, store.root, opts.reference.timeout).generate(suite.segments)
+        if candidate is None:
+            with timings("candidate_start_s"):
+                candidate = start_candidate(spec, setup, stack, run_tag=run_id)
+        cand_info = candidate.info
         _announce(cand_info)
         outcomes = {}
         for n, (folder, key) in folders.items():
             with timings(f"candidate_c{n}_s"):
-                outcomes[n] = _candidate_at(n, client, capture, suite, spec, cand_info, folder, key, opts, run_id)
+                outcomes[n] = _candidate_at(n, candidate, suite, folder, key)
         cand, ctrl = outcomes[opts.concurrency], outcomes[1]
         print(f"cross-decodes: {len(_segments_with_codes(cand.results))} segments through the reference vocoder",
               file=sys.stderr, flush=True)
@@ -327,7 +305,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
                    "batches": cand.batches, "identity": engine, "identity_key": folders[opts.concurrency][1]},
         concurrency=opts.concurrency,
         provenance={"difftest": __version__, "timings": {k: round(v, 3) for k, v in timings.items()}},
-        warnings=[f"{sid}: reference: {f.message}" for sid, f in ref_run.failures.items()],
+        warnings=[f"{sid}: reference: {e['message']}" for sid, e in ref_run.errors.items()],
     )
     report["at_concurrency_1"] = {
         "verdict": overall(at_one, policy)[0],

@@ -10,7 +10,6 @@ serves every run, so the cost is the decoding, not the start-ups.
 from __future__ import annotations
 
 import json
-import os
 import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -18,14 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from .engines.identity import code_hash
-from .engines.launcher import ServerProcess, free_port
-from .engines.reference import REPO, ReferenceOptions, reference_python
-from .engines.speech_client import SpeechClient
-from .engines.start import CPU_ENGINE_CODE
-from .errors import BadInput
+from .engines.reference import ReferenceOptions, reference_python
+from .engines.start import Setup, start_cpu_engines
 from .results import atomic_write, load_result_set
-from .run import CandidateSpec, RunOptions, resolve_models, run, start_reference_runner
+from .run import RunOptions, resolve_models, run, start_reference_runner
 from .suites.suite import Suite, content_hash
 from .verdicts.policy import Policy
 
@@ -129,32 +124,14 @@ def selfcheck(suite: Suite, out: Path, policy: Policy, opts: RunOptions, checks=
     ref_opts = ReferenceOptions(**{**opts.reference.__dict__, "models": models})
     rows = []
     with ExitStack() as stack:
-        ports = {c.defect or "none": free_port() for c in checks}
-        capture = out / "capture"
-        capture.mkdir(parents=True, exist_ok=True)
-        argv = [str(python), "-m", "runners.cpu_engine.multi"]
-        for m in models:
-            argv += ["--model", m]
-        for name, port in ports.items():
-            argv += ["--serve", f"{name}={port}"]
-        first = next(iter(ports.values()))
-        stack.enter_context(ServerProcess(
-            argv, f"http://127.0.0.1:{first}", out / "logs" / "cpu-engines.log", cwd=REPO,
-            env=dict(os.environ, DIFFTEST_CAPTURE_DIR=str(capture), HF_HUB_OFFLINE="1"),
-            health_timeout=opts.engine_health_timeout, name="the CPU test engines"))
-        for name, port in ports.items():
-            if not SpeechClient(f"http://127.0.0.1:{port}", connect_retries=5).health():
-                raise BadInput(f"CPU test engine for {name} did not come up on port {port}")
+        setup = Setup(out.resolve(), models, python, suite, opts)
+        specs = start_cpu_engines([c.defect for c in checks], setup, stack)
         runner = start_reference_runner(python, models, ref_opts, out / "logs" / "reference-runner.log")
         stack.callback(runner.close)
         for check in checks:
             print(f"== selfcheck: {check.name} ({check.variant}, concurrency {opts.concurrency})", file=stream)
-            spec = CandidateSpec("url", url=f"http://127.0.0.1:{ports[check.defect or 'none']}", capture_dir=capture,
-                                 declared={"label": f"difftest-cpu-engine:{check.defect or 'clean'}",
-                                           "engine": "difftest CPU test engine (not vLLM-Omni)",
-                                           "defect": check.defect, "code": code_hash(*CPU_ENGINE_CODE)})
             run_dir = out / check.name.replace(", ", "-")
-            report = run(variant(suite, check.variant), spec, run_dir, policy, opts, runner=runner)
+            report = run(variant(suite, check.variant), specs[check.defect], run_dir, policy, opts, runner=runner)
             rows.append({**judge(check, report, run_dir), "report": str(run_dir / "report.json")})
     atomic_write(out / "selfcheck.json", (json.dumps({"suite": suite.name, "concurrency": opts.concurrency,
                                                         "checks": rows}, indent=1) + "\n").encode())

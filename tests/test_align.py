@@ -4,12 +4,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from difftest.compare.align import (
-    chunk_frame_bounds,
-    chunk_of_frame,
-    frame_sample_bounds,
-    frames_for_samples,
-)
+from difftest.compare.align import chunk_frame_bounds, chunk_of_frame, frame_sample_bounds, frames_for_samples
 
 
 def test_hand_cases():

@@ -9,13 +9,13 @@ compared from sample 0 the SNR was -3 dB (a false `vocoder_defect`), shifted by 
 """
 
 import numpy as np
-from difftest.verdicts.classify import Evidence, classify
-from difftest.verdicts.policy import load_policy
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from toy import toy_codes, toy_decode, toy_result
 
 from difftest.compare import align
+from difftest.verdicts.classify import Evidence, classify
+from difftest.verdicts.policy import load_policy
 
 SPF = align.SAMPLES_PER_FRAME
 POLICY = load_policy()

@@ -23,6 +23,7 @@ from difftest.bisect.builds import (
     resolve,
 )
 from difftest.cache import Cache
+from difftest.engines.speech_client import SpeechClient
 from difftest.errors import BadInput
 from difftest.run import RunOptions
 
@@ -152,15 +153,16 @@ def test_the_flaky_commit_declares_its_defect_on_odd_calls(repo, recipe, tmp_pat
         _declared(recipe, build, tmp_path)
 
 
-def test_vllm_omni_launcher_serves_the_commit_with_its_own_interpreter(tmp_path, monkeypatch):
+def test_vllm_omni_launcher_serves_the_commit_with_run_s_settings(tmp_path, monkeypatch):
     """The vllm-omni recipe's launcher, with start_vllm_omni stood in for (a real server is minutes on CPU;
-    docs/bisect.md has the measured real probe): one server per probe, the commit's interpreter, the
-    suite's decode settings, length-capped answers for tiny suites, one checkpoint type only."""
+    docs/bisect.md has the measured real probe): one server per probe, the commit's interpreter, and
+    the settings `difftest run` applies (they drifted apart once: bisect judged every commit with a
+    float32 vocoder whatever --dtype said, and without the request timeout); one checkpoint type only."""
     vo = pytest.importorskip("difftest.engines.vllm_omni")
     from bisect_support import write_suite
 
-    from difftest.bisect import builds
     from difftest.bisect.builds import Build, VllmOmniRecipe
+    from difftest.engines.reference import ReferenceOptions
     from difftest.suites.suite import load_suite
 
     calls = []
@@ -168,21 +170,25 @@ def test_vllm_omni_launcher_serves_the_commit_with_its_own_interpreter(tmp_path,
     def start(out, models, opts, stack, tasks=None):
         calls.append({"out": out, "models": models, "opts": opts, "tasks": tasks})
         servers = [{"url": f"http://127.0.0.1:{9000 + i}"} for i in range(n_servers)]
-        return None, out / "capture", {"servers": servers, "label": "vllm-omni x", "start_seconds": 1.0}
+        return SpeechClient(servers[0]["url"]), out / "capture", {"servers": servers, "label": "vllm-omni x",
+                                                                   "start_seconds": 1.0}
 
-    monkeypatch.setattr(builds, "vllm_omni_hook", lambda: (start, vo.VllmOmniOptions, vo.decode_settings))
+    monkeypatch.setattr(vo, "start_vllm_omni", start)
     suite = load_suite(write_suite(tmp_path / "suite.yaml"))
     recipe = VllmOmniRecipe(REFERENCE_PYTHON, device="cpu", options={"max_tokens": 64})
     build = Build("c" * 40, tmp_path / "src", tmp_path / "env" / "bin" / "python", tmp_path / "build.log")
-    ctx = LaunchContext(tmp_path, ["/ckpt/base"], suite, RunOptions(concurrency=3))
+    opts = RunOptions(concurrency=3, request_timeout=123.0, reference=ReferenceOptions(dtype="bfloat16"))
+    ctx = LaunchContext(tmp_path, ["/ckpt/base"], suite, opts)
     n_servers = 1
     with recipe.launcher(build, ctx) as launcher:
-        spec = launcher.candidate(0)
-        assert launcher.candidate(1) is spec and len(calls) == 1  # one server for every run of the probe
-    assert (spec.kind, spec.url, spec.capture_dir) == ("url", "http://127.0.0.1:9000", tmp_path / "capture")
-    opts = calls[0]["opts"]
-    assert opts.python == str(build.python) and opts.device == "cpu" and opts.max_num_seqs == 3
-    assert opts.accept_length_finish is True and opts.max_tokens == 64 and opts.repetition_penalty == 1.0
+        spec, engine = launcher.candidate(0)
+        assert launcher.candidate(1) == (spec, engine) and len(calls) == 1  # one server for every run of the probe
+    assert spec.kind == "vllm-omni" and spec.declared["commit"] == "c" * 40
+    assert (engine.client.base_url, engine.capture_dir) == ("http://127.0.0.1:9000", tmp_path / "capture")
+    got = calls[0]["opts"]
+    assert got.python == str(build.python) and got.device == "cpu" and got.max_num_seqs == 3
+    assert got.accept_length_finish is True and got.max_tokens == 64 and got.repetition_penalty == 1.0
+    assert got.vocoder_dtype == "bfloat16" and got.request_timeout == 123.0  # as `difftest run --dtype bfloat16`
     assert calls[0]["tasks"] == {"voice_clone"} and calls[0]["models"] == ["/ckpt/base"]
     n_servers = 2
     with pytest.raises(BadInput, match="one vLLM-Omni server per commit"):

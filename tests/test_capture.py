@@ -101,3 +101,15 @@ def test_a_missing_capture_is_waited_for_then_named(tmp_path, monkeypatch):
     with pytest.raises(capture.CaptureMissing, match="no capture for this request within 0 s"):
         read_capture(tmp_path, "absent")
     assert read_capture(None, "absent") is None  # no capture asked for: an audio-only candidate
+
+
+def test_the_writer_and_the_reader_share_one_versioned_schema(tmp_path):
+    path = capture.write(tmp_path / "w.npz", {"codes": GOOD["codes"].astype(np.int32), "wav": GOOD["wav"],
+                                              "lead_samples": 1, "handoff": np.array("full_payload")})
+    with np.load(path, allow_pickle=False) as z:
+        assert int(z["schema_version"]) == capture.SCHEMA_VERSION and z["codes"].dtype == np.int64
+        assert str(z["handoff"]) == "full_payload"  # a writer's own arrays ride along
+    assert capture.load(path).lead_samples == 1 and path.stat().st_mode & 0o777 == 0o644
+    np.savez(tmp_path / "v2.npz", **GOOD, schema_version=np.int64(2))
+    with pytest.raises(capture.CaptureError, match="capture schema version 2; this difftest reads version 1"):
+        capture.load(tmp_path / "v2.npz")

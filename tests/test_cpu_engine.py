@@ -419,7 +419,7 @@ def test_capture_files_are_whole_and_typed(world):
     assert not [p for p in world.capture.iterdir() if p.suffix != ".npz"]  # no temp files left behind
     for p in files:
         with np.load(p, allow_pickle=False) as z:
-            assert set(z.files) == {"codes", "ref_codes", "wav", "lead_samples"}
+            assert set(z.files) == {"codes", "ref_codes", "wav", "lead_samples", "schema_version"}
             codes, ref, wav, lead = z["codes"], z["ref_codes"], z["wav"], int(z["lead_samples"])
         assert codes.dtype == np.int64 and codes.ndim == 2 and codes.shape[1] == 16
         assert ref.dtype == np.int64 and ref.ndim == 2 and ref.shape[1] == 16

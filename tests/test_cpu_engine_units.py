@@ -16,13 +16,7 @@ import pytest
 from difftest.engines.speech_client import SpeechClient, SpeechError
 from difftest.suites import wavio
 from runners.cpu_engine import ENGINE_NAME, LABEL, handoff
-from runners.cpu_engine.api import (
-    BadRequest,
-    ModelInfo,
-    VoiceStore,
-    parse_speech,
-    parse_voice_upload,
-)
+from runners.cpu_engine.api import BadRequest, ModelInfo, VoiceStore, parse_speech, parse_voice_upload
 from runners.cpu_engine.defects import DEFECTS, check
 from runners.cpu_engine.scheduler import Batcher
 from runners.cpu_engine.server import EngineServer

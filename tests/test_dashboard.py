@@ -18,12 +18,7 @@ from types import SimpleNamespace
 
 import pytest
 from bisect_support import BROKEN, K, make_fakeomni_repo
-from mlflow_support import (
-    REFERENCE_PROVENANCE,
-    candidate_provenance,
-    closed_uri,
-    copy_store,
-)
+from mlflow_support import REFERENCE_PROVENANCE, candidate_provenance, closed_uri, copy_store
 from toy import toy_codes, toy_decode, toy_result
 
 from difftest.cli import main as difftest_main

@@ -6,11 +6,11 @@ import sys
 import xml.etree.ElementTree as ET
 
 import pytest
-from difftest.verdicts.policy import DEFAULT_POLICY, load_policy
 from mlflow_support import closed_uri, make_report
 
-from difftest.errors import BadInput
 from difftest.cli import main as difftest_main
+from difftest.errors import BadInput
+from difftest.verdicts.policy import DEFAULT_POLICY, load_policy
 
 
 def gate(*args) -> int:

@@ -13,8 +13,12 @@ import json
 
 import pytest
 
+from difftest.cli import main as difftest_main
 from difftest.handoff import envs
-from difftest.handoff.cli import main
+
+
+def main(argv):
+    return difftest_main(["handoff", *argv])
 
 
 def _run(tmp_path_factory, name, *args):

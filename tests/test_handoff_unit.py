@@ -11,14 +11,7 @@ import pytest
 
 from difftest.errors import BadInput
 from difftest.handoff import envs
-from difftest.handoff.generate import (
-    Case,
-    RequestSpec,
-    audio_row,
-    generate,
-    ref_frame,
-    tag_of,
-)
+from difftest.handoff.generate import Case, RequestSpec, audio_row, generate, ref_frame, tag_of
 from difftest.handoff.oracle import check, family
 from difftest.handoff.probe import Evaluator
 from difftest.handoff.run import SourceResult, _collect, verdicts_for

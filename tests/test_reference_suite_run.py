@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from reference_support import REPO, all_models, reference_python, tiny, write_voice  # noqa: F401
 
+from difftest.cli import main as difftest_main
 from difftest.engines import reference
 from difftest.engines.runner_client import RunnerProcess
 from difftest.errors import BadInput
-from difftest.cli import main as difftest_main
 from difftest.progress import Progress
 from difftest.results import Result, ResultStore
 from difftest.suites.suite import load_suite
@@ -77,12 +77,12 @@ def test_dies_mid_suite_then_resumes_then_serves_from_the_store(tiny, suite, tmp
     # 1. The runner is killed after the first result: the rest are failures naming why.
     log1 = io.StringIO()
     run1 = reference.run_reference(suite, store, options, progress=KillRunnerAfterFirstResult(4, "reference", log1))
-    assert isinstance(run1.outcomes["s1"], Result) and run1.cached == set()
-    assert list(run1.outcomes) == ["s1", "s2", "s3", "s4"]
+    assert isinstance(run1.results["s1"], Result) and run1.cached == set()
+    assert list(run1.results) == ["s1"] and sorted(run1.errors) == ["s2", "s3", "s4"]
     for sid in ("s2", "s3", "s4"):
-        failure = run1.outcomes[sid]
-        assert failure.kind == "runner"
-        assert "exited with status -9" in failure.message and "runner log tail" in failure.message
+        failure = run1.errors[sid]
+        assert (failure["kind"], failure["source"]) == ("infrastructure", "reference")
+        assert "exited with status -9" in failure["message"] and "runner log tail" in failure["message"]
     assert run1.config_dir.parent == store and run1.config_dir.name.startswith("qwen-tts-")
     assert run1.config_dir.name == f"qwen-tts-{ResultStore.config_key(run1.fingerprint)[:16]}"
     text1 = log1.getvalue()
@@ -92,11 +92,11 @@ def test_dies_mid_suite_then_resumes_then_serves_from_the_store(tiny, suite, tmp
     log2 = io.StringIO()
     run2 = reference.run_reference(suite, store, options, progress=Progress(4, "reference", log2))
     assert run2.config_dir == run1.config_dir and run2.cached == {"s1"}
-    assert run2.outcomes["s1"].codes.tolist() == run1.outcomes["s1"].codes.tolist()
-    assert run2.outcomes["s2"].codes.shape == (23, 16) and run2.outcomes["s3"].codes.shape == (23, 16)
-    assert run2.outcomes["s3"].provenance["task"] == "voice_design"
-    failure = run2.outcomes["s4"]
-    assert failure.kind == "bad_input" and "zed" in failure.message
+    assert run2.results["s1"].codes.tolist() == run1.results["s1"].codes.tolist()
+    assert run2.results["s2"].codes.shape == (23, 16) and run2.results["s3"].codes.shape == (23, 16)
+    assert run2.results["s3"].provenance["task"] == "voice_design"
+    failure = run2.errors["s4"]
+    assert failure["kind"] == "bad_input" and "zed" in failure["message"]
     lines = log2.getvalue().splitlines()
     assert lines[0] == "reference [1/4] s1: cached"
     assert any(line.startswith("reference [2/4] s2: 1.84 s audio in") for line in lines)
@@ -120,7 +120,7 @@ def test_dies_mid_suite_then_resumes_then_serves_from_the_store(tiny, suite, tmp
     runner = RunnerProcess(reference.runner_argv(reference_python(), all_models(tiny), options), cwd=REPO)
     try:
         run4 = reference.run_reference(suite, store, options, runner=runner, progress=Progress(4, stream=io.StringIO()))
-        assert run4.cached == {"s1", "s2", "s3"} and run4.outcomes["s4"].kind == "bad_input"
+        assert run4.cached == {"s1", "s2", "s3"} and run4.errors["s4"]["kind"] == "bad_input"
         assert runner.alive
     finally:
         runner.close()

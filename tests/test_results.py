@@ -7,14 +7,7 @@ import logging
 import numpy as np
 import pytest
 
-from difftest.results import (
-    CorruptResult,
-    Result,
-    ResultStore,
-    load_result_set,
-    read_result,
-    write_result,
-)
+from difftest.results import CorruptResult, Result, ResultStore, load_result_set, read_result, write_result
 
 
 def _result(sid="s1", h="a" * 64, n=3):

@@ -13,8 +13,8 @@ import pytest
 from mlflow import MlflowClient  # noqa: E402  (installed by the test extra; scripts/test.sh)
 from mlflow_support import closed_uri, make_report  # noqa: E402
 
-from difftest.records import mlflow_records as rec  # noqa: E402
 from difftest.cli import main as difftest_main  # noqa: E402
+from difftest.records import mlflow_records as rec  # noqa: E402
 from difftest.records.tracking import STATE, log_run  # noqa: E402
 from difftest.results import read_result  # noqa: E402
 from difftest.suites import wavio  # noqa: E402

@@ -2,11 +2,11 @@
 
 import numpy as np
 import pytest
-from difftest.verdicts.classify import Evidence, classify
-from difftest.verdicts.policy import load_policy
 from toy import toy_codes, toy_decode, toy_result
 
 from difftest.records.report import build_report, overall
+from difftest.verdicts.classify import Evidence, classify
+from difftest.verdicts.policy import load_policy
 
 CODES = toy_codes(40, 1)
 REF_A = toy_codes(20, 2)  # this segment's reference codes

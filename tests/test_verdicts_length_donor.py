@@ -3,10 +3,10 @@ co-batched request's length (vLLM-Omni's no-async hand-off, docs/handoff-probe.m
 
 import numpy as np
 import pytest
-from difftest.verdicts.classify import Evidence, classify
 from toy import toy_codes, toy_decode, toy_result
 
 from difftest.records.report import build_report, summary_lines, summary_markdown
+from difftest.verdicts.classify import Evidence, classify
 
 CODES = toy_codes(40, 1)
 OWN = toy_codes(20, 2)  # this segment's reference codes

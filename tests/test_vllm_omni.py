@@ -19,15 +19,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-from vllm_omni_support import (  # noqa: F401
-    FRAME,
-    OMNI_PYTHON,
-    Q16,
-    REPO,
-    omni_python,
-    run_in_env,
-    voice_clone_checkpoint,
-)
+from vllm_omni_support import FRAME, OMNI_PYTHON, Q16, REPO, omni_python, run_in_env, voice_clone_checkpoint  # noqa: F401
 
 from difftest.engines import capture as capture_files
 from difftest.engines import vllm_omni as vo

@@ -13,14 +13,7 @@ from contextlib import ExitStack
 
 import numpy as np
 import pytest
-from vllm_omni_support import (  # noqa: F401
-    FRAME,
-    OMNI_PYTHON,
-    Q16,
-    REPO,
-    omni_python,
-    voice_clone_checkpoint,
-)
+from vllm_omni_support import FRAME, OMNI_PYTHON, Q16, REPO, omni_python, voice_clone_checkpoint  # noqa: F401
 
 from difftest.engines import capture as capture_files
 from difftest.engines import vllm_omni as vo

@@ -15,14 +15,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from vllm_omni_support import (  # noqa: F401
-    FRAME,
-    OMNI_PYTHON,
-    Q16,
-    REPO,
-    omni_python,
-    voice_clone_checkpoint,
-)
+from vllm_omni_support import FRAME, OMNI_PYTHON, Q16, REPO, omni_python, voice_clone_checkpoint  # noqa: F401
 
 from difftest.engines import vllm_omni as vo
 from difftest.engines.runner_candidate import run_candidate_runner
@@ -101,13 +94,13 @@ def test_waves_are_sent_and_a_dying_runner_loses_nothing_written(smoke, tmp_path
 
 
 def test_batches_are_the_ones_the_engine_ran():
-    from difftest.engines.http import CandidateOutcome
+    from difftest.engines.base import Outcome
     from difftest.engines.runner_candidate import _batches_run
 
     def r(batch):
         return type("R", (), {"meta": {"batch": batch}})()
 
-    out = CandidateOutcome(results={"a": r(["a", "c"]), "c": r(["a", "c"]), "b": r(["b"]), "d": r({})})
+    out = Outcome(results={"a": r(["a", "c"]), "c": r(["a", "c"]), "b": r(["b"]), "d": r({})})
     out.errors = {"e": {}}
     # a wave split by the runner; an old result with no record; an error
     assert _batches_run(out, [["a", "b", "c", "e"], ["d"]]) == [["a", "c"], ["b"], ["e"], ["d"]]

@@ -177,7 +177,7 @@ def test_capture_store_merges_stages_and_replaces_a_reused_tag(tmp_path):
     store.update("t-1", replace=True, codes=codes, ref_codes=ref)
     store.update("t-1", wav=np.zeros(3840, np.float32))  # the vocoder's process
     with np.load(tmp_path / "t-1.npz", allow_pickle=False) as z:
-        assert sorted(z.files) == ["codes", "ref_codes", "wav"]
+        assert sorted(z.files) == ["codes", "ref_codes", "schema_version", "wav"] and int(z["schema_version"]) == 1
         assert z["codes"].shape == (2, 16) and z["ref_codes"].shape == (3, 16) and z["wav"].dtype == np.float32
     store.update("t-1", replace=True, codes=codes[:1], ref_codes=ref)  # the tag's next request
     with np.load(tmp_path / "t-1.npz", allow_pickle=False) as z:

@@ -23,9 +23,7 @@ def stage_config(stage="qwen3_tts", head_dim=32, dtype="torch.bfloat16", v2=Fals
 def main() -> int:
     import difftest_cpu_platform as plugin
     from difftest_cpu_platform import workers
-    from vllm_omni.worker.omni_connector_validation import (
-        validate_worker_omni_connector,
-    )
+    from vllm_omni.worker.omni_connector_validation import validate_worker_omni_connector
 
     out = {"detected": plugin.detect()}
     import vllm_omni.platforms as platforms

@@ -4,7 +4,7 @@
     with ExitStack() as hold:
         build = prepare(recipe, worktrees, sha, hold)          # cached per commit, held; BuildFailed: skip it
         with recipe.launcher(build, LaunchContext(...)) as launcher:
-            spec = launcher.candidate(repeat)                  # a CandidateSpec that `difftest run` can use
+            spec, engine = launcher.candidate(repeat)          # started with start_candidate; `run(..., candidate=engine)`
 
 A commit becomes a candidate in three steps, each cached or scoped:
 
@@ -21,13 +21,15 @@ A commit becomes a candidate in three steps, each cached or scoped:
    the same commit waits and reuses it), held while its probe runs, removed least recently
    used first when the cache is over its bound.
 3. **Launch**: the recipe's launcher, a context manager that starts the server(s) with the
-   overlay's interpreter and stops them (whole process tree) on the way out.
+   overlay's interpreter through difftest.engines.start.start_candidate (the settings `difftest
+   run` uses: the vocoder's dtype, the request timeout, the deploy overlay) and stops them (whole
+   process tree) on the way out.
 
 Recipes (`RECIPES`):
 
 - `vllm-omni`: a vLLM-Omni source checkout over a vLLM-Omni base environment (on a GPU
   host the one that already holds vllm, torch and difftest's capture plugin); served by
-  difftest/vllm_omni.py's `start_vllm_omni` with the overlay's interpreter.
+  `vllm serve --omni` with the overlay's interpreter.
 - `cpu-engine`: for tests and CPU machines. The repository under test is a small package
   (the tests' `fakeomni`) that declares, at each commit, which defect the CPU test engine
   should plant: `MODULE:FUNCTION` (default `fakeomni:planted_defect`) is called in the
@@ -50,11 +52,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..cache import Cache
-from ..engines.launcher import ServerProcess, free_port
-from ..engines.reference import REPO
+from ..engines.base import Engine
+from ..engines.reference import reference_python
+from ..engines.start import CPU_ENGINE, VLLM_OMNI, CandidateSpec, Setup, start_candidate
 from ..errors import BadInput, InfraError
 from ..results import atomic_write
-from ..run import CandidateSpec, RunOptions
+from ..run import RunOptions
 from ..suites.suite import Suite
 
 KIND = "bisect-build"  # its entries in difftest's cache
@@ -300,8 +303,13 @@ class Launcher:
     def __exit__(self, *exc):
         self.stack.close()
 
-    def candidate(self, repeat: int) -> CandidateSpec:
+    def candidate(self, repeat: int) -> tuple[CandidateSpec, Engine]:
+        """The build's candidate for one run: what it is, and the engine, started (start_candidate)."""
         raise NotImplementedError
+
+    def setup(self) -> Setup:
+        c = self.ctx
+        return Setup(c.out, c.models, reference_python(c.opts.reference.python), c.suite, c.opts)
 
 
 class Recipe:
@@ -353,8 +361,7 @@ class CpuEngineLauncher(Launcher):
     def __init__(self, build, ctx, recipe: CpuEngineRecipe):
         super().__init__(build, ctx)
         self.recipe = recipe
-        self.servers: dict[str | None, ServerProcess] = {}
-        self.capture = ctx.out / "capture"
+        self.started: dict[str | None, tuple[CandidateSpec, Engine]] = {}
 
     def declared_defect(self) -> str | None:
         p = subprocess.run([str(self.build.python), "-c", _DECLARED, self.recipe.declared_by], stdout=subprocess.PIPE,
@@ -367,48 +374,17 @@ class CpuEngineLauncher(Launcher):
             raise BuildFailed(f"{self.recipe.declared_by}() answered {defect!r}: expected a defect name or None")
         return defect or None
 
-    def candidate(self, repeat: int) -> CandidateSpec:
+    def candidate(self, repeat: int) -> tuple[CandidateSpec, Engine]:
         defect = self.declared_defect()
-        srv = self.servers.get(defect)
-        if srv is None:
-            self.capture.mkdir(parents=True, exist_ok=True)
-            port = free_port()
-            argv = [str(self.build.python), "-m", "runners.cpu_engine", "--port", str(port)]
-            for m in self.ctx.models:
-                argv += ["--model", m]
-            if defect:
-                argv += ["--defect", defect]
-            argv += self.recipe.engine_args
-            env = dict(os.environ, DIFFTEST_CAPTURE_DIR=str(self.capture), HF_HUB_OFFLINE="1")
-            env.pop("PYTHONPATH", None)
-            srv = ServerProcess(argv, f"http://127.0.0.1:{port}",
-                                self.ctx.out / "logs" / f"cpu-engine-{defect or 'clean'}.log", env=env, cwd=REPO,
-                                health_timeout=self.ctx.opts.engine_health_timeout,
-                                name=f"the CPU test engine for {self.build.commit[:12]}")
-            # Registered before it starts: an interrupt while waiting for its health still stops it
-            # (ServerProcess.start stops it only on its own failures).
-            self.stack.callback(srv.stop)
-            srv.start()
-            self.servers[defect] = srv
-        self.info = {"engine": "difftest CPU test engine (not vLLM-Omni)", "defect": defect, "url": srv.url,
-                     "start_seconds": round(srv.started_s or 0.0, 2)}
-        return CandidateSpec("url", url=srv.url, capture_dir=self.capture,
-                             declared={"engine": self.info["engine"], "commit": self.build.commit, "defect": defect,
-                                       "recipe": self.recipe.identity()})
-
-
-def vllm_omni_hook():
-    """`start_vllm_omni(out, models, opts, stack, tasks)` and its options, from difftest/vllm_omni.py.
-
-    THE HOOK: a vLLM-Omni commit is served by difftest.engines.vllm_omni.start_vllm_omni with the
-    commit's overlay interpreter as `VllmOmniOptions.python`. Without that module, this is the
-    one function to fill in: return (start_vllm_omni, VllmOmniOptions, decode_settings)."""
-    try:
-        from ..engines import vllm_omni as vo
-    except ImportError as e:
-        raise BadInput(f"the vllm-omni recipe needs difftest/vllm_omni.py (start_vllm_omni), which does not "
-                       f"import here ({e}); fill in difftest.bisect.builds.vllm_omni_hook") from None
-    return vo.start_vllm_omni, vo.VllmOmniOptions, vo.decode_settings
+        if defect not in self.started:
+            spec = CandidateSpec(CPU_ENGINE, defect=defect, python=str(self.build.python),
+                                 engine_args=tuple(self.recipe.engine_args),
+                                 declared={"commit": self.build.commit, "recipe": self.recipe.identity()})
+            self.started[defect] = spec, start_candidate(spec, self.setup(), self.stack)
+        spec, engine = self.started[defect]
+        self.info = {"engine": engine.info["engine"], "defect": defect, "url": engine.client.base_url,
+                     "start_seconds": engine.info.get("start_seconds")}
+        return spec, engine
 
 
 class VllmOmniRecipe(Recipe):
@@ -434,30 +410,23 @@ class VllmOmniLauncher(Launcher):
     def __init__(self, build, ctx, recipe: VllmOmniRecipe):
         super().__init__(build, ctx)
         self.recipe = recipe
-        self.spec: CandidateSpec | None = None
+        self.started: tuple[CandidateSpec, Engine] | None = None
 
-    def candidate(self, repeat: int) -> CandidateSpec:
-        if self.spec is not None:
-            return self.spec
-        start_vllm_omni, Options, decode_settings = vllm_omni_hook()
-        decode, warnings = decode_settings(self.ctx.suite.segments)
-        for w in warnings:
-            print(f"difftest bisect: warning: {w}", file=sys.stderr)
-        # The seeded tiny checkpoints never emit codec EOS: answer length-capped voice clones (as `difftest run`).
-        options = {"accept_length_finish": self.ctx.suite.model == "tiny", **self.recipe.options}
-        opts = Options.for_decode(decode, self.ctx.opts.concurrency, python=str(self.build.python),
-                                  device=self.recipe.device, **options)
-        tasks = {s.task for s in self.ctx.suite.segments}
-        _client, capture, info = start_vllm_omni(self.ctx.out, self.ctx.models, opts, self.stack, tasks=tasks)
-        servers = info.get("servers") or [{"url": info.get("url")}]
-        if len(servers) != 1:
-            raise BadInput("bisect serves one vLLM-Omni server per commit: use a suite whose segments need one "
-                           f"checkpoint type (this one needs {len(servers)})")
-        self.info = {k: info.get(k) for k in ("label", "engine", "versions", "device", "start_seconds")}
-        self.spec = CandidateSpec("url", url=servers[0]["url"], capture_dir=capture,
-                                  declared={"engine": info.get("engine"), "commit": self.build.commit,
-                                            "versions": info.get("versions"), "recipe": self.recipe.identity()})
-        return self.spec
+    def candidate(self, repeat: int) -> tuple[CandidateSpec, Engine]:
+        if self.started is None:
+            spec = CandidateSpec(VLLM_OMNI, python=str(self.build.python),
+                                 options={"device": self.recipe.device, **self.recipe.options},
+                                 declared={"commit": self.build.commit, "recipe": self.recipe.identity()})
+            engine = start_candidate(spec, self.setup(), self.stack)
+            servers = engine.info.get("servers") or []
+            if len(servers) != 1:
+                raise BadInput("bisect serves one vLLM-Omni server per commit: use a suite whose segments need one "
+                               f"checkpoint type (this one needs {len(servers)})")
+            for w in engine.info.get("warnings") or []:
+                print(f"difftest bisect: warning: {w}", file=sys.stderr)
+            self.info = {k: engine.info.get(k) for k in ("label", "engine", "versions", "device", "start_seconds")}
+            self.started = spec, engine
+        return self.started
 
 
 RECIPES = {"vllm-omni": VllmOmniRecipe, "cpu-engine": CpuEngineRecipe}

@@ -116,9 +116,6 @@ def _setup(args):
         if args.base_python:
             base = args.base_python
         else:
-            from .builds import vllm_omni_hook
-
-            vllm_omni_hook()  # a clear message now, not at the first probe, when the module is missing
             from ..engines.vllm_omni import omni_python
 
             base = str(omni_python())
@@ -189,10 +186,3 @@ def add_probe_parser(subparsers) -> argparse.ArgumentParser:
 
     p.error = error
     return p
-
-
-def main(argv=None) -> int:
-    """`python -m difftest.bisect bisect|probe ...`: the same as `difftest bisect|probe ...`."""
-    from ..cli import main as difftest_main
-
-    return difftest_main(sys.argv[1:] if argv is None else argv)

@@ -219,9 +219,9 @@ class Prober:
                 runner = self.reference.runner  # outside the try: its failure is no commit's fault (abort)
                 try:
                     with open(rdir / "progress.log", "w") as progress, contextlib.redirect_stderr(progress):
-                        spec = launcher.candidate(i)
+                        spec, engine = launcher.candidate(i)
                         row["candidate"] = dict(launcher.info)
-                        report = run(s.suite, spec, rdir, s.policy, s.opts, runner=runner)
+                        report = run(s.suite, spec, rdir, s.policy, s.opts, runner=runner, candidate=engine)
                 except BadInput:
                     raise
                 except InfraError as e:

@@ -1,7 +1,10 @@
-"""Capture files (design contract 5), read and checked on the tester's side.
+"""Capture files (docs/architecture.md, contract 5): the one schema, its writer and its reader.
 
 An engine started with `DIFFTEST_CAPTURE_DIR=<dir>` writes, per tagged request,
-`<dir>/<tag>.npz` (no pickles). What the tester reads from it:
+`<dir>/<tag>.npz` (no pickles). Every writer (the vLLM-Omni capture plugin, the CPU
+test engine) writes through `encode`/`write` here, and the tester reads through
+`load`; numpy only, so the plugin imports it inside vLLM's processes. Schema
+version 1 (`schema_version`, an integer scalar; a file without it is read as 1):
 
 | array          | shape / type           | meaning                                               |
 |----------------|------------------------|-------------------------------------------------------|
@@ -12,7 +15,10 @@ An engine started with `DIFFTEST_CAPTURE_DIR=<dir>` writes, per tagged request,
 | `wav`          | (S,) floats            | the vocoder's output before 16-bit quantisation       |
 | `sample_rate`  | integer scalar         | of `wav` (24000)                                      |
 | `lead_samples` | integer scalar, 0 or 1 | samples before the first generated frame: qwen-tts's  |
-|                |                        | proportional cut can leave one (see difftest.compare.align)   |
+|                |                        | proportional cut can leave one (difftest.compare.align) |
+
+A writer may add arrays of its own (the plugin's `handoff`, `chunk_frames`); the
+reader keeps to these.
 
 The file comes from the engine under test, so nothing in it is trusted: a
 file that breaks these rules is a `CaptureError`, which the caller turns into
@@ -23,6 +29,9 @@ codebook).
 
 from __future__ import annotations
 
+import io
+import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,7 +42,8 @@ CODEBOOKS = 16
 CODEBOOK_SIZE = 2048  # the 12 Hz tokenizer's codebook; the talker's specials (>= 2048) never reach the vocoder
 MAX_BYTES = 256 << 20  # about 100 minutes of float32 audio with its codes: far beyond any segment
 MAX_LEAD_SAMPLES = 1
-KNOWN = ("codes", "ref_codes", "wav", "sample_rate", "lead_samples")
+SCHEMA_VERSION = 1
+KNOWN = ("codes", "ref_codes", "wav", "sample_rate", "lead_samples", "schema_version")
 
 
 class CaptureError(ValueError):
@@ -85,6 +95,10 @@ def _scalar(arrays: dict, name: str, where: Path) -> int | None:
 
 def validate(arrays: dict, where: Path) -> Capture:
     """The checked content of one capture file's arrays."""
+    version = _scalar(arrays, "schema_version", where)
+    if version not in (None, SCHEMA_VERSION):
+        raise CaptureError(f"{where}: capture schema version {version}; this difftest reads version {SCHEMA_VERSION} "
+                           f"(the engine's capture plugin and difftest come from different checkouts?)")
     codes = _codes(arrays, "codes", where, required=True)
     ref_codes = _codes(arrays, "ref_codes", where, required=False)
     wav = None
@@ -137,3 +151,39 @@ def wait_for(capture_dir: Path, tag: str, wait_s: float) -> Path | None:
             return None
         time.sleep(0.05)
     return path
+
+
+def encode(arrays: dict) -> bytes:
+    """An npz of these arrays with the schema version: codes as int64, audio as float32."""
+    out = {k: np.asarray(v) for k, v in arrays.items()}
+    for name in ("codes", "ref_codes"):
+        if name in out:
+            out[name] = out[name].astype(np.int64).reshape(-1, CODEBOOKS)
+    if "wav" in out:
+        out["wav"] = out["wav"].astype(np.float32).reshape(-1)
+    for name in ("sample_rate", "lead_samples"):
+        if name in out:
+            out[name] = np.int64(out[name])
+    out["schema_version"] = np.int64(SCHEMA_VERSION)
+    buf = io.BytesIO()
+    np.savez(buf, **out)
+    return buf.getvalue()
+
+
+def write(path: Path, arrays: dict) -> Path:
+    """Write a capture file atomically (a temporary file renamed over it: a reader never sees half
+    of one), readable by the tester whatever the writer's umask."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(encode(arrays))
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return path
+

@@ -22,7 +22,6 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +30,7 @@ from ..results import Result, ResultStore, write_result
 from ..suites import wavio
 from ..suites.suite import Segment
 from . import capture
+from .base import Outcome
 from .capture import Capture, CaptureError
 from .speech_client import ServerUnreachable, SpeechClient, SpeechError, speech_request
 
@@ -39,13 +39,6 @@ PATTERNS = ("barrier", "pool", "staggered")
 # and a busy machine stretches that moment. Waited out only when a capture is late.
 CAPTURE_WAIT_S = 30.0
 ORDERS = ("suite", "permuted", "mixed", "long-first")
-
-
-@dataclass
-class CandidateOutcome:
-    results: dict = field(default_factory=dict)  # segment id -> Result
-    errors: dict = field(default_factory=dict)  # segment id -> {"source", "kind", "message"}
-    batches: list = field(default_factory=list)  # waves of segment ids sent together (co-batch candidates)
 
 
 def order_segments(segments: list[Segment], order: str, seed: int = 0) -> list[Segment]:
@@ -82,7 +75,7 @@ def _waves(segments: list[Segment], n: int, order: str, seed: int) -> list[list[
 
 
 def read_capture(capture_dir: Path | None, tag: str, wait_s: float | None = None) -> Capture | None:
-    """The engine's checked capture for a tag (contract 5); None without a capture folder.
+    """The engine's checked capture for a tag (docs/architecture.md, contract 5); None without a capture folder.
 
     Raises CaptureError when the capture was asked for and is missing or unusable: never a
     silent fall-back to an audio-only comparison."""
@@ -100,7 +93,7 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
                   pattern: str = "barrier", order: str = "suite", seed: int = 0, stagger_ms: float = 50.0,
                   voice_mode: str = "inline", capture_dir: Path | None = None, label: str = "candidate",
                   provenance: dict | None = None, run_tag: str | None = None, reuse: bool = True,
-                  identity_key: str | None = None, on_result=None) -> CandidateOutcome:
+                  identity_key: str | None = None, on_result=None) -> Outcome:
     """Send every segment; write each answer as a result under out_dir; return what happened.
 
     A result already in out_dir is reused when `reuse` and it records `identity_key` (what
@@ -112,7 +105,7 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     run_tag = run_tag or uuid.uuid4().hex[:8]
-    outcome = CandidateOutcome()
+    outcome = Outcome()
     lock = threading.Lock()
     dead = threading.Event()
 
@@ -122,6 +115,7 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
         cached = store.get(out_dir, s.id, s.hash) if reuse else None
         if cached is not None and cached.meta.get("identity") == identity_key:
             outcome.results[s.id] = cached
+            outcome.cached.add(s.id)
         else:
             todo.append(s)
     outcome.batches = recorded_waves(outcome.results.values(), {s.id for s in segments})
@@ -229,3 +223,25 @@ def recorded_waves(results, wanted: set[str]) -> list[list[str]]:
             seen.add(wave)
             waves.append(list(wave))
     return waves
+
+
+class HttpCandidate:
+    """A speech server (vLLM-Omni's, the CPU test engine, any URL) behind the Engine surface
+    (engines/base.py): each `generate` sends a suite at a concurrency with the run's arrival settings."""
+
+    def __init__(self, client: SpeechClient, capture_dir: Path | None, label: str, info: dict, *,
+                 pattern: str = "barrier", order: str = "suite", voice_mode: str = "inline", run_tag: str = ""):
+        self.client, self.capture_dir, self.label, self.info = client, capture_dir, label, info
+        self.pattern, self.order, self.voice_mode, self.run_tag = pattern, order, voice_mode, run_tag
+
+    def generate(self, segments, *, concurrency: int, out_dir: Path | None = None, identity_key: str | None = None,
+                 progress=None) -> Outcome:
+        def note(seg, r):
+            if progress is not None:
+                progress.segment(seg.id, audio_seconds=r.seconds, seconds=r.timings.get("request_seconds", 0.0))
+
+        return run_candidate(segments, self.client, out_dir, concurrency=concurrency, pattern=self.pattern,
+                             order=self.order, voice_mode=self.voice_mode, capture_dir=self.capture_dir,
+                             label=self.label, provenance=self.info, run_tag=f"{self.run_tag}c{concurrency}",
+                             identity_key=identity_key, on_result=note)
+

@@ -14,7 +14,6 @@ import argparse
 import json
 import os
 import subprocess
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from ..errors import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_PASS, BadInput, InfraError
 from ..progress import Progress
 from ..results import CorruptResult, Result, ResultStore, read_result
 from ..suites.suite import Suite, load_suite
+from .base import Outcome
 from .runner_client import RunnerDied, RunnerProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,31 +44,13 @@ class ReferenceOptions:
 
 
 @dataclass
-class SegmentFailure:
-    """Why a segment has no reference result. kind: bad_input, engine or runner."""
+class ReferenceRun(Outcome):
+    """The reference's outcome, with the configuration it came from: the runner's fingerprint
+    (the cache key's engine half) and provenance, and the store folder of its results."""
 
-    kind: str
-    message: str
-
-    def __str__(self) -> str:
-        return self.message
-
-
-@dataclass
-class ReferenceRun:
-    config_dir: Path
-    fingerprint: dict
-    provenance: dict
-    outcomes: dict[str, Result | SegmentFailure]  # in suite order
-    cached: set[str] = field(default_factory=set)  # segments found in the store, not computed
-
-    @property
-    def results(self) -> dict[str, Result]:
-        return {k: v for k, v in self.outcomes.items() if isinstance(v, Result)}
-
-    @property
-    def failures(self) -> dict[str, SegmentFailure]:
-        return {k: v for k, v in self.outcomes.items() if isinstance(v, SegmentFailure)}
+    config_dir: Path | None = None
+    fingerprint: dict = field(default_factory=dict)
+    provenance: dict = field(default_factory=dict)
 
 
 def reference_python(explicit: str | None = None) -> Path:
@@ -118,110 +100,130 @@ def _check_hello(runner: RunnerProcess) -> None:
         raise InfraError(f"not a qwen-tts reference runner: {json.dumps(hello)[:300]}")
 
 
-def run_reference(suite: Suite, store_root: str | Path, options: ReferenceOptions | None = None, *,
-                  progress: Progress | None = None, runner: RunnerProcess | None = None) -> ReferenceRun:
-    """Reference results for every segment of `suite`: cached ones from the store, the rest computed.
+class ReferenceEngine:
+    """qwen-tts at concurrency 1 behind a running reference runner, with the result store as its
+    cache: the Engine surface (engines/base.py) of the reference side."""
 
-    `runner`: a reference runner the caller owns (started or not; it stays open,
-    e.g. for cross-decodes afterwards). Without it, one is started from
-    `options` and closed at the end.
+    label = LABEL
 
-    Raises BadInput (the runner refused its checkpoints or options) or InfraError
-    (it could not start). A runner that dies mid-suite does not raise: the
-    segments it did not answer get a SegmentFailure naming its exit status and
-    log tail, and the results it wrote stay in the store.
-    """
-    options = options or ReferenceOptions()
-    store = ResultStore(Path(store_root).resolve())  # the runner writes there from another working directory
-    own_runner = runner is None
-    if own_runner:
-        python = reference_python(options.python)
-        models = list(options.models) or (
-            tiny_checkpoints(store.root, python) if suite.model == TINY else [suite.model])
-        log_path = options.log_path or store.root / "logs" / f"{LABEL}-runner.log"
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        runner = RunnerProcess(runner_argv(python, models, options), env=dict(os.environ, HF_HUB_OFFLINE="1"),
-                               log_path=log_path, cwd=REPO)
-    try:
+    def __init__(self, runner: RunnerProcess, store_root: str | Path, timeout: float = 900.0):
         if runner.proc is None:
             start_runner(runner)
         else:
             _check_hello(runner)
-        hello = runner.hello
-        config_dir = store.config_dir(LABEL, hello["fingerprint"])
-        run = ReferenceRun(config_dir, hello["fingerprint"], hello.get("provenance", {}), {})
-        progress = progress or Progress(len(suite.segments), label="reference")
+        self.runner, self.timeout = runner, timeout
+        self.store = ResultStore(Path(store_root).resolve())  # the runner writes there from another folder
+        self.fingerprint = runner.hello["fingerprint"]
+        self.info = runner.hello.get("provenance", {})
+
+    def generate(self, segments: list, *, concurrency: int = 1, out_dir: Path | None = None,
+                 identity_key: str | None = None, progress: Progress | None = None) -> ReferenceRun:
+        """Cached results from the store, the rest computed. A runner that dies mid-suite does not
+        raise: the segments it did not answer are infrastructure errors naming its exit status and
+        log tail, and the results it wrote stay in the store."""
+        if concurrency != 1:
+            raise BadInput(f"the reference runs at concurrency 1, not {concurrency}")
+        config_dir = self.store.config_dir(LABEL, self.fingerprint)
+        run = ReferenceRun(config_dir=config_dir, fingerprint=self.fingerprint, provenance=self.info)
+        progress = progress or Progress(len(segments), label="reference")
         try:
             todo = []
-            for seg in suite.segments:
-                hit = store.get(config_dir, seg.id, seg.hash)
+            for seg in segments:
+                hit = self.store.get(config_dir, seg.id, seg.hash)
                 if hit is None:
                     todo.append(seg)
                 else:
-                    run.outcomes[seg.id] = hit
+                    run.results[seg.id] = hit
                     run.cached.add(seg.id)
                     progress.segment(seg.id, cached=True)
             if todo:
-                _generate(runner, todo, config_dir, run, progress, options.timeout)
+                self._generate(todo, config_dir, run, progress)
         finally:
             progress.close()
-    finally:
-        if own_runner:
-            runner.close()
-    run.outcomes = {s.id: run.outcomes[s.id] for s in suite.segments}
-    return run
+        run.batches = [[s.id] for s in segments]  # one at a time
+        return run
 
+    def _generate(self, todo: list, config_dir: Path, run: ReferenceRun, progress: Progress) -> None:
+        pending = {s.id: s for s in todo}
 
-def _generate(runner: RunnerProcess, todo: list, config_dir: Path, run: ReferenceRun, progress: Progress,
-              timeout: float) -> None:
-    pending = {s.id: s for s in todo}
-    try:
-        for ev in runner.request("generate", timeout=timeout, segments=[s.to_job() for s in todo],
-                                 out_dir=str(config_dir), concurrency=1):
-            sid = ev.get("segment")
-            kind = ev.get("event")
-            if kind == "progress":
-                progress.note(f"{sid}: {ev.get('message', '')}")
-                continue
-            if sid not in pending:
-                if kind in ("error", "protocol_error"):
-                    progress.note(f"runner: {ev.get('message', ev)}")
-                continue
-            seg = pending.pop(sid)
-            if kind == "result":
-                outcome = _read(ev.get("path", ""), seg.hash)
-            else:
-                outcome = SegmentFailure(ev.get("kind", "engine"), ev.get("message", "error without a message"))
-            run.outcomes[sid] = outcome
-            if isinstance(outcome, SegmentFailure):
-                progress.segment(sid, error=outcome.message)
-            else:
+        def fail(sid, kind, message):
+            run.fail(sid, kind, message, source="reference")
+            progress.segment(sid, error=message)
+
+        try:
+            for ev in self.runner.request("generate", timeout=self.timeout, segments=[s.to_job() for s in todo],
+                                          out_dir=str(config_dir), concurrency=1):
+                sid, kind = ev.get("segment"), ev.get("event")
+                if kind == "progress":
+                    progress.note(f"{sid}: {ev.get('message', '')}")
+                    continue
+                if sid not in pending:
+                    if kind in ("error", "protocol_error"):
+                        progress.note(f"runner: {ev.get('message', ev)}")
+                    continue
+                seg = pending.pop(sid)
+                if kind != "result":
+                    # the segment or its voice is wrong (bad_input), or qwen-tts failed on it
+                    fail(sid, "bad_input" if ev.get("kind") == "bad_input" else "infrastructure",
+                         ev.get("message", "error without a message"))
+                    continue
+                try:
+                    r = _read(ev.get("path", ""), seg.hash)
+                except CorruptResult as e:
+                    fail(sid, "infrastructure", str(e))
+                    continue
+                run.results[sid] = r
                 if ev.get("cached"):
                     run.cached.add(sid)
                 progress.segment(sid, cached=bool(ev.get("cached")), seconds=float(ev.get("seconds") or 0.0),
-                                 audio_seconds=outcome.seconds)
-    except RunnerDied as e:
-        for sid in pending:
-            run.outcomes[sid] = SegmentFailure("runner", f"no answer: {e}")
-            progress.segment(sid, error=f"no answer: {str(e).splitlines()[0]}")
-        return
-    for sid in pending:  # `done` came early: a runner bug, reported per segment all the same
-        run.outcomes[sid] = SegmentFailure("runner", "the runner finished the job without answering this segment")
-        progress.segment(sid, error="not answered")
+                                 audio_seconds=r.seconds)
+        except RunnerDied as e:
+            for sid in pending:
+                run.fail(sid, "infrastructure", f"no answer: {e}", source="reference")
+                progress.segment(sid, error=f"no answer: {str(e).splitlines()[0]}")
+            return
+        for sid in pending:  # `done` came early: a runner bug, reported per segment all the same
+            fail(sid, "infrastructure", "the runner finished the job without answering this segment")
 
 
-def _read(path: str, segment_hash: str) -> Result | SegmentFailure:
+def run_reference(suite: Suite, store_root: str | Path, options: ReferenceOptions | None = None, *,
+                  progress: Progress | None = None, runner: RunnerProcess | None = None) -> ReferenceRun:
+    """Reference results for every segment of `suite` (ReferenceEngine.generate).
+
+    `runner`: a reference runner the caller owns (started or not; it stays open, e.g. for
+    cross-decodes afterwards). Without it, one is started from `options` and closed at the end.
+    Raises BadInput (the runner refused its checkpoints or options) or InfraError (it could not start).
+    """
+    options = options or ReferenceOptions()
+    store_root = Path(store_root).resolve()
+    own_runner = runner is None
+    if own_runner:
+        python = reference_python(options.python)
+        models = list(options.models) or (
+            tiny_checkpoints(store_root, python) if suite.model == TINY else [suite.model])
+        log_path = options.log_path or store_root / "logs" / f"{LABEL}-runner.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        runner = RunnerProcess(runner_argv(python, models, options), env=dict(os.environ, HF_HUB_OFFLINE="1"),
+                               log_path=log_path, cwd=REPO)
+    try:
+        return ReferenceEngine(runner, store_root, options.timeout).generate(suite.segments, progress=progress)
+    finally:
+        if own_runner:
+            runner.close()
+
+
+def _read(path: str, segment_hash: str) -> Result:
     try:
         r = read_result(path)
     except CorruptResult as e:
-        return SegmentFailure("runner", f"the runner's result is unreadable: {e}")
+        raise CorruptResult(f"the runner's result is unreadable: {e}") from None
     if r.segment_hash != segment_hash:
-        return SegmentFailure("runner", f"{path} holds segment hash {r.segment_hash[:16]}, expected {segment_hash[:16]}")
+        raise CorruptResult(f"{path} holds segment hash {r.segment_hash[:16]}, expected {segment_hash[:16]}")
     return r
 
 
 def exit_code(run: ReferenceRun) -> int:
-    kinds = {f.kind for f in run.failures.values()}
+    kinds = {e["kind"] for e in run.errors.values()}
     if kinds - {"bad_input"}:
         return EXIT_INFRA
     return EXIT_BAD_INPUT if kinds else EXIT_PASS
@@ -254,14 +256,16 @@ def cmd_reference(args) -> int:
                                threads=args.threads, log_path=args.log, timeout=args.timeout)
     run = run_reference(suite, args.store, options)
     summary = {"suite": suite.name, "store": str(run.config_dir), "fingerprint": run.fingerprint, "segments": {}}
-    for sid, outcome in run.outcomes.items():
-        if isinstance(outcome, Result):
-            stem = ResultStore.stem(run.config_dir, sid, suite.segment(sid).hash)
+    for seg in suite.segments:
+        sid = seg.id
+        if sid in run.results:
+            stem = ResultStore.stem(run.config_dir, sid, seg.hash)
             summary["segments"][sid] = {
                 "status": "cached" if sid in run.cached else "computed",
                 "path": str(stem.with_name(stem.name + ".json")),
-                "audio_seconds": round(outcome.seconds, 3)}
+                "audio_seconds": round(run.results[sid].seconds, 3)}
         else:
-            summary["segments"][sid] = {"status": "error", "kind": outcome.kind, "error": outcome.message}
+            err = run.errors[sid]
+            summary["segments"][sid] = {"status": "error", "kind": err["kind"], "error": err["message"]}
     print(json.dumps(summary, indent=1))
     return exit_code(run)

@@ -13,18 +13,19 @@ from pathlib import Path
 
 from ..results import CorruptResult, ResultStore, read_result
 from ..suites.suite import Segment
-from .http import CandidateOutcome, _waves
+from .base import Outcome
+from .http import _waves
 from .runner_client import RunnerDied, RunnerProcess
 
 
 def run_candidate_runner(segments: list[Segment], runner: RunnerProcess, out_dir: Path, *, concurrency: int,
                          order: str = "suite", seed: int = 0, timeout: float = 900.0, identity_key: str | None = None,
-                         on_result=None, on_progress=None) -> CandidateOutcome:
+                         on_result=None, on_progress=None) -> Outcome:
     if concurrency < 1:
         raise ValueError("concurrency must be at least 1")
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    outcome = CandidateOutcome()
+    outcome = Outcome()
     by_id = {s.id: s for s in segments}
     waves = _waves(list(segments), concurrency, order, seed)
     outcome.batches = [[s.id for s in w] for w in waves]
@@ -75,7 +76,7 @@ def run_candidate_runner(segments: list[Segment], runner: RunnerProcess, out_dir
     return outcome
 
 
-def _batches_run(outcome: CandidateOutcome, waves: list[list[str]]) -> list[list[str]]:
+def _batches_run(outcome: Outcome, waves: list[list[str]]) -> list[list[str]]:
     """The batches the engine actually ran (each result's `meta.batch`), in wave order: a runner may
     split a wave (one engine per checkpoint type; shared sampling settings), and the donor search
     must look only at requests that really shared a batch. A wave with no such record stays whole;
@@ -100,3 +101,23 @@ def _batches_run(outcome: CandidateOutcome, waves: list[list[str]]) -> list[list
         if rest:
             out.append(rest)
     return out
+
+
+class RunnerCandidate:
+    """A candidate behind the runner protocol (the vLLM-Omni offline runner) behind the Engine surface
+    (engines/base.py): each wave of N one batch."""
+
+    def __init__(self, runner: RunnerProcess, label: str, info: dict, *, order: str = "suite",
+                 timeout: float = 900.0):
+        self.runner, self.label, self.info, self.order, self.timeout = runner, label, info, order, timeout
+
+    def generate(self, segments, *, concurrency: int, out_dir: Path | None = None, identity_key: str | None = None,
+                 progress=None) -> Outcome:
+        def note(seg, r):
+            if progress is not None:
+                progress.segment(seg.id, audio_seconds=r.seconds, seconds=r.timings.get("batch_seconds", 0.0))
+
+        return run_candidate_runner(segments, self.runner, out_dir, concurrency=concurrency, order=self.order,
+                                    timeout=self.timeout, identity_key=identity_key, on_result=note,
+                                    on_progress=progress.note if progress is not None else None)
+

@@ -1,4 +1,4 @@
-"""A client for vLLM-Omni's OpenAI-compatible speech API (design contract 4).
+"""A client for vLLM-Omni's OpenAI-compatible speech API (contract 4, docs/architecture.md).
 
 Only the standard library: `GET /health`, `POST /v1/audio/voices` (multipart),
 `POST /v1/audio/speech` (JSON in, WAV out). Connection failures are retried a

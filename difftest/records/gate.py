@@ -1,4 +1,4 @@
-"""`difftest gate OUT`: the CI decision on a run, with the exit codes of contract 7.
+"""`difftest gate OUT`: the CI decision on a run, with the exit codes of contract 7 (docs/architecture.md).
 
 The policy says which segment verdicts fail. With `--baseline-version V` the run is also held
 against the latest run of candidate version V logged to MLflow on the same suite hash and
@@ -10,30 +10,16 @@ Without a baseline, MLflow is not needed at all.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..errors import (
-    EXIT_BAD_INPUT,
-    EXIT_FAIL,
-    EXIT_INFRA,
-    EXIT_PASS,
-    BadInput,
-    InfraError,
-)
+from ..errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput, InfraError
 from ..results import atomic_write
 from ..verdicts.policy import Policy, load_policy
 from . import mlflow_records as rec
 from .gate_output import headline, junit_xml, markdown
-from .tracking import (
-    TrackingUnavailable,
-    child_runs,
-    mlflow_client,
-    read_report,
-    resolve_tracking_uri,
-)
+from .tracking import TrackingUnavailable, child_runs, mlflow_client, read_report, resolve_tracking_uri
 
 # Per segment: pass, fixed (failed in the baseline, clean now), known, regression, new (failing,
 # absent from the baseline), fail (failing, no baseline asked for), error (infrastructure or bad input).

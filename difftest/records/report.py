@@ -1,4 +1,4 @@
-"""report.json (design contract 6), the overall verdict and exit code (contract 7), the summary."""
+"""report.json, the overall verdict and exit code, the summary (contracts 6 and 7, docs/architecture.md)."""
 
 from __future__ import annotations
 

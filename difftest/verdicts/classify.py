@@ -20,13 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..compare import align
-from ..compare.audio import (
-    ChunkMetrics,
-    frame_metrics,
-    log_mel,
-    non_finite,
-    reduce_frames,
-)
+from ..compare.audio import ChunkMetrics, frame_metrics, log_mel, non_finite, reduce_frames
 from ..compare.codes import diff_codes
 from ..results import Result
 from .policy import TIERS, Policy, chunk_tiers

@@ -2,7 +2,7 @@
 
 Everything a client can get wrong is found here and answered with a 4xx that
 names the field, before the engine sees the request. Field names and meanings
-follow vLLM-Omni's `/v1/audio/speech` (research/vllm-omni-internals.md 2):
+follow vLLM-Omni's `/v1/audio/speech` (vllm_omni/entrypoints/openai/protocol/audio.py in 0.30):
 `input`, `task_type` (Base / CustomVoice / VoiceDesign), `language`, `voice`,
 `ref_audio` (a base64 data URL of a WAV), `ref_text`, `x_vector_only_mode`,
 `instructions`, `seed`, `max_new_tokens`, `response_format` (wav | pcm),

@@ -45,7 +45,7 @@ rest of the engine is the clean path. Where each one acts:
   short and the audio 1920 samples short. Any concurrency.
   Acts in: handoff.talker2code2wav.
 
-Research references: /work/shared/research/vllm-omni-internals.md sections 1.5, 3 and 4.
+Where each lives upstream: docs/cpu-engine.md.
 """
 
 from __future__ import annotations

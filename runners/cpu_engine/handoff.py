@@ -1,7 +1,8 @@
 """The talker -> vocoder hand-off, laid out like vLLM-Omni's (numpy only).
 
 vLLM-Omni moves a batch's codes from the talker stage to the vocoder stage in
-three steps (research/vllm-omni-internals.md 1.5):
+three steps (vllm_omni 0.30's Qwen3-TTS talker, utils/mm_outputs.py and
+stage_input_processors/qwen3_tts.py):
 
 1. `make_omni_output` (talker.py) builds ONE payload for the whole batch:
    `codes.audio` concatenated along dim 0, `codes.ref` as a list, `meta.*`.

@@ -12,12 +12,11 @@ naming the field; an exception in the engine is a 500 with its message, and
 the server goes on. With a capture directory, each tagged request's codes,
 reference codes and float waveform (as handed to and returned by the vocoder)
 are written to `<dir>/<tag>.npz` atomically before the response is sent
-(design contract 5).
+(contract 5, docs/architecture.md).
 """
 
 from __future__ import annotations
 
-import io
 import json
 import sys
 import threading
@@ -29,17 +28,10 @@ from typing import Callable
 import numpy as np
 
 from difftest.compare.align import lead_of
-from difftest.results import atomic_write
+from difftest.engines import capture
 from difftest.suites import wavio
 from runners.cpu_engine import ENGINE_NAME, LABEL
-from runners.cpu_engine.api import (
-    API_OF_TASK,
-    BadRequest,
-    ModelInfo,
-    VoiceStore,
-    parse_speech,
-    parse_voice_upload,
-)
+from runners.cpu_engine.api import API_OF_TASK, BadRequest, ModelInfo, VoiceStore, parse_speech, parse_voice_upload
 from runners.cpu_engine.scheduler import Batcher, EngineStopped
 
 MAX_BODY = 64 << 20
@@ -50,16 +42,12 @@ def log(message: str) -> None:
 
 
 def write_capture(capture_dir: Path, tag: str, codes: np.ndarray, ref_codes: np.ndarray, wav: np.ndarray) -> Path:
-    """`<dir>/<tag>.npz` (difftest/capture.py's format): codes (T,16) int64, ref_codes (R,16) int64,
-    wav float32, and lead_samples (the sample qwen-tts's cut can leave before frame 0); atomic."""
-    buf = io.BytesIO()
+    """`<dir>/<tag>.npz` in the capture schema (difftest/engines/capture.py), with lead_samples (the
+    sample qwen-tts's cut can leave before frame 0); atomic and fsynced before the answer goes out."""
     codes = np.asarray(codes, np.int64).reshape(-1, 16)
     wav = np.asarray(wav, np.float32).reshape(-1)
-    np.savez(buf, codes=codes, ref_codes=np.asarray(ref_codes, np.int64).reshape(-1, 16), wav=wav,
-             lead_samples=np.int64(lead_of(len(wav), len(codes))))
-    path = Path(capture_dir) / f"{tag}.npz"
-    atomic_write(path, buf.getvalue())  # fsynced before the answer goes out
-    return path
+    return capture.write(Path(capture_dir) / f"{tag}.npz", {
+        "codes": codes, "ref_codes": ref_codes, "wav": wav, "lead_samples": lead_of(len(wav), len(codes))})
 
 
 class EngineServer:

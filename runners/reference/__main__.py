@@ -20,13 +20,7 @@ import sys
 from runners.protocol import serve
 from runners.reference.checkpoint import CheckpointError, open_checkpoints
 from runners.reference.engine import QwenTTSEngine
-from runners.reference.environment import (
-    cuda_device_name,
-    host,
-    log,
-    package_versions,
-    repo_commit,
-)
+from runners.reference.environment import cuda_device_name, host, log, package_versions, repo_commit
 from runners.reference.service import LABEL, ReferenceService
 
 # Bump when the runner's own behaviour changes what it writes for the same inputs.

@@ -16,13 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from difftest.compare.align import lead_of
-from difftest.results import (
-    CorruptResult,
-    Result,
-    ResultStore,
-    read_result,
-    write_result,
-)
+from difftest.results import CorruptResult, Result, ResultStore, read_result, write_result
 from difftest.suites import wavio
 from difftest.suites.suite import DECODE_FIELDS, SAMPLE_RATE
 from runners.reference.checkpoint import MODEL_TYPE_OF_TASK, Checkpoint

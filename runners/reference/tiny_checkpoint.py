@@ -235,11 +235,7 @@ def _build_into(out: Path, seed: int, model_type: str, eos_bias: float) -> None:
     import torch
     import transformers
     from qwen_tts.core import Qwen3TTSTokenizerV2Config, Qwen3TTSTokenizerV2Model
-    from qwen_tts.core.models import (
-        Qwen3TTSConfig,
-        Qwen3TTSForConditionalGeneration,
-        Qwen3TTSProcessor,
-    )
+    from qwen_tts.core.models import Qwen3TTSConfig, Qwen3TTSForConditionalGeneration, Qwen3TTSProcessor
     from transformers import EncodecFeatureExtractor
 
     stamp = {"transformers_version": transformers.__version__}

@@ -197,7 +197,7 @@ want_sum="$( {
     if [[ -n "$source" ]]; then echo "source $source $sha"; else echo "release $version"; fi
     echo "pins $pins_name device $device base $base"
     [[ -z "$base" ]] || cat "$base/.difftest-vllm-omni-env" 2>/dev/null || true
-    cat "$engine_file" "$pins/omni-deps.txt" "$here/difftest_capture/pyproject.toml" \
+    cat "$engine_file" "$pins/omni-deps.txt" "$repo/pyproject.toml" "$here/difftest_capture/pyproject.toml" \
         "$here/difftest_cpu_platform/pyproject.toml" "$0" 2>/dev/null || true
 } | sha256sum | cut -d' ' -f1)"
 
@@ -256,6 +256,8 @@ else:
         problems.append(f"vllm_omni imports from {spec.origin}, not from the checkout {want['checkout']}")
     if want["omni_minor"] and minor(ver("vllm-omni")) != want["omni_minor"]:
         problems.append(f"vllm-omni is {ver('vllm-omni')}, not {want['omni_minor']}.x as its pins")
+if u.find_spec("difftest") is None:
+    problems.append("difftest itself is not installed (its capture schema)")
 groups = [("vllm_omni.general_plugins", "difftest_capture"), ("vllm.general_plugins", "difftest_capture")]
 if want["device"] == "cpu":
     groups.append(("vllm_omni.platform_plugins", "difftest_cpu"))
@@ -367,7 +369,7 @@ if [[ -z "$base" ]]; then
 fi
 
 if [[ "$device" == cpu && -z "$base" ]]; then
-    say "CUDA-only wheels beside a CPU torch (research/vllm-omni-on-cpu.md §2-3)"
+    say "CUDA-only wheels beside a CPU torch: torchvision shimmed, torchaudio's CUDA libraries and torchcodec removed"
     # torchcodec: a CUDA build that cannot load, and nothing on the serve path needs it.
     run "$vpy" -m pip uninstall -y -q torchcodec 2>/dev/null || true
     # torchaudio: without its CUDA .so files it runs in pure-Python mode (melscale_fbanks, resample).
@@ -392,9 +394,11 @@ EOF
     fi
 fi
 
-plugins=(-e "$here/difftest_capture")
+# difftest itself too (no deps, numpy-only modules used): the capture plugin writes through its
+# capture schema (difftest/engines/capture.py), so writer and reader are one module.
+plugins=(-e "$repo" -e "$here/difftest_capture")
 [[ "$device" != cpu ]] || plugins+=(-e "$here/difftest_cpu_platform")
-say "difftest's plugins (editable): difftest-capture${plugins[3]:+, difftest-cpu-platform}"
+say "difftest and its plugins (editable): difftest, difftest-capture${plugins[5]:+, difftest-cpu-platform}"
 # An overlay builds them with the base's setuptools: no build environment to download.
 pip_install --no-deps ${base:+--no-build-isolation} "${plugins[@]}"
 
@@ -421,7 +425,7 @@ fi
 
 say "checking"
 check_env
-imports="import difftest_capture.store"
+imports="import difftest_capture.store, difftest.engines.capture"
 [[ "$device" != cpu ]] || imports+=", difftest_cpu_platform.versions"
 [[ "$device" != cpu || -n "$base" ]] || imports+=", torchvision, torchaudio"  # an overlay: the base's, checked there
 "$vpy" -c "$imports" >/dev/null 2>&1 || { say "failed: $imports"; exit 1; }

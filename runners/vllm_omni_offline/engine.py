@@ -82,17 +82,13 @@ class OmniPool:
         key = str(self.checkpoints[task].path)
         if key not in self._estimators:
             from transformers import AutoTokenizer
-            from vllm_omni.model_executor.models.qwen3_tts.configuration_qwen3_tts import (
-                Qwen3TTSConfig,
-            )
+            from vllm_omni.model_executor.models.qwen3_tts.configuration_qwen3_tts import Qwen3TTSConfig
 
             tok = AutoTokenizer.from_pretrained(key, trust_remote_code=True, padding_side="left")
             talker = getattr(Qwen3TTSConfig.from_pretrained(key, trust_remote_code=True), "talker_config", None)
             self._estimators[key] = (tok, talker)
         tok, talker = self._estimators[key]
-        from vllm_omni.model_executor.models.qwen3_tts.prompt_embeds_builder import (
-            Qwen3TTSPromptEmbedsBuilder,
-        )
+        from vllm_omni.model_executor.models.qwen3_tts.prompt_embeds_builder import Qwen3TTSPromptEmbedsBuilder
 
         def ref_len(ref_audio):
             samples, sr = ref_audio[0]

@@ -1,4 +1,4 @@
-"""difftest's capture plugin for vLLM-Omni (design contract 5).
+"""difftest's capture plugin for vLLM-Omni (contract 5, docs/architecture.md).
 
 Registered under the `vllm_omni.general_plugins` entry point (the API server and
 stage workers load it) and under vLLM's `vllm.general_plugins` (the stage
@@ -44,9 +44,7 @@ logger = logging.getLogger("vllm.difftest_capture")
 def register() -> None:
     if os.environ.get("DIFFTEST_ACCEPT_LENGTH_FINISH", "").strip() in ("1", "true", "yes"):
         try:
-            from runners.vllm_omni.difftest_capture.difftest_capture.length_cap import (
-                install as accept_length_finish,
-            )
+            from runners.vllm_omni.difftest_capture.difftest_capture.length_cap import install as accept_length_finish
 
             accept_length_finish()
         except Exception:

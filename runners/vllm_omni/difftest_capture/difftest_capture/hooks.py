@@ -31,15 +31,8 @@ from pathlib import Path
 
 import numpy as np
 
-from runners.vllm_omni.difftest_capture.difftest_capture import (
-    TAG_KEY,
-    UNTAGGED_ENV,
-    request_id_tag,
-)
-from runners.vllm_omni.difftest_capture.difftest_capture.store import (
-    CaptureStore,
-    valid_tag,
-)
+from runners.vllm_omni.difftest_capture.difftest_capture import TAG_KEY, UNTAGGED_ENV, request_id_tag
+from runners.vllm_omni.difftest_capture.difftest_capture.store import CaptureStore, valid_tag
 
 logger = logging.getLogger("vllm.difftest_capture")
 

@@ -14,11 +14,7 @@ from __future__ import annotations
 import logging
 import os
 
-from runners.vllm_omni.difftest_cpu_platform.difftest_cpu_platform.versions import (
-    ENV_SWITCH,
-    SUPPORTED,
-    refusal,
-)
+from runners.vllm_omni.difftest_cpu_platform.difftest_cpu_platform.versions import ENV_SWITCH, SUPPORTED, refusal
 
 __all__ = ["SUPPORTED", "detect", "installed_versions"]
 

@@ -13,9 +13,7 @@ from vllm.platforms.cpu import CpuPlatform
 from vllm_omni.platforms.interface import OmniPlatform, OmniPlatformEnum
 
 import difftest_cpu_platform as _plugin
-from runners.vllm_omni.difftest_cpu_platform.difftest_cpu_platform.versions import (
-    refusal,
-)
+from runners.vllm_omni.difftest_cpu_platform.difftest_cpu_platform.versions import refusal
 
 
 class _NoGraphCapture:

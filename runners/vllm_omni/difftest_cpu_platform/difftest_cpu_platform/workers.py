@@ -6,7 +6,7 @@ OmniGPUModelRunner -> ... -> CPUModelRunner -> GPUModelRunner`. So
 KV-cache setup and torch.cuda stand-ins are vLLM's CPU runner's.
 
 What vLLM-Omni 0.30.0 needs on the CPU, each handled below and found by
-running it (research/vllm-omni-cpu-serving.md):
+running it (docs/vllm-omni.md):
 1. the talker's attention head size must be one vLLM's CPU attention kernel
    has (32, 64, 80, ...): refused at start, not at the first request;
 2. the Qwen3-TTS talker runs only in bfloat16 (its embeddings are hard-coded
