@@ -13,9 +13,9 @@ from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescap
 from dashboards import model
 from dashboards.assets import VERDICT_COLOURS, VIEWS
 from dashboards.html import fmt_num, fmt_pct, href
-from difftest.records.mlflow_records import donor_text
 from difftest.records.segment_media import safe_name
 from difftest.verdicts.policy import TIERS, VERDICTS
+from difftest.verdicts.where import donor_text, where
 
 SEGMENT_ROLES = (  # audio role -> (title, what it is)
     ("reference", "reference", "qwen-tts at concurrency 1"),
@@ -88,14 +88,7 @@ def mlflow_url(ctx: Context, exp_id: str, run_id: str) -> str:
 
 def where_bits(seg: dict) -> str:
     """`chunk 0 · handoff · donor s2`: where a segment parts from the reference."""
-    bits = []
-    if seg.get("first_divergent_chunk") is not None:
-        bits.append(f"chunk {seg['first_divergent_chunk']}")
-    if seg.get("stage"):
-        bits.append(seg["stage"])
-    if seg.get("donor"):
-        bits.append(f"donor {donor_text(seg)}")
-    return " · ".join(bits)
+    return where(seg, " · ")
 
 
 @lru_cache(maxsize=1)
@@ -219,8 +212,7 @@ def where_groups(run, root: str = "", limit: int = 3) -> dict:
     ordered = sorted(groups.items(), key=lambda kv: (rank.get(kv[0][0], 99), -len(kv[1])))
     items = []
     for (verdict, chunk, stage, donor), members in ordered[:limit]:
-        bits = [f"chunk {chunk}" if chunk is not None else "", stage or "", f"donor {donor}" if donor else ""]
-        items.append({"verdict": verdict, "count": len(members), "where": " · ".join(b for b in bits if b),
+        items.append({"verdict": verdict, "count": len(members), "where": where(members[0], " · "),
                       "members": [{"id": m["id"], "href": segment_href(run, m["id"], root), "name": clip(m["id"], 24)}
                                   for m in members[:4]],
                       "more": len(members) - 4})

@@ -419,3 +419,27 @@ def test_http_voices_identity_and_concurrent_batching(fake_server):
     with pytest.raises(SpeechError) as e:
         client.speech({"input": "Hi.", "voice": "amy", "response_format": "opus"})
     assert e.value.status == 400
+
+
+def test_one_voice_rule_for_suites_the_reference_runner_and_the_engine(tmp_path):
+    """difftest/suites/voices.py is the rule everywhere a voice enters: the same WAV is refused with
+    the same words by a suite, by the reference runner, and by the CPU engine's speech API."""
+    from difftest.errors import SuiteError
+    from difftest.suites import wavio
+    from difftest.suites.suite import load_suite
+    from runners.cpu_engine.api import check_voice_wav
+    from runners.reference.service import BadInput as RunnerBadInput
+    from runners.reference.service import _check_voice_wav
+
+    wav = tmp_path / "v.wav"
+    wavio.write(wav, np.zeros(24000 * 61, np.float32), 24000, "pcm16")  # a minute and a second
+    problem = "lasts 61.0 s; a reference voice may last at most 60 s"
+    with pytest.raises(BadRequest, match=problem):
+        check_voice_wav(wav.read_bytes(), "ref_audio")
+    with pytest.raises(RunnerBadInput, match=problem):
+        _check_voice_wav(wav, None)
+    (tmp_path / "s.yaml").write_text("name: s\ndecode: {repetition_penalty: 1.0, max_new_tokens: 4, seed: 0}\n"
+                                     "voices: [{id: v, wav: v.wav, transcript: hi}]\n"
+                                     "segments: [{id: a, text: hi, voice: v}]\n")
+    with pytest.raises(SuiteError, match=problem):
+        load_suite(tmp_path / "s.yaml")

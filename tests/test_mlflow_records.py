@@ -3,6 +3,7 @@
 import math
 
 from difftest.records import mlflow_records as rec
+from difftest.verdicts.where import donor_text, where
 
 # The layout `difftest run` writes (difftest/run.py, difftest/vllm_omni.py), trimmed.
 RUN_REPORT = {
@@ -82,7 +83,15 @@ def test_divergence_rows_skip_clean_segments():
     assert "donor_kind" not in rec.segment_tags(report["segments"][2], report, "p" * 32, {})
 
 
-def test_donor_text():
-    assert rec.donor_text({"donor": None}) == "" and rec.donor_text({}) == ""
-    assert rec.donor_text({"donor": "s2"}) == "s2" and rec.donor_text({"donor": "s2", "donor_kind": "codes"}) == "s2"
-    assert rec.donor_text({"donor": "s2", "donor_kind": "length"}) == "s2 (length)"
+def test_donor_text_and_where_one_formatter_for_every_output():
+    assert donor_text({"donor": None}) == "" and donor_text({}) == ""
+    assert donor_text({"donor": "s2"}) == "s2" and donor_text({"donor": "s2", "donor_kind": "codes"}) == "s2"
+    assert donor_text({"donor": "s2", "donor_kind": "length"}) == "s2 (length)"
+    seg = {"id": "s0", "verdict": "contamination", "first_divergent_chunk": 0, "stage": "handoff", "donor": "s2",
+           "donor_kind": "length"}
+    assert where(seg) == "chunk 0, handoff, donor s2 (length)"
+    assert where(seg, stage_word=True) == "chunk 0, stage handoff, donor s2 (length)"
+    assert where({"first_divergent_chunk": None}) == ""
+    from difftest.bisect.probe import describe  # bisect's record used to drop "(length)"
+
+    assert describe(seg) == "s0 contamination (chunk 0, stage handoff, donor s2 (length))"

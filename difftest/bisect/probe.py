@@ -31,6 +31,7 @@ from ..errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_PASS, BadInput, InfraError
 from ..run import RunOptions, resolve_models, run, start_reference_runner
 from ..suites.suite import Suite
 from ..verdicts.policy import Policy
+from ..verdicts.where import where
 from .builds import BuildFailed, LaunchContext, Recipe, Worktrees, commit_info, prepare
 from .search import BAD, GOOD, SKIP, Vote, agreement, vote
 
@@ -79,20 +80,14 @@ def judge(report: dict, bad_on: frozenset | None = None) -> tuple[str, list[dict
     else:
         condemned = [s for s in segs if s.get("verdict") in bad_on]
         bad = bool(condemned)
-    rows = [{k: s.get(k) for k in ("id", "verdict", "first_divergent_chunk", "stage", "donor", "summary")}
+    rows = [{k: s.get(k) for k in ("id", "verdict", "first_divergent_chunk", "stage", "donor", "donor_kind", "summary")}
             for s in condemned]
     return (BAD, rows, f"{len(rows)} segment(s) condemned") if bad else (GOOD, [], "clean")
 
 
 def describe(row: dict) -> str:
-    where = []
-    if row.get("first_divergent_chunk") is not None:
-        where.append(f"chunk {row['first_divergent_chunk']}")
-    if row.get("stage"):
-        where.append(f"stage {row['stage']}")
-    if row.get("donor"):
-        where.append(f"donor {row['donor']}")
-    return f"{row['id']} {row['verdict']}" + (f" ({', '.join(where)})" if where else "")
+    at = where(row, stage_word=True)
+    return f"{row['id']} {row['verdict']}" + (f" ({at})" if at else "")
 
 
 class SharedReference:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
-from .mlflow_records import CLEAN, canonical_tags, donor_text
+from ..verdicts.where import donor_text, where
+from .mlflow_records import CLEAN, canonical_tags
 
 ORDER = ("error", "regression", "new", "fail", "known", "fixed", "pass")
 LABEL = {"error": "error", "regression": "regression", "new": "new failure", "fail": "failing",
@@ -13,14 +14,7 @@ LABEL = {"error": "error", "regression": "regression", "new": "new failure", "fa
 
 
 def _where(seg: dict) -> str:
-    parts = []
-    if seg.get("first_divergent_chunk") is not None:
-        parts.append(f"chunk {seg['first_divergent_chunk']}")
-    if seg.get("stage"):
-        parts.append(f"stage {seg['stage']}")
-    if seg.get("donor"):
-        parts.append(f"donor {donor_text(seg)}")
-    return ", ".join(parts)
+    return where(seg, stage_word=True)
 
 
 def _why(row, result) -> str:

@@ -188,15 +188,6 @@ def parent_metrics(report: dict) -> dict[str, float]:
     return out
 
 
-def donor_text(seg: dict) -> str:
-    """The donor as shown to people: `s2` when it lent its reference codes, `s2 (length)` when only
-    their length (`donor_kind`), '' when there is none."""
-    donor, kind = seg.get("donor"), seg.get("donor_kind")
-    if not donor:
-        return ""
-    return f"{donor} ({kind})" if kind and kind != "codes" else donor
-
-
 def segment_tags(seg: dict, report: dict, parent_run_id: str, inherited: dict) -> dict[str, str]:
     raw = {
         KIND: "segment", PARENT: parent_run_id, "segment.id": seg["id"], "verdict": seg.get("verdict"),

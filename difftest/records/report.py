@@ -12,7 +12,7 @@ from ..errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput
 from ..results import atomic_write
 from ..verdicts.classify import SegmentVerdict
 from ..verdicts.policy import RUN_VERDICTS, VERDICTS, Policy
-from .mlflow_records import donor_text
+from ..verdicts.where import donor_text, where
 
 FORMAT = "difftest.report/1"
 
@@ -111,14 +111,8 @@ def summary_lines(report: dict, limit: int = 20) -> list[str]:
         if shown == limit:
             lines.append(f"  ... {sum(1 for x in segs if x['verdict'] not in ('identical', 'numeric_drift')) - limit} more in report.json")
             break
-        where = []
-        if s["first_divergent_chunk"] is not None:
-            where.append(f"chunk {s['first_divergent_chunk']}")
-        if s["stage"]:
-            where.append(s["stage"])
-        if s["donor"]:
-            where.append(f"donor {donor_text(s)}")
-        lines.append(f"  {s['id']}: {s['verdict']}" + (f" [{', '.join(where)}]" if where else "") + f" {s['summary']}")
+        at = where(s)
+        lines.append(f"  {s['id']}: {s['verdict']}" + (f" [{at}]" if at else "") + f" {s['summary']}")
         shown += 1
     for w in report.get("warnings", [])[:5]:
         lines.append(f"  warning: {w}")

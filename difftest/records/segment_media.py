@@ -14,6 +14,7 @@ from ..compare.audio import MEL_HOP, log_mel
 from ..results import CorruptResult, read_result
 from ..suites import wavio
 from ..suites.suite import SAMPLES_PER_FRAME
+from ..verdicts.where import where
 
 log = logging.getLogger(__name__)
 
@@ -104,11 +105,8 @@ def spectrogram_difference(ref: np.ndarray, cand: np.ndarray, sample_rate: int, 
         if seg.get("first_divergent_frame") is not None:
             ax.axvline(seg["first_divergent_frame"] * SAMPLES_PER_FRAME / sample_rate, color="lime", ls="--", lw=1)
     axes[-1].set_xlabel("seconds")
-    where = [f"chunk {seg['first_divergent_chunk']}" if seg.get("first_divergent_chunk") is not None else "",
-             seg.get("stage") or "", (f"donor {seg['donor']}" + (" (length)" if seg.get("donor_kind") == "length" else ""))
-             if seg.get("donor") else ""]
-    where = ", ".join(w for w in where if w)
-    fig.suptitle(f"{seg['id']}: {seg['verdict']}" + (f" ({where})" if where else ""), fontsize=10)
+    at = where(seg)
+    fig.suptitle(f"{seg['id']}: {seg['verdict']}" + (f" ({at})" if at else ""), fontsize=10)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=72)
     plt.close(fig)

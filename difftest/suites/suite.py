@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from ..errors import SuiteError
-from . import wavio
+from .voices import VoiceError, check_voice
 
 SAMPLE_RATE = 24000
 CODEBOOKS = 16
@@ -58,8 +58,6 @@ DEFAULT_CHUNKS = {"initial_frames": 1, "frames": 25}
 # 38 s). max_new_tokens: the released checkpoints' own generation_config bound (8192 frames, 11 min).
 MAX_TEXT_CHARS = 5000  # text, transcript, instructions; a long audiobook paragraph is about 1,500
 MAX_NEW_TOKENS = 8192
-MAX_VOICE_SECONDS = 60.0  # a reference voice; the model card suggests a few seconds
-MIN_VOICE_BITS = 16  # 8-bit PCM is unsigned and coarse: both engines would hear its noise
 
 
 @dataclass(frozen=True)
@@ -213,24 +211,9 @@ def _voice(chk: _Checker, raw, i: int, base_dir: Path) -> Voice:
         chk.fail(f"{where}.wav", f"file not found: {wav}")
     data = wav.read_bytes()
     try:
-        wi = wavio.info(data)
-    except wavio.WavError as e:
-        chk.fail(f"{where}.wav", f"{wav.name}: {e}")
-    if wi.format != "pcm":
-        chk.fail(f"{where}.wav", f"{wav.name} is {wi.bits}-bit {wi.format}, not PCM")
-    if wi.channels != 1:
-        chk.fail(f"{where}.wav", f"{wav.name} has {wi.channels} channels, must be mono")
-    if wi.sample_rate != SAMPLE_RATE:
-        # Both engines would resample (librosa vs vLLM's resampler), and the
-        # difference would read as divergence that is no serving bug.
-        chk.fail(f"{where}.wav", f"{wav.name} is {wi.sample_rate} Hz; resample it to {SAMPLE_RATE} Hz")
-    if wi.bits < MIN_VOICE_BITS:
-        chk.fail(f"{where}.wav", f"{wav.name} is {wi.bits}-bit; use 16-bit PCM or better")
-    if wi.n_frames == 0:
-        chk.fail(f"{where}.wav", f"{wav.name} holds no samples")
-    if wi.n_frames > MAX_VOICE_SECONDS * SAMPLE_RATE:
-        chk.fail(f"{where}.wav", f"{wav.name} lasts {wi.n_frames / SAMPLE_RATE:.0f} s; a reference voice may last "
-                                 f"at most {MAX_VOICE_SECONDS:.0f} s")
+        wi = check_voice(data)
+    except VoiceError as e:
+        chk.fail(f"{where}.wav", f"{wav.name} {e}")
     if "transcript" in raw and "transcript_file" in raw:
         chk.fail(where, "give transcript or transcript_file, not both")
     if "transcript_file" in raw:

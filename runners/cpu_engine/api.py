@@ -27,9 +27,9 @@ from email.parser import BytesParser
 from pathlib import Path
 
 from difftest.suites import wavio
+from difftest.suites.voices import VoiceError, check_voice
 
 SAMPLE_RATE = 24000
-MAX_VOICE_SECONDS = 120.0
 TASK_OF_API = {"Base": "voice_clone", "CustomVoice": "custom_voice", "VoiceDesign": "voice_design"}
 API_OF_TASK = {v: k for k, v in TASK_OF_API.items()}
 RESPONSE_FORMATS = ("wav", "pcm")
@@ -157,23 +157,10 @@ class VoiceStore:
 def check_voice_wav(data: bytes, field_name: str) -> wavio.WavInfo:
     """A reference wav must be 24 kHz mono PCM: anything else would be resampled or mixed
     differently by the two engines and read as a divergence that is no serving bug."""
-    if not data:
-        raise BadRequest(field_name, "is empty")
     try:
-        info = wavio.info(data)
-    except wavio.WavError as e:
-        raise BadRequest(field_name, f"not a usable WAV file ({e})") from None
-    if info.format != "pcm":
-        raise BadRequest(field_name, f"is {info.bits}-bit {info.format}; must be PCM")
-    if info.channels != 1:
-        raise BadRequest(field_name, f"has {info.channels} channels; must be mono")
-    if info.sample_rate != SAMPLE_RATE:
-        raise BadRequest(field_name, f"is {info.sample_rate} Hz; must be {SAMPLE_RATE} Hz")
-    if info.n_frames == 0:
-        raise BadRequest(field_name, "holds no samples")
-    if info.n_frames > MAX_VOICE_SECONDS * SAMPLE_RATE:
-        raise BadRequest(field_name, f"is {info.n_frames / SAMPLE_RATE:.1f} s; at most {MAX_VOICE_SECONDS:.0f} s")
-    return info
+        return check_voice(data)
+    except VoiceError as e:
+        raise BadRequest(field_name, str(e)) from None
 
 
 def decode_ref_audio(value) -> bytes:

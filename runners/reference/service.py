@@ -17,8 +17,8 @@ import numpy as np
 
 from difftest.compare.align import lead_of
 from difftest.results import CorruptResult, Result, ResultStore, read_result, write_result
-from difftest.suites import wavio
-from difftest.suites.suite import DECODE_FIELDS, SAMPLE_RATE
+from difftest.suites.suite import DECODE_FIELDS
+from difftest.suites.voices import VoiceError, check_voice
 from runners.reference.checkpoint import MODEL_TYPE_OF_TASK, Checkpoint
 from runners.reference.engine import QwenTTSEngine, Utterance
 from runners.reference.environment import log
@@ -241,15 +241,9 @@ def _check_voice_wav(path: Path, expected_sha256: str | None) -> str:
     except OSError as e:
         raise BadInput(f"voice wav {path}: unreadable ({e.strerror or e})") from None
     try:
-        info = wavio.info(data)
-    except wavio.WavError as e:
+        check_voice(data)
+    except VoiceError as e:
         raise BadInput(f"voice wav {path}: {e}") from None
-    if info.sample_rate != SAMPLE_RATE:
-        raise BadInput(f"voice wav {path}: {info.sample_rate} Hz, expected {SAMPLE_RATE} Hz")
-    if info.channels != 1:
-        raise BadInput(f"voice wav {path}: {info.channels} channels, expected mono")
-    if info.n_frames == 0:
-        raise BadInput(f"voice wav {path}: holds no samples")
     sha = hashlib.sha256(data).hexdigest()
     if expected_sha256 and sha != expected_sha256:
         # The segment's cache key was computed from other bytes.
