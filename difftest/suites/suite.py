@@ -8,6 +8,7 @@ and the problem; nothing runs on an invalid suite.
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import math
@@ -331,3 +332,19 @@ def load_suite(path: str | Path) -> Suite:
     suite_hash = content_hash({"name": name, "chunks": chunks, "segments": [(s.id, s.hash) for s in segments]})
     return Suite(name, path, model, decode, chunks, voices, segments,
                  str(raw.get("description", "")), suite_hash)
+
+
+def cmd_validate(args) -> int:
+    for p in args.suites:
+        s = load_suite(p)
+        tasks = sorted({seg.task for seg in s.segments})
+        print(f"{s.path.name}: ok: suite {s.name}, {len(s.segments)} segments, {len(s.voices)} voices, "
+              f"tasks {', '.join(tasks)}, hash {s.hash[:12]}")
+    return 0
+
+
+def add_validate_parser(subparsers) -> argparse.ArgumentParser:
+    v = subparsers.add_parser("validate", help="validate suite files")
+    v.add_argument("suites", nargs="+")
+    v.set_defaults(func=cmd_validate)
+    return v
