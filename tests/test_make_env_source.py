@@ -232,7 +232,7 @@ def test_dry_run_from_source_cpu(omni_repo, tmp_path):
         f"rm -f {sp}/torchaudio/lib/\\*.so",
         f"rm -f {sp}/torchvision/_C.so {sp}/torchvision/image.so",
         f"# append the difftest-cpu-shim to {sp}/torchvision/extension.py (unless it is there)",
-        f"{py} -m pip install --no-deps -e {here}/difftest_capture -e {here}/difftest_cpu_platform",
+        f"{py} -m pip install --no-deps -e {ROOT} -e {here}/difftest_capture -e {here}/difftest_cpu_platform",
         f"# write {venv}/difftest-vllm-omni-source.json (repo, rev, sha, version)",
         f"# check, then write the stamp {venv}/.difftest-vllm-omni-env"]
 
@@ -247,7 +247,8 @@ def test_dry_run_from_source_cuda(omni_repo, tmp_path):
     assert f"{pip} -r {PINS}/omni-deps.txt -c {PINS}/engine-cuda.txt" in lines
     assert f"checkout --quiet --detach --force {first}" in text
     assert "VLLM_OMNI_TARGET_DEVICE=cuda" in text
-    assert f"{pip} --no-deps -e {MAKE_ENV.parent}/difftest_capture" in lines  # the capture plugin only
+    # difftest itself (the capture schema the plugin writes through) and the capture plugin only
+    assert f"{pip} --no-deps -e {ROOT} -e {MAKE_ENV.parent}/difftest_capture" in lines
     assert "difftest_cpu_platform" not in text and "torchcodec" not in text and "torchvision" not in text
     assert "engine.txt" not in text.replace("engine-cuda.txt", "")
     pins = [ln for ln in (PINS / "engine-cuda.txt").read_text().splitlines() if ln and not ln.startswith("#")]
@@ -261,7 +262,7 @@ def test_dry_run_release_cuda_and_a_url(tmp_path):
     assert lines == [f"python3 -m venv {venv}", f"rm -f {venv}/.difftest-vllm-omni-env",
                      f"{pip} -r {PINS}/engine-cuda.txt", f"{pip} --no-deps vllm-omni==0.30.0",
                      f"{pip} -r {PINS}/omni-deps.txt -c {PINS}/engine-cuda.txt",
-                     f"{pip} --no-deps -e {MAKE_ENV.parent}/difftest_capture",
+                     f"{pip} --no-deps -e {ROOT} -e {MAKE_ENV.parent}/difftest_capture",
                      f"# check, then write the stamp {venv}/.difftest-vllm-omni-env"]
     # the GPU host's commit path: nothing is fetched in a dry run, the clone is blobless
     url = "https://github.com/vllm-project/vllm-omni"
