@@ -4,6 +4,9 @@
 prints cannot corrupt it), announces `hello`, then reads one JSON job a line
 from stdin and dispatches it by `op`. A handler gets the job and an `emit`
 function and answers with events; `done` is sent for it.
+
+A runner that prints while it gets ready (imports that log) calls `channel()`
+first; one that cannot serve at all answers `refuse(...)` instead of serving.
 """
 
 from __future__ import annotations
@@ -15,22 +18,35 @@ import traceback
 from typing import Callable
 
 Emit = Callable[..., None]
+EXIT_REFUSED = 3
+
+_send: Callable[[dict], None] | None = None
 
 
-def _take_stdout():
-    proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
-    os.dup2(2, 1)  # whatever the libraries print now lands in stderr, the runner's log
-    sys.stdout = sys.stderr
-    return proto
+def channel() -> Callable[[dict], None]:
+    """Move fd 1 aside as the protocol channel (once) and return the function that sends on it."""
+    global _send
+    if _send is None:
+        proto = os.fdopen(os.dup(1), "w", buffering=1, encoding="utf-8")
+        os.dup2(2, 1)  # whatever the libraries print now lands in stderr, the runner's log
+        sys.stdout = sys.stderr
+
+        def send(msg: dict) -> None:
+            proto.write(json.dumps(msg, allow_nan=False) + "\n")
+            proto.flush()
+
+        _send = send
+    return _send
+
+
+def refuse(kind: str, message: str, **fields) -> int:
+    """Answer `refused` instead of `ready`: the runner cannot serve at all. Returns the exit status."""
+    channel()({"event": "refused", "kind": kind, "message": message, **fields})
+    return EXIT_REFUSED
 
 
 def serve(handlers: dict[str, Callable[[dict, Emit], None]], hello: dict) -> int:
-    proto = _take_stdout()
-
-    def send(msg: dict) -> None:
-        proto.write(json.dumps(msg, allow_nan=False) + "\n")
-        proto.flush()
-
+    send = channel()
     send({"event": "ready", **hello})
     for line in sys.stdin:
         line = line.strip()

