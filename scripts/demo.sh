@@ -6,7 +6,8 @@
 #      concurrency 1 and 4: its verdicts, report.json, MLflow;
 #   3. the negative control: the difftest CPU test engine (NOT vLLM-Omni) with the seed's bug planted
 #      (ref-leak), which difftest must catch: contamination, the onset chunk, stage and donor.
-# Safe to re-run: environments, the reference results and finished candidate results are reused.
+# Safe to re-run: environments and the reference results are reused, and candidate results made by
+# the same engine and configuration (--replace recomputes them when the engine or its code changed).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
@@ -23,10 +24,10 @@ wait_installs || exit 1
 set +e
 echo; echo "== 1/2: vLLM-Omni 0.30.0 (the real server, on difftest's CPU platform) at concurrency 4"
 echo "        against qwen-tts 0.1.1 at concurrency 1"
-$DT run cases/suites/smoke.yaml --candidate vllm-omni --concurrency 4 --out "$OUT/vllm-omni-0.30.0"
+$DT run cases/suites/smoke.yaml --candidate vllm-omni --concurrency 4 --out "$OUT/vllm-omni-0.30.0" --replace
 real=$?
 echo; echo "== 2/2: negative control: the difftest CPU test engine (not vLLM-Omni) with the seed's ref-leak planted"
-$DT run cases/suites/smoke.yaml --candidate cpu-engine:ref-leak --concurrency 4 --out "$OUT/negative-control-ref-leak"
+$DT run cases/suites/smoke.yaml --candidate cpu-engine:ref-leak --concurrency 4 --out "$OUT/negative-control-ref-leak" --replace
 leak=$?
 .venv/bin/python scripts/check_control.py ref-leak "$OUT/negative-control-ref-leak"
 caught=$?
