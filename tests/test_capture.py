@@ -110,6 +110,29 @@ def test_the_writer_and_the_reader_share_one_versioned_schema(tmp_path):
         assert int(z["schema_version"]) == capture.SCHEMA_VERSION and z["codes"].dtype == np.int64
         assert str(z["handoff"]) == "full_payload"  # a writer's own arrays ride along
     assert capture.load(path).lead_samples == 1 and path.stat().st_mode & 0o777 == 0o644
-    np.savez(tmp_path / "v2.npz", **GOOD, schema_version=np.int64(2))
-    with pytest.raises(capture.CaptureError, match="capture schema version 2; this difftest reads version 1"):
-        capture.load(tmp_path / "v2.npz")
+    np.savez(tmp_path / "v3.npz", **GOOD, schema_version=np.int64(3))
+    with pytest.raises(capture.CaptureError, match="capture schema version 3; this difftest reads versions 1, 2"):
+        capture.load(tmp_path / "v3.npz")
+    np.savez(tmp_path / "v1.npz", **GOOD, schema_version=np.int64(1))  # an older plugin: no talker stage
+    assert capture.load(tmp_path / "v1.npz").stage_arrays() == {}
+
+
+TALKER = {"talker_ref_codes": np.arange(48).reshape(3, 16) % 2048, "talker_prompt": np.array([40, 40, 3]),
+          "talker_tokens": np.array([5, 6, 7, 2150])}
+
+
+def test_the_talker_stage_round_trips_and_is_checked(tmp_path):
+    path = capture.write(tmp_path / "t.npz", {**GOOD, **TALKER})
+    got = capture.load(path).stage_arrays()
+    assert got["talker_ref_codes"].shape == (3, 16) and got["talker_prompt"].tolist() == [40, 40, 3]
+    assert got["talker_tokens"].tolist() == [5, 6, 7, 2150]  # specials (EOS) lie beyond the codebook: allowed here
+    for bad, words in (({"talker_tokens": None}, "talker_tokens missing"),
+                       ({"talker_prompt": np.array([1, 2])}, "talker_prompt must be 3 integers"),
+                       ({"talker_tokens": np.array([1.5])}, "talker_tokens must be a row of integers"),
+                       ({"talker_tokens": np.array([-1, 3])}, "negative"),
+                       ({"talker_ref_codes": np.full((1, 16), 4096)}, r"talker_ref_codes\[0, 0\] = 4096")):
+        arrays = {**GOOD, **TALKER, **bad}
+        arrays = {k: v for k, v in arrays.items() if v is not None}
+        np.savez(tmp_path / "bad.npz", **arrays)
+        with pytest.raises(capture.CaptureError, match=words):
+            capture.load(tmp_path / "bad.npz")

@@ -419,8 +419,12 @@ def test_capture_files_are_whole_and_typed(world):
     assert not [p for p in world.capture.iterdir() if p.suffix != ".npz"]  # no temp files left behind
     for p in files:
         with np.load(p, allow_pickle=False) as z:
-            assert set(z.files) == {"codes", "ref_codes", "wav", "lead_samples", "schema_version"}
+            assert set(z.files) == {"codes", "ref_codes", "wav", "lead_samples", "schema_version",
+                                    "talker_ref_codes", "talker_prompt", "talker_tokens"}
             codes, ref, wav, lead = z["codes"], z["ref_codes"], z["wav"], int(z["lead_samples"])
+            tokens = z["talker_tokens"]
+        # the talker's side: every frame's codebook-0 token the vocoder got, then the final token
+        assert tokens.tolist() == [*codes[:, 0].tolist(), 2150]
         assert codes.dtype == np.int64 and codes.ndim == 2 and codes.shape[1] == 16
         assert ref.dtype == np.int64 and ref.ndim == 2 and ref.shape[1] == 16
         assert wav.dtype == np.float32 and wav.ndim == 1

@@ -8,7 +8,7 @@ import http.client
 import json
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
@@ -305,6 +305,7 @@ class FakeOut:
     ref_codes: np.ndarray
     wav: np.ndarray
     sample_rate: int = SR
+    talker: dict = field(default_factory=dict)  # no talker stage: a capture of schema 1's content
 
 
 def fake_execute(jobs):

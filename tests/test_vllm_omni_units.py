@@ -177,12 +177,22 @@ def test_capture_store_merges_stages_and_replaces_a_reused_tag(tmp_path):
     store.update("t-1", replace=True, codes=codes, ref_codes=ref)
     store.update("t-1", wav=np.zeros(3840, np.float32))  # the vocoder's process
     with np.load(tmp_path / "t-1.npz", allow_pickle=False) as z:
-        assert sorted(z.files) == ["codes", "ref_codes", "schema_version", "wav"] and int(z["schema_version"]) == 1
+        assert sorted(z.files) == ["codes", "ref_codes", "schema_version", "wav"] and int(z["schema_version"]) == 2
         assert z["codes"].shape == (2, 16) and z["ref_codes"].shape == (3, 16) and z["wav"].dtype == np.float32
     store.update("t-1", replace=True, codes=codes[:1], ref_codes=ref)  # the tag's next request
     with np.load(tmp_path / "t-1.npz", allow_pickle=False) as z:
         assert "wav" not in z.files and z["codes"].shape == (1, 16)
     assert not list(tmp_path.glob("*.tmp")) and not list(tmp_path.glob(".t-1.*"))
+
+
+def test_the_talkers_input_is_filed_by_request_id_and_used_up(tmp_path):
+    store = CaptureStore(tmp_path)
+    ref = np.full((4, 16), 7, np.int64)
+    store.file_talker("req-9", talker_ref_codes=ref, talker_prompt=np.array([30, 30, 4]))
+    assert store.take_talker(["chatcmpl-x", "req-1"]) is None  # another request's ids
+    got = store.take_talker(["chatcmpl-x", "req-9"])
+    assert np.array_equal(got["talker_ref_codes"], ref) and got["talker_prompt"].tolist() == [30, 30, 4]
+    assert store.take_talker(["req-9"]) is None  # used up: a later request reusing the id gets its own
 
 
 def test_capture_store_rejects_tags_that_are_not_file_names(tmp_path):

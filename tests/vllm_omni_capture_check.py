@@ -76,7 +76,7 @@ def load(root: Path, tag: str) -> dict:
 
 def full_payload_batch(proc, hooks, root: Path) -> dict:
     """Three co-batched requests (two with their own reference, one without), as the talker's split hands them."""
-    _, originals, wrapped = wrap(proc, hooks, root)
+    cap, originals, wrapped = wrap(proc, hooks, root)
     original = originals["talker2code2wav_full_payload"]
     fn = proc.talker2code2wav_full_payload
     batch = [("r0", "full-0", codes(1, 6), codes(11, 3)), ("r1", "full-1", codes(2, 4), None),
@@ -85,6 +85,10 @@ def full_payload_batch(proc, hooks, root: Path) -> dict:
            == str(__import__("inspect").signature(original)), "name_kept": fn.__name__ == original.__name__,
            "requests": {}}
     for rid, tag, audio, ref in batch:
+        if rid != "r1":  # the talker's first prefill, as preprocess returns it; r1's is never filed
+            update = {"embed": {"prefill": torch.zeros(30 + rid.count("2"), 8)}, "codes": {"ref": ref.clone()},
+                      "meta": {"ref_code_len": int(ref.shape[0])}}
+            cap.talker_input({"request_id": rid, "_omni_prompt_len": 30}, (None, None, update))
         pooling = {"codes.audio": audio.clone(), "codes.ref": [ref.clone() if ref is not None else torch.empty(0)],
                    "meta.ref_code_len": torch.tensor([ref.shape[0] if ref is not None else 0])}
         req = request(rid, tag, n_out=audio.shape[0] + 1)
@@ -97,6 +101,11 @@ def full_payload_batch(proc, hooks, root: Path) -> dict:
             "ref_match": bool(np.array_equal(f["ref_codes"], ref.numpy() if ref is not None else np.zeros((0, Q)))),
             "codes_shape": list(f["codes"].shape), "ref_shape": list(f["ref_codes"].shape),
             "dtype": str(f["codes"].dtype), "has_wav": "wav" in f,
+            "talker_ref_match": bool(ref is not None and "talker_ref_codes" in f
+                                     and np.array_equal(f["talker_ref_codes"], ref.numpy())),
+            "talker_prompt": f["talker_prompt"].tolist() if "talker_prompt" in f else None,
+            "talker_tokens": f["talker_tokens"].tolist() if "talker_tokens" in f else None,
+            "talker_missing": str(f["talker_missing"]) if "talker_missing" in f else None,
         }
     untagged = request("r9", None, n_out=3)
     fn(None, {"codes.audio": codes(9, 2)}, untagged)

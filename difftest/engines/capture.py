@@ -4,7 +4,8 @@ An engine started with `DIFFTEST_CAPTURE_DIR=<dir>` writes, per tagged request,
 `<dir>/<tag>.npz` (no pickles). Every writer (the vLLM-Omni capture plugin, the CPU
 test engine) writes through `encode`/`write` here, and the tester reads through
 `load`; numpy only, so the plugin imports it inside vLLM's processes. Schema
-version 1 (`schema_version`, an integer scalar; a file without it is read as 1):
+version 2 (`schema_version`, an integer scalar; a file without it is read as 1,
+which lacks the talker's arrays):
 
 | array          | shape / type           | meaning                                               |
 |----------------|------------------------|-------------------------------------------------------|
@@ -16,6 +17,19 @@ version 1 (`schema_version`, an integer scalar; a file without it is read as 1):
 | `sample_rate`  | integer scalar         | of `wav` (24000)                                      |
 | `lead_samples` | integer scalar, 0 or 1 | samples before the first generated frame: qwen-tts's  |
 |                |                        | proportional cut can leave one (difftest.compare.align) |
+| `talker_ref_codes` | (R', 16) integers  | the talker's input: the reference codes its prompt was |
+|                |                        | built from, as the engine's encoder made them (v2)    |
+| `talker_prompt` | 3 integers            | prompt positions the engine reserved, prompt rows it  |
+|                |                        | built, its ref_code_len (-1: none) (v2)               |
+| `talker_tokens` | (T',) integers >= 0   | the talker's output: the codebook-0 tokens it sampled, |
+|                |                        | the final one (EOS, or the last under a length cap)   |
+|                |                        | never becomes a frame (v2)                            |
+
+The three talker arrays come together or not at all: the stage before the
+hand-off, so the tester can tell what the hand-off changed (a reference prefix
+that is not the talker's own, a frame lost) from what the talker was given. A
+writer that tried and failed writes `talker_missing` (a string saying why)
+instead: the capture is then an error, not a quieter judgement.
 
 A writer may add arrays of its own (the plugin's `handoff`, `chunk_frames`); the
 reader keeps to these.
@@ -42,8 +56,10 @@ CODEBOOKS = 16
 CODEBOOK_SIZE = 2048  # the 12 Hz tokenizer's codebook; the talker's specials (>= 2048) never reach the vocoder
 MAX_BYTES = 256 << 20  # about 100 minutes of float32 audio with its codes: far beyond any segment
 MAX_LEAD_SAMPLES = 1
-SCHEMA_VERSION = 1
-KNOWN = ("codes", "ref_codes", "wav", "sample_rate", "lead_samples", "schema_version")
+SCHEMA_VERSION = 2
+READS = (1, 2)  # version 1: no talker arrays
+TALKER = ("talker_ref_codes", "talker_prompt", "talker_tokens")
+KNOWN = ("codes", "ref_codes", "wav", "sample_rate", "lead_samples", "schema_version", *TALKER)
 
 
 class CaptureError(ValueError):
@@ -62,6 +78,16 @@ class Capture:
     sample_rate: int | None
     lead_samples: int
     path: Path
+    talker_ref_codes: np.ndarray | None = None  # (R', 16): what the talker was prompted with; None: not captured
+    talker_prompt: np.ndarray | None = None  # [reserved, built, ref_code_len]
+    talker_tokens: np.ndarray | None = None  # codebook-0 tokens the talker sampled
+
+    def stage_arrays(self) -> dict[str, np.ndarray]:
+        """The talker stage's arrays, for a result's extra arrays (empty when not captured)."""
+        if self.talker_tokens is None:
+            return {}
+        return {"talker_ref_codes": self.talker_ref_codes, "talker_prompt": self.talker_prompt,
+                "talker_tokens": self.talker_tokens}
 
 
 def _codes(arrays: dict, name: str, where: Path, required: bool) -> np.ndarray:
@@ -96,9 +122,10 @@ def _scalar(arrays: dict, name: str, where: Path) -> int | None:
 def validate(arrays: dict, where: Path) -> Capture:
     """The checked content of one capture file's arrays."""
     version = _scalar(arrays, "schema_version", where)
-    if version not in (None, SCHEMA_VERSION):
-        raise CaptureError(f"{where}: capture schema version {version}; this difftest reads version {SCHEMA_VERSION} "
-                           f"(the engine's capture plugin and difftest come from different checkouts?)")
+    if version is not None and version not in READS:
+        raise CaptureError(f"{where}: capture schema version {version}; this difftest reads versions "
+                           f"{', '.join(map(str, READS))} (the engine's capture plugin and difftest come from "
+                           f"different checkouts?)")
     codes = _codes(arrays, "codes", where, required=True)
     ref_codes = _codes(arrays, "ref_codes", where, required=False)
     wav = None
@@ -115,7 +142,27 @@ def validate(arrays: dict, where: Path) -> Capture:
     lead = _scalar(arrays, "lead_samples", where) or 0
     if not 0 <= lead <= MAX_LEAD_SAMPLES:
         raise CaptureError(f"{where}: lead_samples {lead} outside [0, {MAX_LEAD_SAMPLES}]")
-    return Capture(codes, ref_codes, wav, rate, lead, where)
+    return Capture(codes, ref_codes, wav, rate, lead, where, *_talker(arrays, where))
+
+
+def _talker(arrays: dict, where: Path) -> tuple:
+    if "talker_missing" in arrays:  # the writer tried and could not: the capture is incomplete
+        raise CaptureError(f"{where}: the talker stage was not captured ({arrays['talker_missing']})")
+    present = [n for n in TALKER if n in arrays]
+    if not present:
+        return None, None, None
+    if len(present) != len(TALKER):
+        missing = sorted(set(TALKER) - set(present))
+        raise CaptureError(f"{where}: talker arrays come together; {', '.join(missing)} missing")
+    ref = _codes(arrays, "talker_ref_codes", where, required=True)
+    prompt, tokens = arrays["talker_prompt"], arrays["talker_tokens"]
+    if prompt.dtype.kind not in "iu" or prompt.shape != (3,):
+        raise CaptureError(f"{where}: talker_prompt must be 3 integers, got {prompt.dtype} of shape {prompt.shape}")
+    if tokens.dtype.kind not in "iu" or tokens.ndim != 1:
+        raise CaptureError(f"{where}: talker_tokens must be a row of integers, got {tokens.dtype} of shape {tokens.shape}")
+    if (tokens < 0).any() or (prompt[:2] < 0).any():
+        raise CaptureError(f"{where}: talker_tokens / talker_prompt hold negative numbers")
+    return ref, prompt.astype(np.int64), tokens.astype(np.int64)
 
 
 def load(path: Path) -> Capture:
@@ -156,7 +203,7 @@ def wait_for(capture_dir: Path, tag: str, wait_s: float) -> Path | None:
 def encode(arrays: dict) -> bytes:
     """An npz of these arrays with the schema version: codes as int64, audio as float32."""
     out = {k: np.asarray(v) for k, v in arrays.items()}
-    for name in ("codes", "ref_codes"):
+    for name in ("codes", "ref_codes", "talker_ref_codes"):
         if name in out:
             out[name] = out[name].astype(np.int64).reshape(-1, CODEBOOKS)
     if "wav" in out:
@@ -164,6 +211,9 @@ def encode(arrays: dict) -> bytes:
     for name in ("sample_rate", "lead_samples"):
         if name in out:
             out[name] = np.int64(out[name])
+    for name in ("talker_prompt", "talker_tokens"):
+        if name in out:
+            out[name] = out[name].astype(np.int64).reshape(-1)
     out["schema_version"] = np.int64(SCHEMA_VERSION)
     buf = io.BytesIO()
     np.savez(buf, **out)

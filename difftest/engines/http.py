@@ -204,6 +204,7 @@ def _send(workers: int, calls: list[tuple]) -> None:
 def _result(seg: Segment, wav, info, cap: Capture | None, ans, label: str, provenance: dict | None,
             wave: list[str], meta: dict) -> Result:
     extra = {"capture_wav": cap.wav} if cap is not None and cap.wav is not None else {}
+    extra.update(cap.stage_arrays() if cap is not None else {})
     empty = np.zeros((0, 16), np.int64)
     return Result(segment_id=seg.id, segment_hash=seg.hash, wav=wav, sample_rate=info.sample_rate,
                   codes=cap.codes if cap is not None else empty, ref_codes=cap.ref_codes if cap is not None else empty,

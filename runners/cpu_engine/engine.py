@@ -39,6 +39,7 @@ from runners.reference.checkpoint import Checkpoint
 from runners.reference.engine import QwenTTSEngine
 
 MODEL_LOCK = threading.Lock()
+FINAL_TOKEN = 2150  # codec_eos_token_id of every Qwen3-TTS 12 Hz checkpoint (and of the tiny ones)
 PROMPT_CACHE_SIZE = 64
 
 
@@ -50,6 +51,7 @@ class Output:
     sample_rate: int
     generated_frames: int  # what the talker produced for this request
     timings: dict = field(default_factory=dict)
+    talker: dict = field(default_factory=dict)  # the talker's side, capture schema v2 (difftest/engines/capture.py)
 
 
 @dataclass
@@ -66,6 +68,15 @@ class SubtalkerSampling:
         if self.do_sample:
             d.update(subtalker_temperature=self.temperature, subtalker_top_k=self.top_k, subtalker_top_p=self.top_p)
         return d
+
+
+def talker_side(codes: np.ndarray, ref: np.ndarray | None) -> dict:
+    """What this request's talker was prompted with and generated, before the hand-off: its own
+    reference codes and its codebook-0 tokens, closed by the final token that never becomes a frame
+    (qwen-tts builds its prompt as it goes, so nothing is reserved: reserved = built = 0)."""
+    ref = np.zeros((0, 16), np.int64) if ref is None else np.asarray(ref, np.int64).reshape(-1, 16)
+    return {"talker_ref_codes": ref, "talker_prompt": np.array([0, 0, len(ref) if len(ref) else -1], np.int64),
+            "talker_tokens": np.append(np.asarray(codes, np.int64)[:, 0], FINAL_TOKEN)}
 
 
 class BatchEngine:
@@ -115,8 +126,8 @@ class BatchEngine:
             t2 = time.perf_counter()
         timings = {"talker_s": round(t1 - t0, 4), "vocoder_s": round(t2 - t1, 4), "batch_size": len(jobs)}
         return [Output(codes=s["codes"], ref_codes=s["ref_codes"], wav=w, sample_rate=sr,
-                       generated_frames=int(c.shape[0]), timings=dict(timings))
-                for s, w, c in zip(stage_inputs, wavs, codes)]
+                       generated_frames=int(c.shape[0]), timings=dict(timings), talker=talker_side(c, r))
+                for s, w, c, r in zip(stage_inputs, wavs, codes, refs)]
 
     # -- step 1: the talker ---------------------------------------------
     def _prompt(self, tts, job: SpeechJob):

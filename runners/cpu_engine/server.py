@@ -41,13 +41,16 @@ def log(message: str) -> None:
     print(f"[{LABEL}] {message}", file=sys.stderr, flush=True)
 
 
-def write_capture(capture_dir: Path, tag: str, codes: np.ndarray, ref_codes: np.ndarray, wav: np.ndarray) -> Path:
+def write_capture(capture_dir: Path, tag: str, codes: np.ndarray, ref_codes: np.ndarray, wav: np.ndarray,
+                  talker: dict | None = None) -> Path:
     """`<dir>/<tag>.npz` in the capture schema (difftest/engines/capture.py), with lead_samples (the
-    sample qwen-tts's cut can leave before frame 0); atomic and fsynced before the answer goes out."""
+    sample qwen-tts's cut can leave before frame 0) and the talker's side; atomic and fsynced
+    before the answer goes out."""
     codes = np.asarray(codes, np.int64).reshape(-1, 16)
     wav = np.asarray(wav, np.float32).reshape(-1)
     return capture.write(Path(capture_dir) / f"{tag}.npz", {
-        "codes": codes, "ref_codes": ref_codes, "wav": wav, "lead_samples": lead_of(len(wav), len(codes))})
+        "codes": codes, "ref_codes": ref_codes, "wav": wav, "lead_samples": lead_of(len(wav), len(codes)),
+        **(talker or {})})
 
 
 class EngineServer:
@@ -247,7 +250,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(500, f"engine error: {type(e).__name__}: {e}", "InternalServerError")
         seconds = time.perf_counter() - t0
         if s.capture_dir is not None and job.tag:
-            write_capture(s.capture_dir, job.tag, out.codes, out.ref_codes, out.wav)
+            write_capture(s.capture_dir, job.tag, out.codes, out.ref_codes, out.wav, out.talker)
         if job.response_format == "pcm":
             audio, ctype = wavio.pcm16(out.wav).tobytes(), "audio/pcm"
         else:

@@ -142,7 +142,7 @@ class OfflineService:
         cap = self._capture(ans.request_id)
         empty = np.zeros((0, 16), np.int64)
         ckpt = self.checkpoints[task]
-        extra = {"capture_wav": cap.wav} if cap is not None else {}
+        extra = {"capture_wav": cap.wav, **cap.stage_arrays()} if cap is not None else {}
         result = Result(
             segment_id=seg["id"], segment_hash=seg["hash"], wav=ans.wav, sample_rate=ans.sample_rate,
             codes=cap.codes if cap is not None else empty,

@@ -1,4 +1,4 @@
-"""The wrappers: vLLM-Omni's Qwen3-TTS hand-off and vocoder, observed, never changed.
+"""The wrappers: vLLM-Omni's Qwen3-TTS talker input, hand-off and vocoder, observed, never changed.
 
 Each wrapper calls the original with the arguments it got and returns exactly
 what the original returned (the same object). Capture runs after the call, on
@@ -7,7 +7,14 @@ on. `functools.wraps` keeps `__name__`, `__module__` and `__wrapped__`, so
 vLLM-Omni's signature check on connector hooks and its lookup of a
 `<name>_batch` peer see the original.
 
-What is written, per tagged request (`<dir>/<tag>.npz`):
+What is written, per tagged request (`<dir>/<tag>.npz`, difftest/engines/capture.py):
+- `talker_ref_codes`, `talker_prompt`: the talker's input, from its first
+  prefill (`preprocess`): the reference codes its prompt was built from, the
+  prompt positions the scheduler reserved, the rows built, `ref_code_len`.
+  The talker's worker knows the request only by id: it files them under
+  `talker/<id>` and the hand-off, which knows the tag, takes them;
+- `talker_tokens`: the talker's output, the request's `output_token_ids`
+  (codebook 0 of every frame, and the final token) as the hand-off saw them;
 - `codes` (T, 16) int64: the generated frames as handed to the vocoder
   (after vLLM-Omni's filtering and cropping, without the reference prefix);
 - `ref_codes` (R, 16) int64: the reference frames prepended for the vocoder
@@ -41,6 +48,7 @@ OPEN_REQUESTS = 512  # per-request state kept at most (a request that never says
 MARK = "__difftest_capture__"
 PROC_MODULE = "vllm_omni.model_executor.stage_input_processors.qwen3_tts"
 CODE2WAV_MODULE = "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_code2wav"
+TALKER_MODULE = "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker"
 
 _warned: set[str] = set()
 
@@ -91,6 +99,12 @@ def request_tag(request) -> str | None:
     return tag
 
 
+def request_ids(request) -> list[str]:
+    """Every id a request is known by (API, engine core, worker), for matching the talker's side."""
+    ids = [_get(request, n) for n in ("request_id", "req_id", "external_req_id")]
+    return [str(i) for i in dict.fromkeys(ids) if i]
+
+
 def request_id(request) -> str:
     # engine-core Request: external_req_id / request_id; the worker's CachedRequestState: req_id
     return str(_get(request, "external_req_id") or _get(request, "request_id") or _get(request, "req_id") or "")
@@ -117,6 +131,32 @@ class Capture:
         while len(d) > OPEN_REQUESTS:
             d.popitem(last=False)
 
+    # --- the talker's input ---
+    def talker_input(self, info: dict, result) -> None:
+        """After `preprocess`: on a request's first prefill (the one that builds the prompt), file
+        what the talker was prompted with under the request's id."""
+        update = result[2] if isinstance(result, tuple) and len(result) == 3 else None
+        prefill = _get(update, "embed", "prefill")
+        rid = info.get("request_id")
+        if prefill is None or not rid:
+            return
+        ref = _get(update, "codes", "ref")
+        ref = (_numpy(ref, np.int64).reshape(-1, NUM_CODE_GROUPS) if ref is not None and ref.numel()
+               else np.zeros((0, NUM_CODE_GROUPS), np.int64))
+        ref_len = _get(update, "meta", "ref_code_len")
+        prompt = [_int(info.get("_omni_prompt_len")), int(prefill.shape[0]), -1 if ref_len is None else _int(ref_len)]
+        self.store.file_talker(str(rid), talker_ref_codes=ref, talker_prompt=np.array(prompt, np.int64))
+
+    def _talker_side(self, request) -> dict:
+        """The talker's side of a request for its capture file: its input (filed by the worker)
+        and its output tokens; `talker_missing` says why when the input was never filed."""
+        ids = request_ids(request)
+        found = self.store.take_talker(ids)
+        if found is None:
+            return {"talker_missing": np.array(f"no talker input filed for request {' / '.join(ids) or '?'}")}
+        tokens = np.array(list(_get(request, "output_token_ids") or []), np.int64)
+        return {**found, "talker_tokens": tokens}
+
     # --- talker -> code2wav ---
     def full_payload(self, request, pooling_output, payload) -> None:
         tag = request_tag(request)
@@ -130,7 +170,7 @@ class Capture:
         self.store.file_handoff(flat, tag, request_id(request))
         self.store.update(tag, replace=True, codes=frames[ref_frames:], ref_codes=frames[:ref_frames],
                           chunk_frames=np.array([len(frames) - ref_frames], np.int64),
-                          handoff=np.array("full_payload"))
+                          handoff=np.array("full_payload"), **self._talker_side(request))
 
     def async_chunk(self, request, payload) -> None:
         rid = request_id(request)
@@ -140,7 +180,8 @@ class Capture:
                 tag = request_tag(request)
                 if tag is None:
                     return
-                state = self.streams[rid] = {"tag": tag, "codes": [], "ref": None, "chunks": []}
+                state = self.streams[rid] = {"tag": tag, "codes": [], "ref": None, "chunks": [],
+                                             "talker": self._talker_side(request)}
                 self._bound(self.streams)
         flat = _numpy(_get(payload, "codes", "audio"), np.int64).reshape(-1)
         finished = bool(_int(_get(payload, "meta", "finished")))
@@ -156,8 +197,12 @@ class Capture:
         if flat.size or finished:
             codes = np.concatenate(state["codes"]) if state["codes"] else np.zeros((0, NUM_CODE_GROUPS), np.int64)
             ref = state["ref"] if state["ref"] is not None else np.zeros((0, NUM_CODE_GROUPS), np.int64)
+            talker = dict(state["talker"])
+            if "talker_tokens" in talker:  # the tokens so far: the last chunk's hand-off sees them all
+                talker["talker_tokens"] = np.array(list(_get(request, "output_token_ids") or []), np.int64)
             self.store.update(state["tag"], replace=first, codes=codes, ref_codes=ref,
-                              chunk_frames=np.array(state["chunks"], np.int64), handoff=np.array("async_chunk"))
+                              chunk_frames=np.array(state["chunks"], np.int64), handoff=np.array("async_chunk"),
+                              **talker)
         if finished:
             with self.lock:
                 self.streams.pop(rid, None)
@@ -248,6 +293,20 @@ def _wrap_forward(original, capture: Capture):
     return forward
 
 
+def _wrap_preprocess(original, capture: Capture):
+    @functools.wraps(original)
+    def preprocess(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        try:
+            capture.talker_input(kwargs, result)
+        except Exception:
+            _warn_once("talker", "could not capture the talker's input")
+        return result
+
+    setattr(preprocess, MARK, True)
+    return preprocess
+
+
 def wrap_stage_functions(module, capture: Capture) -> list[str]:
     """Wrap the hand-off functions in `module` (the real one, or a test's); returns what was wrapped."""
     done = []
@@ -278,6 +337,10 @@ def install(root: str | Path) -> Capture:
     if not getattr(cls.forward, MARK, False):
         cls.forward = _wrap_forward(cls.forward, _capture)
         wrapped.append("Qwen3TTSCode2Wav.forward")
+    talker = importlib.import_module(TALKER_MODULE).Qwen3TTSTalkerForConditionalGeneration
+    if not getattr(talker.preprocess, MARK, False):
+        talker.preprocess = _wrap_preprocess(talker.preprocess, _capture)
+        wrapped.append("Qwen3TTSTalkerForConditionalGeneration.preprocess")
     if wrapped:
         logger.info("difftest capture: writing to %s (wrapped %s)", root, ", ".join(wrapped))
     return _capture

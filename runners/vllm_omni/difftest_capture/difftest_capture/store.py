@@ -43,7 +43,7 @@ class CaptureStore:
     def __init__(self, root: str | os.PathLike):
         self.root = Path(root)
         self.side = self.root / SIDE
-        for d in (self.root, self.side / "locks", self.side / "handoff"):
+        for d in (self.root, self.side / "locks", self.side / "handoff", self.side / "talker"):
             d.mkdir(parents=True, exist_ok=True)
 
     def path(self, tag: str) -> Path:
@@ -73,6 +73,26 @@ class CaptureStore:
             merged.update({k: np.asarray(v) for k, v in arrays.items()})
             capture.write(path, merged)  # difftest's one capture schema, atomically
         return path
+
+    def _talker_path(self, request_id: str) -> Path:
+        return self.side / "talker" / f"{hashlib.sha256(request_id.encode()).hexdigest()[:32]}.npz"
+
+    def file_talker(self, request_id: str, **arrays: np.ndarray) -> Path:
+        """The talker's input for a request, filed by id (its worker never sees the tag)."""
+        return capture.write(self._talker_path(request_id), arrays)
+
+    def take_talker(self, request_ids) -> dict[str, np.ndarray] | None:
+        """The talker's input filed under any of these ids, used up; None when none was."""
+        for rid in request_ids:
+            path = self._talker_path(str(rid))
+            try:
+                with np.load(path, allow_pickle=False) as z:
+                    arrays = {k: z[k] for k in z.files if k != "schema_version"}
+            except FileNotFoundError:
+                continue
+            path.unlink(missing_ok=True)
+            return arrays
+        return None
 
     def file_handoff(self, flat_codes: np.ndarray, tag: str, request_id: str, chunk: int = 0,
                      last: bool = True) -> str:
