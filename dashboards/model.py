@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from difftest.verdicts.policy import TIERS
 
 CLEAN = ("identical", "numeric_drift")
-DEFAULT_FAIL_ON = ("concurrency_defect", "vocoder_defect", "contamination", "length_mismatch", "error")
+DEFAULT_FAIL_ON = ("concurrency_defect", "vocoder_defect", "contamination", "handoff_defect", "talker_defect",
+                   "length_mismatch", "error")
 # report.json `comparisons` with per-chunk audio tiers and metrics; with per-chunk code agreement
 AUDIO_COMPARISONS = ("audio", "concurrency", "vocoder")
 CODE_COMPARISONS = ("codes", "concurrency_codes")

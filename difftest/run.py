@@ -45,7 +45,7 @@ from .progress import Progress
 from .records.report import build_report, overall, summary_lines, write_report
 from .results import CorruptResult, Result, ResultStore, _ext, atomic_write, read_result
 from .suites.suite import Suite, content_hash
-from .verdicts.classify import Evidence, classify
+from .verdicts.classify import Evidence, classify, talker_stage
 from .verdicts.policy import Policy
 
 __all__ = ["CPU_ENGINE", "URL", "VLLM_OMNI", "VLLM_OMNI_OFFLINE", "CandidateSpec", "RunOptions", "run"]
@@ -188,9 +188,12 @@ def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy)
     """Every segment's verdict: cross-decodes through the reference vocoder, the classifier, and
     where the vocoder check fails, the donor search with each co-batched request's reference."""
 
-    # Each segment's own reference codes: what the candidate makes of its voice alone (c=1),
-    # else what qwen-tts makes of it.
+    # Each segment's own reference codes: what the candidate's talker was prompted with (the capture's
+    # talker stage), else what the candidate makes of its voice alone (c=1), else what qwen-tts makes of it.
     def own_ref(sid):
+        talker = talker_stage(cand.results.get(sid))
+        if talker is not None:
+            return talker["ref_codes"]
         c = ctrl.results.get(sid)
         if c is not None and c.has_codes:
             return c.ref_codes
@@ -213,9 +216,12 @@ def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy)
         if isinstance(x, str):
             errors.append({"source": "cross-decode", "kind": "infrastructure", "message": x})
             x = None
+        peers = peers_of.get(sid, [])
         return Evidence(sid, ref_run.results.get(sid), cand.results.get(sid), ctrl.results.get(sid), x,
-                        donors or {}, {p: own_ref(p) for p in peers_of.get(sid, [])}, errors,
-                        suite.chunks["initial_frames"], suite.chunks["frames"])
+                        donors or {}, {p: own_ref(p) for p in peers},
+                        {p: own_ref(p) for p in cand.results if p != sid and talker_stage(cand.results[p])},
+                        {p: t["tokens"] for p in peers if (t := talker_stage(cand.results.get(p)))},
+                        errors, suite.chunks["initial_frames"], suite.chunks["frames"])
 
     verdicts = {s.id: classify(evidence(s.id), policy) for s in suite.segments}
     need = {}
@@ -347,6 +353,32 @@ def print_summary(report: dict, out: Path, stream=sys.stdout) -> None:
     print(f"report: {Path(out) / 'report.json'}", file=stream)
 
 
+def vllm_omni_settings(args) -> dict:
+    """VllmOmniOptions fields from the command line: the environment, device, deploy config and
+    `--engine-arg`s (difftest.engines.engine_args; checked against the environment when it starts)."""
+    from .engines.engine_args import parse
+
+    top, stages = parse(getattr(args, "engine_arg", None))
+    settings = {"python": args.vllm_omni_python, "device": args.candidate_device, "async_chunk": args.async_chunk,
+                "stage_overrides": stages, "deploy_overrides": top}
+    if getattr(args, "deploy_config", None):
+        path = Path(args.deploy_config)
+        if not path.is_file():
+            raise BadInput(f"--deploy-config {path}: no such file")
+        settings["deploy_base"] = str(path.resolve())
+    return settings
+
+
+def add_engine_arguments(p) -> None:
+    """--deploy-config and --engine-arg, for every command that starts vLLM-Omni."""
+    p.add_argument("--deploy-config", help="vLLM-Omni deploy YAML to test (default: the release's own "
+                   "qwen3_tts.yaml, with difftest's CPU and greedy-decoding changes on top)")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="[STAGE.]KEY=VALUE",
+                   help="one deploy setting, repeatable: talker.KEY / vocoder.KEY for a stage (a StageDeployConfig "
+                        "or vLLM EngineArgs field), KEY for the deploy's top level (e.g. async_chunk=true, "
+                        "talker.enable_prefix_caching=true, talker.max_model_len=4096); VALUE is YAML")
+
+
 def cmd_run(args) -> int:
     from .suites.suite import load_suite
     from .verdicts.policy import load_policy
@@ -360,8 +392,7 @@ def cmd_run(args) -> int:
                       voice_mode=args.voices, store=Path(args.store),
                       reference=ReferenceOptions(models=args.reference_model, python=args.reference_python,
                                                  device=args.device, dtype=args.dtype),
-                      vllm_omni={"python": args.vllm_omni_python, "device": args.candidate_device,
-                                 "async_chunk": args.async_chunk},
+                      vllm_omni=vllm_omni_settings(args),
                       replace=args.replace)
     report = run(suite, spec, Path(args.out), policy, opts)
     print_summary(report, Path(args.out))
@@ -386,6 +417,7 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--async-chunk", action="store_true",
                    help="--candidate vllm-omni: hand codes to the vocoder in chunks (the deploy default) "
                         "instead of one decode per request")
+    add_engine_arguments(r)
     r.add_argument("--capture-dir", help="where a URL candidate writes its capture files (DIFFTEST_CAPTURE_DIR)")
     r.add_argument("--concurrency", "-n", type=int, default=4,
                    help="requests in flight at once for the candidate under test (default 4); it also runs at 1")

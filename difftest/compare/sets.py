@@ -9,7 +9,7 @@ from pathlib import Path
 from ..errors import BadInput
 from ..records.report import build_report
 from ..results import load_result_set
-from ..verdicts.classify import Evidence, classify
+from ..verdicts.classify import Evidence, classify, talker_stage
 from ..verdicts.policy import Policy
 
 
@@ -38,11 +38,14 @@ def compare_result_sets(reference_dir, candidate_dir, policy: Policy, *, control
     warnings = w1 + w2 + w3
     # Each segment's own reference codes, to recognise a co-batched request's in another's
     # capture; which requests shared a batch is unknown here, so every other segment is a peer.
-    own_ref = {sid: (ctrls.get(sid) or refs[sid]).ref_codes for sid in refs}
+    stages = {sid: t for sid, r in cands.items() if (t := talker_stage(r)) is not None}
+    own_ref = {sid: stages[sid]["ref_codes"] if sid in stages else (ctrls.get(sid) or refs[sid]).ref_codes
+               for sid in refs}
     verdicts = []
     for sid in sorted(set(refs) | set(cands)):
         ev = Evidence(sid, refs.get(sid), cands.get(sid), ctrls.get(sid),
                       peer_ref_codes={p: rc for p, rc in own_ref.items() if p != sid},
+                      peer_tokens={p: t["tokens"] for p, t in stages.items() if p != sid},
                       initial_frames=initial_frames, chunk_frames=chunk_frames)
         if sid in refs and sid in cands and refs[sid].segment_hash != cands[sid].segment_hash:
             warnings.append(f"{sid}: reference and candidate were made from different segment contents "

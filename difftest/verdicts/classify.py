@@ -1,9 +1,14 @@
 """The verdict classifier over the design's comparison matrix.
 
-Per segment, up to four comparisons (each chunk by chunk):
+Per segment, up to five comparisons (each chunk by chunk):
 
 - headline:     reference@1 against candidate@N
 - concurrency:  candidate@1 against candidate@N
+- stages:       where the capture has the talker's side (schema v2), the
+                hand-off against it: the vocoder's reference prefix must be the
+                reference codes the talker was prompted with, its frames the
+                frames the talker generated; the talker's prompt must fill what
+                the engine reserved for it
 - vocoder:      the reference vocoder on the candidate's codes and own reference
                 codes, against the candidate's audio
 - donor:        the same with each co-batched request's reference codes
@@ -26,7 +31,8 @@ from ..results import Result
 from .policy import TIERS, Policy, chunk_tiers
 
 # Most serious first; the verdict is the finding of lowest rank.
-RANK = ("error", "contamination", "vocoder_length", "vocoder_defect", "concurrency_defect",
+RANK = ("error", "contamination", "handoff_defect", "talker_defect", "vocoder_length", "vocoder_defect",
+        "concurrency_defect",
         "length_mismatch", "code_divergence", "audio_divergence", "numeric_drift", "identical")
 STAGES = ("talker", "reference_encoder", "handoff", "vocoder")
 
@@ -42,6 +48,8 @@ class Evidence:
     cross_own: Result | None = None  # reference vocoder(candidate codes, own ref codes)
     cross_donors: dict = field(default_factory=dict)  # peer id -> reference vocoder(candidate codes, peer ref codes)
     peer_ref_codes: dict = field(default_factory=dict)  # co-batched segment id -> its own ref codes
+    history_ref_codes: dict = field(default_factory=dict)  # any other segment the engine served -> its own ref codes
+    peer_tokens: dict = field(default_factory=dict)  # co-batched segment id -> its talker's codebook-0 tokens
     errors: list = field(default_factory=list)  # {"source", "kind", "message"}
     initial_frames: int = 1
     chunk_frames: int = 25
@@ -60,7 +68,8 @@ class SegmentVerdict:
     comparisons: dict = field(default_factory=dict)
     notes: list = field(default_factory=list)
     artifacts: dict = field(default_factory=dict)  # role -> result sidecar path
-    donor_kind: str | None = None  # what the donor lent: "codes" (its reference codes) or "length" (their length)
+    donor_kind: str | None = None  # what the donor lent: "codes" (its reference codes), "length" (their
+    # length) or "generated" (its generated codes)
 
     def to_json(self) -> dict:
         return {
@@ -219,38 +228,71 @@ def _resized(own: np.ndarray, n: int) -> np.ndarray:
     return own[np.arange(n) % len(own)]
 
 
+def talker_stage(r: Result | None) -> dict | None:
+    """The talker side of a candidate's capture (capture schema v2), or None where not captured."""
+    if r is None or "talker_tokens" not in r.extra:
+        return None
+    prompt = [int(x) for x in np.asarray(r.extra["talker_prompt"]).reshape(-1)]
+    return {"ref_codes": np.asarray(r.extra["talker_ref_codes"], np.int64).reshape(-1, 16),
+            "tokens": np.asarray(r.extra["talker_tokens"], np.int64).reshape(-1),
+            "reserved": prompt[0], "built": prompt[1], "ref_code_len": prompt[2]}
+
+
+def _prefix_of(used: np.ndarray, rc: np.ndarray) -> bool:
+    """`used` is `rc`, or `rc` cut to `used`'s length (the hand-off trims a reference to the
+    request's own ref_code_len: another's longer reference arrives cut)."""
+    return bool(len(rc)) and (_same(used, rc) or (0 < len(used) < len(rc) and _same(used, rc[:len(used)])))
+
+
+def _code_donors(used: np.ndarray, ev: Evidence) -> tuple[list[str], bool]:
+    """Segments whose own reference codes `used` is (co-batched ones first); whether co-batched."""
+    batch = [p for p, rc in sorted(ev.peer_ref_codes.items()) if _prefix_of(used, rc)]
+    if batch:
+        return batch, True
+    return [p for p, rc in sorted(ev.history_ref_codes.items()) if p != ev.segment_id and _prefix_of(used, rc)], False
+
+
 def _handoff_findings(ev: Evidence, comps: dict, notes: list, voc: list) -> list[_Finding]:
     """Reference codes handed to the vocoder that belong to another request, or are the segment's
-    own at another request's length. `voc`: the vocoder findings, for where the audio shows it."""
+    own at another request's length, or are not what the talker was prompted with. `voc`: the
+    vocoder findings, for where the audio shows it."""
     cand = ev.candidate
-    own_src = ev.control if ev.control is not None and ev.control.has_codes else ev.reference
-    own = own_src.ref_codes
+    talker = talker_stage(cand)
+    if talker is not None:
+        own, own_from = talker["ref_codes"], "talker"
+    else:
+        own_src = ev.control if ev.control is not None and ev.control.has_codes else ev.reference
+        own, own_from = own_src.ref_codes, ("control" if own_src is ev.control else "reference")
     if _same(cand.ref_codes, own):
         return []
-    donors = [p for p, rc in sorted(ev.peer_ref_codes.items()) if len(rc) and _same(cand.ref_codes, rc)]
+    donors, co_batched = _code_donors(cand.ref_codes, ev)
     n, m = len(cand.ref_codes), len(own)
     resized = bool(n and m and n != m and _same(cand.ref_codes, _resized(own, n)))
     by_length = [p for p, rc in sorted(ev.peer_ref_codes.items()) if len(rc) == n] if resized else []
     comps["ref_codes"] = {"own_frames": m, "candidate_frames": n,
                           "matches_peer": donors[0] if donors else None,
-                          "own_from": "control" if own_src is ev.control else "reference",
+                          "peer_co_batched": co_batched if donors else None,
+                          "own_from": own_from,
                           "own_resized": ("cut" if n < m else "extended") if resized else None,
                           "peers_of_that_length": by_length}
+    frame, chunk, audio = 0, 0, ""
+    if voc and voc[0].kind in ("vocoder_defect", "contamination") and "donor_search" in comps:
+        frame, chunk = voc[0].frame, voc[0].chunk
+        audio = (f"; its audio leaves the decode with its own reference in chunks "
+                 f"{_ranges(comps['donor_search']['chunks'])}")
     if donors:
         same = f" (as are {', '.join(donors[1:])}'s: the same voice)" if len(donors) > 1 else ""
+        whose = donors[0] if co_batched else f"{donors[0]} (served earlier, not in its batch)"
+        cut = f", cut to {n}" if n < len((ev.peer_ref_codes | ev.history_ref_codes)[donors[0]]) else ""
         return [_Finding("contamination",
-                         f"the candidate used {donors[0]}'s reference codes ({n} frames) "
-                         f"instead of its own ({m} frames){same}",
-                         frame=0, chunk=0, stage="handoff", donor=donors[0], donor_kind="codes")]
+                         f"the candidate used {whose}'s reference codes ({n} frames{cut}) "
+                         f"instead of its own ({m} frames){same}{audio}",
+                         frame=frame, chunk=chunk, stage="handoff", donor=donors[0], donor_kind="codes")]
     if resized:
         verb, how = (("cut", f"instead of {m}: its last {m - n} dropped") if n < m else
                      ("extended", f"instead of {m}: {n - m} more repeating it from its start"))
         if len(by_length) == 1:
-            donor, frame, chunk, audio = by_length[0], 0, 0, ""
-            if voc and voc[0].kind in ("vocoder_defect", "contamination") and "donor_search" in comps:
-                frame, chunk = voc[0].frame, voc[0].chunk
-                audio = (f"; its audio leaves the decode with its own reference in chunks "
-                         f"{_ranges(comps['donor_search']['chunks'])}")
+            donor = by_length[0]
             return [_Finding("contamination",
                              f"{ev.segment_id}'s vocoder got its own reference codes {verb} to {donor}'s length "
                              f"({n} frames {how}), as if handed {donor}'s ref_code_len (the #4421 family){audio}",
@@ -259,12 +301,81 @@ def _handoff_findings(ev: Evidence, comps: dict, notes: list, voc: list) -> list
                "no single donor" if by_length
                else "a length no co-batched request's reference codes have")
         notes.append(f"the vocoder got its own reference codes {verb} to {n} frames ({how}), {who}")
-    if own_src is ev.control:
+    if own_from == "talker":
+        what = ("none of the talker's reference codes" if n == 0 else
+                f"{n} reference frames that are not the {m} the talker was prompted with"
+                + (f" (first differing frame {_first_diff(cand.ref_codes, own)})" if n and m else ""))
+        return [_Finding("handoff_defect", f"the vocoder got {what}{audio}",
+                         frame=frame, chunk=chunk, stage="handoff")]
+    if own_from == "control":
         return [_Finding("concurrency_defect",
                          f"reference codes at concurrency N differ from those at 1 "
                          f"({n} against {m} frames) and match no co-batched request",
                          frame=0, chunk=0, stage="handoff")]
     return []  # against the reference engine's encoder, a difference is the headline's business
+
+
+def _first_diff(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    bad = np.flatnonzero((a[:n] != b[:n]).any(axis=1))
+    return int(bad[0]) if len(bad) else n
+
+
+def _stage_findings(ev: Evidence, comps: dict) -> list[_Finding]:
+    """The talker's side of the capture against what the hand-off delivered (frames) and against
+    what the engine reserved (prompt). Nothing without capture schema v2."""
+    cand = ev.candidate
+    talker = talker_stage(cand)
+    if talker is None:
+        return []
+    out = []
+    tokens = talker["tokens"]
+    made = tokens[:-1] if len(tokens) else tokens  # the last sampled token (EOS, or the cap's) never becomes a frame
+    got = cand.codes[:, 0]
+    comps["talker_stage"] = {"talker_frames": len(made), "handed_frames": len(got),
+                             "prompt_reserved": talker["reserved"], "prompt_built": talker["built"],
+                             "ref_code_len": talker["ref_code_len"], "talker_ref_frames": len(talker["ref_codes"])}
+    if len(made) != len(got) or not np.array_equal(made, got):
+        n = min(len(made), len(got))
+        diff = np.flatnonzero(made[:n] != got)
+        f = int(diff[0]) if len(diff) else n
+        donors = [p for p, t in sorted(ev.peer_tokens.items())
+                  if len(t) and len(t) - 1 == len(got) and np.array_equal(t[:-1], got)]
+        chunk = _chunk_of(f, max(len(made), len(got)), ev)
+        if donors:
+            out.append(_Finding("contamination",
+                                f"the vocoder got {donors[0]}'s generated codes ({len(got)} frames) instead of "
+                                f"the {len(made)} this request's talker generated",
+                                frame=0, chunk=0, stage="handoff", donor=donors[0], donor_kind="generated"))
+        else:
+            what = (f"{len(got)} frames where the talker generated {len(made)}" if len(got) != len(made)
+                    else f"{len(got)} frames as the talker generated, but not the same ones")
+            out.append(_Finding("handoff_defect",
+                                f"the vocoder got {what}: they part at frame {f} "
+                                f"(codebook-0 {int(got[f]) if f < len(got) else '-'} against "
+                                f"{int(made[f]) if f < len(made) else '-'})",
+                                frame=f, chunk=chunk, stage="handoff"))
+    if talker["reserved"] and talker["reserved"] != talker["built"]:
+        r, b = talker["reserved"], talker["built"]
+        how = (f"{r - b} positions filled with padding" if r > b else f"{b - r} prompt rows cut off")
+        out.append(_Finding("talker_defect",
+                            f"the engine reserved {r} prompt positions for a prompt of {b} rows: {how} "
+                            f"(the talker is conditioned on another prompt than the request's)",
+                            frame=0, chunk=0, stage="talker"))
+    ctrl = talker_stage(ev.control)
+    if ctrl is not None and not _same(ctrl["ref_codes"], talker["ref_codes"]):
+        donors, _ = _code_donors(talker["ref_codes"], ev)
+        if donors:
+            out.append(_Finding("contamination",
+                                f"the talker was prompted with {donors[0]}'s reference codes at concurrency N "
+                                f"(its own at 1)", frame=0, chunk=0, stage="reference_encoder",
+                                donor=donors[0], donor_kind="codes"))
+        else:
+            out.append(_Finding("concurrency_defect",
+                                f"the talker's reference codes at concurrency N ({len(talker['ref_codes'])} frames) "
+                                f"differ from those at 1 ({len(ctrl['ref_codes'])} frames)",
+                                frame=0, chunk=0, stage="reference_encoder"))
+    return out
 
 
 def _concurrency_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> list[_Finding]:
@@ -304,10 +415,12 @@ def _headline_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) ->
     if codes_known:
         d = diff_codes(ref.codes, cand.codes, ev.initial_frames, ev.chunk_frames)
         comps["codes"] = _code_json(d)
-        comps["codes"]["ref_codes_equal"] = _same(ref.ref_codes, cand.ref_codes)
-        if not _same(ref.ref_codes, cand.ref_codes):
+        talker = talker_stage(cand)
+        encoded = talker["ref_codes"] if talker is not None else cand.ref_codes  # the encoder's, before the hand-off
+        comps["codes"]["ref_codes_equal"] = _same(ref.ref_codes, encoded)
+        if not _same(ref.ref_codes, encoded):
             out.append(_Finding("code_divergence",
-                                f"reference codes differ from qwen-tts's ({len(cand.ref_codes)} against "
+                                f"reference codes differ from qwen-tts's ({len(encoded)} against "
                                 f"{len(ref.ref_codes)} frames)", frame=0, chunk=0, stage="reference_encoder"))
         if d.length_only:
             out.append(_Finding("length_mismatch",
@@ -375,7 +488,13 @@ def classify(ev: Evidence, policy: Policy) -> SegmentVerdict:
             notes.append("candidate returned no codes (no capture): audio-only comparison")
         voc = _vocoder_findings(ev, policy, comps, mels) if ev.cross_own is not None and cand.has_codes else []
         if cand.has_codes:
-            findings += _handoff_findings(ev, comps, notes, voc)
+            handoff = _handoff_findings(ev, comps, notes, voc)
+            findings += handoff + _stage_findings(ev, comps)
+            if handoff and talker_stage(cand) is not None:
+                voc = []  # the audio's departure is the hand-off's wrong prefix, already placed above
+            elif talker_stage(cand) is None:
+                notes.append("no talker stage in the capture: the hand-off judged against the reference codes "
+                             "found at the vocoder")
             if ev.cross_own is None:
                 notes.append("no cross-decode: vocoder stage not checked")
         findings += voc

@@ -1,0 +1,110 @@
+"""Stage-boundary judgement: the capture's talker side (schema v2) against what the hand-off
+delivered. Each case is a hand-off bug from vLLM-Omni's history, in the toy engine's terms."""
+
+import numpy as np
+from toy import toy_codes, toy_result
+
+from difftest.verdicts.classify import Evidence, classify
+
+CODES = toy_codes(40, 1)
+OWN = toy_codes(20, 2)  # what a's talker was prompted with
+OTHER = toy_codes(25, 3)  # b's reference codes (a longer voice)
+EOS = 2150
+
+
+def talker(ref, codes=CODES, prompt=(60, 60), tokens=None):
+    tokens = np.append(codes[:, 0], EOS) if tokens is None else tokens
+    return {"talker_ref_codes": ref, "talker_prompt": np.array([*prompt, len(ref)]), "talker_tokens": tokens}
+
+
+def ev(handed_ref, handed_codes=CODES, stage=None, control=None, peers=None, history=None, peer_tokens=None,
+       encoder=OWN):
+    """Segment a at concurrency N: its talker saw `stage` (default: prompted with OWN); the vocoder
+    got `handed_ref` + `handed_codes` and made audio of it. qwen-tts's encoder gave `encoder`."""
+    cand = toy_result("a", handed_codes, handed_ref, extra=talker(OWN) if stage is None else stage)
+    cross_own = toy_result("a", handed_codes, OWN)  # the reference vocoder with the talker's own reference
+    return Evidence("a", toy_result("a", CODES, encoder), cand, control, cross_own, {},
+                    peers if peers is not None else {"b": OTHER}, history or {}, peer_tokens or {})
+
+
+def test_a_clean_handoff_passes_the_stage_checks(policy):
+    v = classify(ev(OWN), policy)
+    assert v.verdict == "identical", v.summary
+    assert v.comparisons["talker_stage"] == {"talker_frames": 40, "handed_frames": 40, "prompt_reserved": 60,
+                                             "prompt_built": 60, "ref_code_len": 20, "talker_ref_frames": 20}
+
+
+def test_seed_bug_in_release_0_30_a_longer_donor_cut_to_the_own_length(policy):
+    # #4370 reverted into 0.30.0: b's reference codes broadcast, trimmed to a's ref_code_len (20).
+    v = classify(ev(OTHER[:20]), policy)
+    assert (v.verdict, v.stage, v.donor, v.donor_kind, v.first_divergent_chunk) == (
+        "contamination", "handoff", "b", "codes", 0)
+    assert "the candidate used b's reference codes (20 frames, cut to 20) instead of its own (20 frames)" in v.summary
+    assert v.comparisons["ref_codes"]["own_from"] == "talker"
+
+
+def test_a_donor_served_earlier_is_named_as_such(policy):
+    # Not co-batched: a cache keyed too loosely hands out an earlier request's reference.
+    v = classify(ev(OTHER, peers={}, history={"z": OTHER}), policy)
+    assert (v.verdict, v.donor) == ("contamination", "z")
+    assert "z (served earlier, not in its batch)'s reference codes" in v.summary
+    assert v.comparisons["ref_codes"]["peer_co_batched"] is False
+
+
+def test_a_dropped_reference_prefix_is_a_handoff_defect_not_an_encoder_difference(policy):
+    # The blind spot this closes: with only the vocoder's input, a dropped prefix read as
+    # "the candidate's encoder made no reference codes" (code_divergence, passing).
+    v = classify(ev(np.zeros((0, 16), np.int64)), policy)
+    assert (v.verdict, v.stage) == ("handoff_defect", "handoff")
+    assert v.summary.startswith("the vocoder got none of the talker's reference codes")
+    assert v.comparisons["codes"]["ref_codes_equal"] is True  # the encoder is judged on the talker's input
+    assert policy.fails(v.verdict)
+
+
+def test_a_mis_trimmed_prefix_without_a_length_donor_is_a_handoff_defect(policy):
+    v = classify(ev(OWN[:17], peers={}), policy)
+    assert (v.verdict, v.stage) == ("handoff_defect", "handoff")
+    assert "17 reference frames that are not the 20 the talker was prompted with (first differing frame 17)" in v.summary
+
+
+def test_a_lost_frame_is_found_between_talker_and_vocoder(policy):
+    lost = np.delete(CODES, 12, axis=0)
+    v = classify(ev(OWN, handed_codes=lost), policy)
+    assert (v.verdict, v.stage, v.first_divergent_frame) == ("handoff_defect", "handoff", 12)
+    assert v.summary.startswith("the vocoder got 39 frames where the talker generated 40: they part at frame 12")
+
+
+def test_the_last_frame_cut_at_a_length_stop(policy):
+    v = classify(ev(OWN, handed_codes=CODES[:-1]), policy)
+    assert (v.verdict, v.first_divergent_frame) == ("handoff_defect", 39)
+
+
+def test_another_requests_generated_codes_name_it(policy):
+    # #1411 / #4316: request 0's codes decoded for every request of the batch.
+    b_codes = toy_codes(33, 9)
+    v = classify(ev(OWN, handed_codes=b_codes, peer_tokens={"b": np.append(b_codes[:, 0], EOS)}), policy)
+    assert (v.verdict, v.donor, v.donor_kind, v.stage) == ("contamination", "b", "generated", "handoff")
+    assert "the vocoder got b's generated codes (33 frames) instead of the 40" in v.summary
+
+
+def test_a_prompt_that_does_not_fill_its_reservation_is_a_talker_defect(policy):
+    # #1553 / PR #1554: the prompt-length estimate fell back to 2048 positions.
+    v = classify(ev(OWN, stage=talker(OWN, prompt=(2048, 60))), policy)
+    assert (v.verdict, v.stage) == ("talker_defect", "talker")
+    assert "reserved 2048 prompt positions for a prompt of 60 rows: 1988 positions filled with padding" in v.summary
+    assert policy.fails(v.verdict)
+
+
+def test_the_talkers_reference_at_n_against_at_1_names_a_donor(policy):
+    control = toy_result("a", CODES, OWN, extra=talker(OWN))
+    v = classify(ev(OTHER, stage=talker(OTHER), control=control), policy)
+    hits = [v.verdict, v.stage, v.donor]
+    assert hits == ["contamination", "reference_encoder", "b"], v.summary
+    assert "the talker was prompted with b's reference codes at concurrency N" in v.summary
+
+
+def test_without_the_talker_stage_the_old_judgement_says_so(policy):
+    cand = toy_result("a", CODES, OWN)
+    v = classify(Evidence("a", toy_result("a", CODES, OWN), cand, None, toy_result("a", CODES, OWN)), policy)
+    assert v.verdict == "identical"
+    assert any("no talker stage in the capture" in n for n in v.notes)
