@@ -42,7 +42,7 @@ def world(tmp_path_factory, _empty_mlflow_store):
               "--recipe", "cpu-engine", "-n", "2",
               # A wave's two requests batch even when they arrive far apart on a loaded machine: the
               # batch closes as soon as both are in; only a request alone waits the window out.
-              "--engine-arg=--max-batch=2", "--engine-arg=--batch-window-ms=1000"]
+              "--cpu-engine-arg=--max-batch=2", "--cpu-engine-arg=--batch-window-ms=1000"]
     return {"root": root, "shas": shas, "env": env, "common": common, "uri": f"sqlite:///{root / 'mlflow.db'}"}
 
 

@@ -52,8 +52,10 @@ def _common(p: argparse.ArgumentParser) -> None:
     g.add_argument("--declared-by", default="fakeomni:planted_defect", metavar="MODULE:FUNCTION",
                    help="cpu-engine: called in the commit's environment before each run; answers the defect to "
                         "plant or None (default fakeomni:planted_defect)")
-    g.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
+    g.add_argument("--cpu-engine-arg", action="append", default=[], metavar="ARG",
                    help="cpu-engine: one more argument for runners.cpu_engine (repeatable)")
+    g.add_argument("--engine-arg", action="append", default=[], metavar="[STAGE.]KEY=VALUE",
+                   help="vllm-omni: one deploy setting for every commit, as `difftest run --engine-arg`")
     g.add_argument("--omni-device", choices=("cuda", "cpu"), default="cuda", help="vllm-omni: where it serves")
     g.add_argument("--omni-option", type=_kv, action="append", default=[], metavar="KEY=VALUE",
                    help="vllm-omni: a VllmOmniOptions field (VALUE as JSON), e.g. accept_length_finish=true")
@@ -110,7 +112,7 @@ def _setup(args):
     if args.recipe == "cpu-engine":
         base = args.base_python or str(reference_python(args.reference_python))
         kw = {"module": args.module} if args.module else {}
-        recipe = CpuEngineRecipe(base, declared_by=args.declared_by, engine_args=args.engine_arg, pip_args=pip_args,
+        recipe = CpuEngineRecipe(base, declared_by=args.declared_by, engine_args=args.cpu_engine_arg, pip_args=pip_args,
                                  **kw)
     else:
         if args.base_python:
@@ -119,7 +121,12 @@ def _setup(args):
             from ..engines.vllm_omni import omni_python
 
             base = str(omni_python())
-        recipe = VllmOmniRecipe(base, device=args.omni_device, options=dict(args.omni_option),
+        from ..engines.engine_args import parse
+
+        top, stages = parse(args.engine_arg)
+        options = {**({"stage_overrides": stages, "deploy_overrides": top} if top or stages else {}),
+                   **dict(args.omni_option)}
+        recipe = VllmOmniRecipe(base, device=args.omni_device, options=options,
                                 pip_args=pip_args, **({"module": args.module} if args.module else {}))
     out = Path(args.out)
     builds = Path(args.builds) if args.builds else None

