@@ -1,0 +1,1 @@
+"""The bug corpus and `difftest bugs`: real vLLM-Omni bugs re-created in a release, run and judged."""

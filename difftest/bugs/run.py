@@ -1,0 +1,191 @@
+"""`difftest bugs`: build each corpus entry's mutant, run it, and say whether difftest caught it.
+
+    difftest bugs --out DIR [--only ID,...] [--corpus cases/bugs]
+
+Per entry: the mutant environment (difftest.bugs.mutant; the release itself for an
+entry whose release still carries the bug), then `difftest run` of the entry's
+suite at its concurrency against it (difftest.run.run; one reference runner shared
+by all entries), in `DIR/<id>/`, logged to MLflow like any run. An entry is
+**caught** when the run fails and one of its segments has the expected verdict at
+the expected stage (and names a donor where the entry says one enters). The table
+(`DIR/bugs.json`, stable JSON; and a short text table on stdout) has a row per
+entry. An entry that cannot show on the CPU is listed, not run; a known miss
+stays a row with its reason.
+
+Exit: 0 every entry that can run here was caught or is a known miss; 1 an entry
+was missed; 2 bad input (a corpus entry, a patch that does not apply, a release
+whose sources differ); 3 a run could not be made (an engine that did not start).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from contextlib import ExitStack
+from dataclasses import replace
+from pathlib import Path
+
+from ..engines.reference import ReferenceOptions, reference_python
+from ..engines.start import CandidateSpec
+from ..errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput, DifftestError
+from ..results import atomic_write
+from ..run import RunOptions, resolve_models, run, start_reference_runner
+from ..suites.suite import load_suite
+from ..verdicts.policy import Policy, load_policy
+from ..verdicts.where import where
+from .corpus import DEFAULT_CORPUS, Entry, load_corpus
+from .mutant import mutant_env
+
+FORMAT = "difftest.bugs/1"
+
+
+def judge(entry: Entry, report: dict) -> dict:
+    """Whether the run caught the entry's bug, and the segment that shows it."""
+    want = entry.expect
+    hits = [s for s in report["segments"] if s["verdict"] == want["verdict"] and s.get("stage") == want["stage"]
+            and (s.get("donor") or not want.get("donor"))]
+    got = sorted({f"{s['verdict']}@{s.get('stage') or '-'}" for s in report["segments"]})
+    seg = hits[0] if hits else None
+    return {"caught": report["verdict"] == "fail" and bool(hits), "got": got,
+            "segment": seg["id"] if seg else None, "where": where(seg) if seg else None,
+            "summary": seg["summary"] if seg else None, "run_verdict": report["verdict"]}
+
+
+def run_entries(entries: list[Entry], out: Path, policy: Policy, opts: RunOptions, base_python: Path,
+                mlflow_uri: str | None = None, log_mlflow: bool = True, stream=sys.stderr,
+                save=lambda rows: None) -> list[dict]:
+    """A row per entry; an entry's bad input or broken run is its row's error, the others go on.
+    `save(rows)` after each entry: what is done is kept if a later entry stops the command."""
+    rows = []
+    python = reference_python(opts.reference.python)
+    with ExitStack() as stack:
+        runners: dict[tuple, object] = {}
+        for i, e in enumerate(entries, 1):
+            row = {"id": e.id, "upstream": e.upstream_label, "title": e.title, "expect": e.expect,
+                   "candidate": e.candidate, "suite": e.suite.stem, "concurrency": e.concurrency,
+                   "config": e.config, "known_miss": e.known_miss, "cpu": e.cpu}
+            t0 = time.perf_counter()
+            if not e.cpu:
+                rows.append({**row, "status": "not on CPU", "reason": e.cpu_why})
+                save(rows)
+                continue
+            print(f"bug {i}/{len(entries)} {e.id} ({e.upstream_label}): building the mutant", file=stream, flush=True)
+            try:
+                with ExitStack() as held:
+                    cand_python = base_python if e.release_carries_bug else held.enter_context(
+                        mutant_env(e, base_python, out / "logs" / f"{e.id}-build.log"))
+                    row["build_s"] = round(time.perf_counter() - t0, 1)
+                    report = _run_one(e, cand_python, out, policy, opts, python, runners, stack, stream,
+                                      f"bug {i}/{len(entries)} {e.id}")
+                row.update(judge(e, report))
+                row["status"] = "caught" if row["caught"] else ("known miss" if e.known_miss else "missed")
+                if log_mlflow:
+                    from ..records.tracking import log_run
+
+                    log_run(out / e.id, mlflow_uri, tags={"difftest.bug": e.id, "difftest.bug.status": row["status"]})
+            except DifftestError as err:
+                row.update(status="error", error=str(err).splitlines()[0],
+                           exit_code=EXIT_BAD_INPUT if isinstance(err, BadInput) else EXIT_INFRA)
+                if not isinstance(err, BadInput):
+                    runners.clear()  # a reference runner that failed is not handed to the next entry
+            row["seconds"] = round(time.perf_counter() - t0, 1)
+            print(f"bug {i}/{len(entries)} {e.id}: {row['status']} in {row['seconds']:.0f} s", file=stream, flush=True)
+            rows.append(row)
+            save(rows)
+    return rows
+
+
+def _run_one(e: Entry, cand_python: Path, out: Path, policy: Policy, opts: RunOptions, python: Path,
+             runners: dict, stack: ExitStack, stream, label: str) -> dict:
+    """`difftest run` of the entry against its mutant, with the reference runner for its models
+    (started once, shared by the entries that need the same checkpoints)."""
+    suite = load_suite(e.suite)
+    e_opts = replace(opts, concurrency=e.concurrency, pattern=e.pattern, order=e.order, replace=True)
+    models = resolve_models(suite, e_opts, python)
+    key = tuple(models)
+    if key not in runners:
+        ref_opts = ReferenceOptions(**{**opts.reference.__dict__, "models": models})
+        runner = start_reference_runner(python, models, ref_opts, out / "logs" / "reference-runner.log")
+        stack.callback(runner.close)
+        runners[key] = runner
+    spec = replace(CandidateSpec.parse(e.candidate), python=str(cand_python), options=dict(e.config))
+    print(f"{label}: running {suite.name} at {e.concurrency} ({e.pattern} arrivals) on {e.candidate}",
+          file=stream, flush=True)
+    return run(suite, spec, out / e.id, policy, e_opts, runner=runners[key])
+
+
+def exit_code(rows: list[dict]) -> int:
+    if any(r["status"] == "missed" for r in rows):
+        return EXIT_FAIL
+    codes = [r["exit_code"] for r in rows if r["status"] == "error"]
+    if codes:
+        return min(codes)  # bad input (2) before infrastructure (3)
+    return EXIT_PASS
+
+
+def table(rows: list[dict]) -> str:
+    head = ("bug", "upstream", "expected", "status", "where", "s")
+    lines = [head]
+    for r in rows:
+        exp = f"{r['expect']['verdict']}@{r['expect']['stage']}" + (" +donor" if r["expect"].get("donor") else "")
+        status = r["status"] + (f": {r.get('error') or r.get('reason') or ''}" if r["status"] in ("error", "not on CPU")
+                                else "")
+        lines.append((r["id"], r["upstream"], exp, status[:70], r.get("where") or "", f"{r.get('seconds', 0):.0f}"))
+    widths = [max(len(str(x[i])) for x in lines) for i in range(len(head))]
+    text = "\n".join("  ".join(str(x[i]).ljust(widths[i]) for i in range(len(head))).rstrip() for x in lines)
+    ran = [r for r in rows if r["status"] != "not on CPU"]
+    caught = sum(r["status"] == "caught" for r in ran)
+    return text + f"\ncaught {caught} of {len(ran)} entries that run on this machine ({len(rows) - len(ran)} not on CPU)"
+
+
+def cmd_bugs(args) -> int:
+    only = [x.strip() for x in args.only.split(",") if x.strip()] if args.only else None
+    entries = load_corpus(Path(args.corpus), only)
+    if not entries:
+        raise BadInput(f"no entries in {args.corpus}")
+    policy = load_policy(args.policy)
+    opts = RunOptions(store=Path(args.store),
+                      reference=ReferenceOptions(python=args.reference_python))
+    if args.vllm_omni_python:
+        base = Path(args.vllm_omni_python)
+    else:
+        from ..engines.vllm_omni import omni_python
+
+        base = omni_python()
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    def save(rows, done=False):
+        atomic_write(out / "bugs.json", json.dumps({
+            "format": FORMAT, "corpus": str(Path(args.corpus).resolve()), "complete": done,
+            "exit_code": exit_code(rows) if done else None, "entries": rows}, indent=1, sort_keys=True).encode())
+
+    rows = run_entries(entries, out, policy, opts, base, args.tracking_uri, not args.no_mlflow, save=save)
+    code = exit_code(rows)
+    save(rows, done=True)
+    print(table(rows))
+    print(f"table: {out / 'bugs.json'}")
+    return code
+
+
+def add_bugs_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "bugs", help="re-create real vLLM-Omni bugs in a release and check that difftest catches each",
+        description="For each entry of the bug corpus (cases/bugs/<id>/bug.yaml): the release's vLLM-Omni with the "
+                    "entry's patch as an overlay environment (seconds), a `difftest run` of its suite against it, "
+                    "and whether the expected verdict, stage and donor came out. Exit 0: every entry caught (or a "
+                    "known miss); 1: an entry missed; 2: bad input; 3: a run could not be made.")
+    p.add_argument("--out", required=True, help="folder: one run folder per entry, bugs.json, logs")
+    p.add_argument("--only", help="comma-separated entry ids (default: all)")
+    p.add_argument("--corpus", default=str(DEFAULT_CORPUS), help="corpus folder (default cases/bugs)")
+    p.add_argument("--vllm-omni-python", help="the release environment's interpreter (default .venv-vllm-omni)")
+    p.add_argument("--store", default=os.environ.get("DIFFTEST_STORE", "difftest-store"),
+                   help="reference result store (default ./difftest-store or $DIFFTEST_STORE)")
+    p.add_argument("--policy", help="policy YAML (default: the built-in one)")
+    p.add_argument("--reference-python", help="the reference environment's interpreter")
+    p.add_argument("--tracking-uri", help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else sqlite:///mlflow.db)")
+    p.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")
+    p.set_defaults(func=cmd_bugs)
+    return p
