@@ -108,3 +108,13 @@ def test_without_the_talker_stage_the_old_judgement_says_so(policy):
     v = classify(Evidence("a", toy_result("a", CODES, OWN), cand, None, toy_result("a", CODES, OWN)), policy)
     assert v.verdict == "identical"
     assert any("no talker stage in the capture" in n for n in v.notes)
+
+
+def test_the_reference_left_in_the_generated_frames_is_a_handoff_defect(policy):
+    # #4421: the vocoder got no trim length, so the reference prefix arrived as generated frames
+    # (more frames than the talker made; the comparison must not assume the shorter side is the vocoder's).
+    v = classify(ev(np.zeros((0, 16), np.int64), handed_codes=np.concatenate([OWN, CODES])), policy)
+    assert (v.verdict, v.stage, v.first_divergent_frame) == ("handoff_defect", "handoff", 0)
+    assert v.summary.startswith("the vocoder got 20 of the talker's 20 reference frames as generated frames")
+    assert v.comparisons["talker_stage"] == {"talker_frames": 40, "handed_frames": 60, "prompt_reserved": 60,
+                                             "prompt_built": 60, "ref_code_len": 20, "talker_ref_frames": 20}

@@ -302,6 +302,13 @@ def _handoff_findings(ev: Evidence, comps: dict, notes: list, voc: list) -> list
                else "a length no co-batched request's reference codes have")
         notes.append(f"the vocoder got its own reference codes {verb} to {n} frames ({how}), {who}")
     if own_from == "talker":
+        if n < m and len(cand.codes) >= m - n and _same(np.concatenate([cand.ref_codes, cand.codes[:m - n]]), own):
+            # the reference (or its rest) arrived as generated frames: no trim, so its audio stays in
+            # the output (#4421)
+            return [_Finding("handoff_defect",
+                             f"the vocoder got {m - n} of the talker's {m} reference frames as generated frames, "
+                             f"not as the reference prefix: nothing trims them, the reference audio stays at the "
+                             f"start of the output{audio}", frame=0, chunk=0, stage="handoff")]
         what = ("none of the talker's reference codes" if n == 0 else
                 f"{n} reference frames that are not the {m} the talker was prompted with"
                 + (f" (first differing frame {_first_diff(cand.ref_codes, own)})" if n and m else ""))
@@ -337,7 +344,7 @@ def _stage_findings(ev: Evidence, comps: dict) -> list[_Finding]:
                              "ref_code_len": talker["ref_code_len"], "talker_ref_frames": len(talker["ref_codes"])}
     if len(made) != len(got) or not np.array_equal(made, got):
         n = min(len(made), len(got))
-        diff = np.flatnonzero(made[:n] != got)
+        diff = np.flatnonzero(made[:n] != got[:n])
         f = int(diff[0]) if len(diff) else n
         donors = [p for p, t in sorted(ev.peer_tokens.items())
                   if len(t) and len(t) - 1 == len(got) and np.array_equal(t[:-1], got)]
