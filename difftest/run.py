@@ -63,6 +63,7 @@ class RunOptions:
     engine_health_timeout: float = 300.0
     vllm_omni: dict = field(default_factory=dict)  # difftest.engines.vllm_omni.VllmOmniOptions fields (python, device, ...)
     replace: bool = False  # discard a run folder's results that another candidate or configuration produced
+    repeat: bool = True  # serve every segment once more at concurrency 1, after the others (history check)
 
 
 def _segments_with_codes(results: dict) -> dict:
@@ -163,6 +164,10 @@ def _result_folders(out: Path, engine: dict, opts: RunOptions, pattern: str) -> 
     for n in sorted({1, opts.concurrency}):
         load = {"concurrency": n, "pattern": pattern, "order": opts.order, "voice_mode": opts.voice_mode, "seed": 0}
         folders[n] = (out / "results" / f"candidate-c{n}", ident.folder_identity(engine, load))
+    if opts.repeat:  # concurrency 1 again, the suite reversed, after the other passes
+        load = {"concurrency": 1, "pattern": pattern, "order": opts.order, "voice_mode": opts.voice_mode, "seed": 0,
+                "repeat": "reversed, after the other passes"}
+        folders[REPEAT] = (out / "results" / "candidate-c1-repeat", ident.folder_identity(engine, load))
     for folder, identity in folders.values():
         try:
             ident.check(folder, identity)
@@ -175,16 +180,23 @@ def _result_folders(out: Path, engine: dict, opts: RunOptions, pattern: str) -> 
     return {n: (folder, ident.key(identity)) for n, (folder, identity) in folders.items()}
 
 
-def _candidate_at(n: int, engine, suite: Suite, folder: Path, key: str):
-    progress = Progress(len(suite.segments), label=f"candidate c={n}")
-    outcome = engine.generate(suite.segments, concurrency=n, out_dir=folder, identity_key=key, progress=progress)
+REPEAT = "repeat"  # the history check's pass (difftest.verdicts.classify._history_findings)
+
+
+def _candidate_at(n, engine, suite: Suite, folder: Path, key: str):
+    """The candidate's pass at concurrency `n`, or the repeat pass (`REPEAT`: at 1, the suite reversed,
+    so each segment comes after another history than in the first pass)."""
+    segments = list(reversed(suite.segments)) if n == REPEAT else suite.segments
+    progress = Progress(len(segments), label="candidate c=1 again, reversed" if n == REPEAT else f"candidate c={n}")
+    outcome = engine.generate(segments, concurrency=1 if n == REPEAT else n, out_dir=folder, identity_key=key,
+                              progress=progress)
     for sid, err in outcome.errors.items():
         progress.segment(sid, error=err["message"])
     progress.close()
     return outcome
 
 
-def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy) -> dict:
+def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy, again=None) -> dict:
     """Every segment's verdict: cross-decodes through the reference vocoder, the classifier, and
     where the vocoder check fails, the donor search with each co-batched request's reference."""
 
@@ -209,8 +221,8 @@ def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy)
 
     def evidence(sid, donors=None):
         errors = []
-        for label, o in (("reference", ref_run), ("candidate", cand), ("control", ctrl)):
-            if sid in o.errors:
+        for label, o in (("reference", ref_run), ("candidate", cand), ("control", ctrl), ("repeat", again)):
+            if o is not None and sid in o.errors:
                 errors.append({**o.errors[sid], "source": label})
         x = cross.get(f"{sid}.own")
         if isinstance(x, str):
@@ -221,7 +233,8 @@ def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy)
                         donors or {}, {p: own_ref(p) for p in peers},
                         {p: own_ref(p) for p in cand.results if p != sid and talker_stage(cand.results[p])},
                         {p: t["tokens"] for p in peers if (t := talker_stage(cand.results.get(p)))},
-                        errors, suite.chunks["initial_frames"], suite.chunks["frames"])
+                        errors, suite.chunks["initial_frames"], suite.chunks["frames"],
+                        again.results.get(sid) if again is not None else None)
 
     verdicts = {s.id: classify(evidence(s.id), policy) for s in suite.segments}
     need = {}
@@ -286,14 +299,14 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         _announce(cand_info)
         outcomes = {}
         for n, (folder, key) in folders.items():
-            with timings(f"candidate_c{n}_s"):
+            with timings("candidate_repeat_s" if n == REPEAT else f"candidate_c{n}_s"):
                 outcomes[n] = _candidate_at(n, candidate, suite, folder, key)
-        cand, ctrl = outcomes[opts.concurrency], outcomes[1]
+        cand, ctrl, again = outcomes[opts.concurrency], outcomes[1], outcomes.get(REPEAT)
         print(f"cross-decodes: {len(_segments_with_codes(cand.results))} segments through the reference vocoder",
               file=sys.stderr, flush=True)
         with timings("cross_decode_s"):
             verdicts = _judge(suite, ref_run, cand, ctrl, _Vocoder(runner, out / "results" / "cross",
-                                                                    opts.reference.timeout), policy)
+                                                                    opts.reference.timeout), policy, again)
 
     ordered = [verdicts[s.id] for s in suite.segments]
     # The candidate at concurrency 1 judged on its own against the reference: a defect that only
@@ -353,12 +366,13 @@ def print_summary(report: dict, out: Path, stream=sys.stdout) -> None:
     print(f"report: {Path(out) / 'report.json'}", file=stream)
 
 
-def vllm_omni_settings(args) -> dict:
+def vllm_omni_settings(args, engine_args=None) -> dict:
     """VllmOmniOptions fields from the command line: the environment, device, deploy config and
-    `--engine-arg`s (difftest.engines.engine_args; checked against the environment when it starts)."""
+    `--engine-arg`s, or `engine_args` instead (difftest.engines.engine_args; checked against the
+    environment when it starts)."""
     from .engines.engine_args import parse
 
-    top, stages = parse(getattr(args, "engine_arg", None))
+    top, stages = parse(getattr(args, "engine_arg", None) if engine_args is None else engine_args)
     settings = {"python": args.vllm_omni_python, "device": args.candidate_device, "async_chunk": args.async_chunk,
                 "stage_overrides": stages, "deploy_overrides": top}
     if getattr(args, "deploy_config", None):
@@ -377,6 +391,10 @@ def add_engine_arguments(p) -> None:
                    help="one deploy setting, repeatable: talker.KEY / vocoder.KEY for a stage (a StageDeployConfig "
                         "or vLLM EngineArgs field), KEY for the deploy's top level (e.g. async_chunk=true, "
                         "talker.enable_prefix_caching=true, talker.max_model_len=4096); VALUE is YAML")
+    p.add_argument("--matrix", action="append", default=[], metavar="[STAGE.]KEY=V1,V2",
+                   help="a configuration axis, repeatable: one whole run per combination into OUT/<cell>/, "
+                        "OUT/matrix.json, exit 1 if any cell fails (e.g. --matrix async_chunk=false,true "
+                        "--matrix talker.enable_prefix_caching=false,true)")
 
 
 def cmd_run(args) -> int:
@@ -393,7 +411,11 @@ def cmd_run(args) -> int:
                       reference=ReferenceOptions(models=args.reference_model, python=args.reference_python,
                                                  device=args.device, dtype=args.dtype),
                       vllm_omni=vllm_omni_settings(args),
-                      replace=args.replace)
+                      replace=args.replace, repeat=args.repeat)
+    if args.matrix:
+        from .matrix import run_matrix
+
+        return run_matrix(args, suite, policy, spec, opts, lambda engine_args: vllm_omni_settings(args, engine_args))
     report = run(suite, spec, Path(args.out), policy, opts)
     print_summary(report, Path(args.out))
     if not args.no_mlflow:
@@ -431,6 +453,9 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
                    help="send reference audio with each request, or register voices first")
     r.add_argument("--out", required=True, help="run folder: results, report.json, summary.md, logs. Its "
                         "candidate results are reused only by the same candidate and configuration")
+    r.add_argument("--no-repeat", dest="repeat", action="store_false",
+                   help="skip the history check: by default every segment is served once more at concurrency 1, "
+                        "the suite reversed, and must agree with its first serving (history_defect otherwise)")
     r.add_argument("--replace", action="store_true",
                    help="discard the run folder's candidate results when another candidate or configuration "
                         "made them (without it, difftest refuses: exit 2)")

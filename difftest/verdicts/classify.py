@@ -20,7 +20,7 @@ segment's `notes` say which comparisons were not possible.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -32,7 +32,7 @@ from .policy import TIERS, Policy, chunk_tiers
 
 # Most serious first; the verdict is the finding of lowest rank.
 RANK = ("error", "contamination", "handoff_defect", "talker_defect", "vocoder_length", "vocoder_defect",
-        "concurrency_defect",
+        "concurrency_defect", "history_defect",
         "length_mismatch", "code_divergence", "audio_divergence", "numeric_drift", "identical")
 STAGES = ("talker", "reference_encoder", "handoff", "vocoder")
 
@@ -53,6 +53,7 @@ class Evidence:
     errors: list = field(default_factory=list)  # {"source", "kind", "message"}
     initial_frames: int = 1
     chunk_frames: int = 25
+    repeat: Result | None = None  # the candidate at 1 again, after every other segment (reverse order)
 
 
 @dataclass
@@ -385,34 +386,55 @@ def _stage_findings(ev: Evidence, comps: dict) -> list[_Finding]:
     return out
 
 
-def _concurrency_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> list[_Finding]:
+def _concurrency_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict, kind: str = "concurrency_defect",
+                          later: str = "at concurrency N", first: str = "concurrency 1",
+                          key: str = "concurrency") -> list[_Finding]:
+    """The candidate (`later`) against the control (`first`): codes, then audio, chunk by chunk."""
     cand, ctrl = ev.candidate, ev.control
     out = []
     if cand.has_codes and ctrl.has_codes:
         d = diff_codes(ctrl.codes, cand.codes, ev.initial_frames, ev.chunk_frames)
-        comps["concurrency_codes"] = _code_json(d)
+        comps[f"{key}_codes"] = _code_json(d)
         if not d.equal:
             f = d.first_divergent_frame
-            out.append(_Finding("concurrency_defect",
-                                f"codes at concurrency N differ from concurrency 1 from frame {f} "
-                                f"({d.len_b} against {d.len_a} frames)",
+            out.append(_Finding(kind, f"codes {later} differ from {first} from frame {f} "
+                                      f"({d.len_b} against {d.len_a} frames)",
                                 frame=f, chunk=_chunk_of(f, max(d.len_a, d.len_b), ev), stage="talker"))
             return out
     audio = _Audio(ctrl, cand, ev, policy, mels)
-    comps["concurrency"] = audio.to_json()
+    comps[key] = audio.to_json()
     if audio.length_gap:
-        out.append(_Finding("concurrency_defect",
-                            f"audio at concurrency N has {audio.len_b} samples, at 1 {audio.len_a}",
+        out.append(_Finding(kind, f"audio {later} has {audio.len_b} samples, {first} {audio.len_a}",
                             frame=min(audio.len_a, audio.len_b) // 1920, stage="vocoder"))
         return out
     frame, chunk = audio.first_bad(policy.tier_index("concurrency"), policy)
     if chunk is not None:
         stage = "vocoder" if cand.has_codes and ctrl.has_codes else None
-        out.append(_Finding("concurrency_defect",
-                            f"audio at concurrency N leaves concurrency 1's from chunk {chunk} "
-                            f"(tier {TIERS[audio.tiers[chunk]]}, log-mel {audio.chunks.logmel[chunk]:.3g})",
+        out.append(_Finding(kind, f"audio {later} leaves {first}'s from chunk {chunk} "
+                                  f"(tier {TIERS[audio.tiers[chunk]]}, log-mel {audio.chunks.logmel[chunk]:.3g})",
                             frame=frame, chunk=chunk, stage=stage))
     return out
+
+
+def _history_findings(ev: Evidence, policy: Policy, comps: dict) -> list[_Finding]:
+    """The segment served again at concurrency 1 after every other one, against its first serving:
+    an engine whose output depends on what it served before (a cache, a buffer, a request's state
+    left behind) parts them. Reference codes first: those of a request served earlier name it."""
+    rep, ctrl = ev.repeat, ev.control
+    if rep.has_codes and ctrl.has_codes and not _same(rep.ref_codes, ctrl.ref_codes):
+        donors, _ = _code_donors(rep.ref_codes, replace(ev, peer_ref_codes={}))
+        comps["repeat_ref_codes"] = {"first_frames": len(ctrl.ref_codes), "repeat_frames": len(rep.ref_codes),
+                                     "matches": donors[0] if donors else None}
+        if donors:
+            return [_Finding("contamination", f"served again after the other segments, its vocoder got "
+                                              f"{donors[0]}'s reference codes (served earlier)",
+                             frame=0, chunk=0, stage="handoff", donor=donors[0], donor_kind="codes")]
+        return [_Finding("history_defect", f"served again after the other segments, its reference codes "
+                                           f"({len(rep.ref_codes)} frames) differ from its first serving's "
+                                           f"({len(ctrl.ref_codes)})", frame=0, chunk=0, stage="handoff")]
+    return _concurrency_findings(replace(ev, candidate=rep), policy, comps, {}, kind="history_defect",
+                                 later="served again after the other segments", first="its first serving",
+                                 key="repeat")
 
 
 def _headline_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> list[_Finding]:
@@ -507,6 +529,8 @@ def classify(ev: Evidence, policy: Policy) -> SegmentVerdict:
         findings += voc
         if ev.control is not None:
             findings += _concurrency_findings(ev, policy, comps, mels)
+            if ev.repeat is not None:
+                findings += _history_findings(ev, policy, comps)
         else:
             notes.append("no concurrency-1 control: concurrency invariance not checked")
         findings += _headline_findings(ev, policy, comps, mels)

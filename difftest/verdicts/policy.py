@@ -17,7 +17,7 @@ DEFAULT_POLICY = Path(__file__).with_name("default_policy.yaml")
 TIERS = ("identical", "within_quantisation", "close", "diverged")
 VERDICTS = (
     "identical", "numeric_drift", "code_divergence", "audio_divergence", "length_mismatch",
-    "concurrency_defect", "vocoder_defect", "talker_defect", "handoff_defect", "contamination", "error",
+    "concurrency_defect", "history_defect", "vocoder_defect", "talker_defect", "handoff_defect", "contamination", "error",
 )
 RUN_VERDICTS = ("pass", "fail", "error")  # a report's overall verdict
 
