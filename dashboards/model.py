@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from difftest.verdicts.policy import TIERS
 
 CLEAN = ("identical", "numeric_drift")
-DEFAULT_FAIL_ON = ("concurrency_defect", "vocoder_defect", "contamination", "handoff_defect", "talker_defect",
+DEFAULT_FAIL_ON = ("concurrency_defect", "history_defect", "vocoder_defect", "contamination", "handoff_defect", "talker_defect",
                    "length_mismatch", "error")
 # report.json `comparisons` with per-chunk audio tiers and metrics; with per-chunk code agreement
 AUDIO_COMPARISONS = ("audio", "concurrency", "vocoder")
@@ -193,7 +193,8 @@ class Line:
 
     @property
     def rank(self) -> tuple:
-        order = ("vllm-omni", "vllm-omni-offline", "vllm-omni-offline:async", "url", "other", "cpu-engine")
+        order = ("vllm-omni", "vllm-omni-offline", "vllm-omni-offline:async", "url", "other", "vllm-omni-bug",
+                 "cpu-engine")
         stem = self.key if self.key in order else self.key.split(":", 1)[0]
         return order.index(stem), self.key
 
@@ -215,6 +216,10 @@ def candidate_line(tags: dict) -> Line:
         if defect:
             return Line(f"cpu-engine:{defect}", f"CPU test engine, planted defect {defect}", True, "fail", defect)
         return Line("cpu-engine", "CPU test engine, clean", True)
+    mutant = tags.get("candidate.mutant")
+    if mutant:  # difftest bugs: a release with an upstream fix reverted, a planted bug like the CPU engine's
+        return Line(f"vllm-omni-bug:{mutant}", f"vLLM-Omni with bug {mutant} re-created (bug corpus)", True, "fail",
+                    mutant)
     is_omni = (engine.lower().startswith("vllm-omni") or label.lower().startswith("vllm-omni")
                or any(tags.get(k) for k in ("vllm_omni.version", "candidate.versions.vllm_omni",
                                             "candidate.provenance.versions.vllm-omni",

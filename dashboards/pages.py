@@ -29,7 +29,7 @@ SEGMENT_ROLES = (  # audio role -> (title, what it is)
 )
 # where_groups: the most serious first
 SERIOUSNESS = ("error", "contamination", "handoff_defect", "talker_defect", "vocoder_defect", "concurrency_defect",
-               "length_mismatch", "code_divergence", "audio_divergence")
+               "history_defect", "length_mismatch", "code_divergence", "audio_divergence")
 TIER_CELL_COLOURS = ("#c8e6c9", "#dcedc8", "#fff9c4", "#ffcdd2")  # the per-chunk table, by tier
 
 

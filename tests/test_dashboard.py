@@ -559,11 +559,13 @@ def test_from_a_tracking_server(mlflow_server, tmp_path, capsys):
 CPU_ENGINE = "difftest CPU test engine (not vLLM-Omni)"  # what difftest/run.py records as the engine
 
 
-def omni_candidate(version: str, device: str = "cpu", api: str | None = None) -> dict:
-    """report.json's `candidate` as `difftest run --candidate vllm-omni[-offline[:async]]` writes it."""
+def omni_candidate(version: str, device: str = "cpu", api: str | None = None, mutant: str | None = None) -> dict:
+    """report.json's `candidate` as `difftest run --candidate vllm-omni[-offline[:async]]` writes it
+    (`mutant`: as `difftest bugs` runs a corpus entry's mutant)."""
     from difftest.engines.vllm_omni import VllmOmniOptions, _provenance
 
-    env = {"vllm_omni": version, "vllm": "0.30.1", "torch": "2.10.0", "difftest_capture": "0.1.0"}
+    env = {"vllm_omni": version, "vllm": "0.30.1", "torch": "2.10.0", "difftest_capture": "0.1.0",
+           "vllm_omni_mutant": {"bug": mutant, "release": version} if mutant else None}
     info = _provenance(env, VllmOmniOptions(device=device), Path("/out/vllm-omni/deploy-overlay.yaml"), None)
     if api is not None:  # difftest/vllm_omni.py's start_vllm_omni_offline
         info.update(label=f"vllm-omni {version} offline" + (" async" if api == "async" else ""),
@@ -707,15 +709,17 @@ def test_candidate_lines_from_the_tags_difftest_logs():
                                 compared(cpu_engine_candidate("ref-leak"), "difftest-cpu-engine:ref-leak"),
                                 {"label": "difftest-cpu-engine:ref-leak"}],
         "other:my-engine": [{"label": "my-engine"}],
+        "vllm-omni-bug:ref-leak-4373": [omni_candidate("0.30.0", mutant="ref-leak-4373")],
     }
     for key, candidates in cases.items():
         for c in candidates:
             got = c if isinstance(c, model.Line) else line(c)
             assert got.key == key, (key, c)
-    controls = {key: line(cands[0]) for key, cands in cases.items() if key.startswith("cpu-engine")}
+    controls = {key: line(cands[0]) for key, cands in cases.items() if key.startswith(("cpu-engine", "vllm-omni-bug"))}
     assert {k: (v.control, v.expect, v.defect) for k, v in controls.items()} == {
-        "cpu-engine": (True, "pass", None), "cpu-engine:ref-leak": (True, "fail", "ref-leak")}
-    assert not any(line(c[0]).control for k, c in cases.items() if not k.startswith("cpu-engine"))
+        "cpu-engine": (True, "pass", None), "cpu-engine:ref-leak": (True, "fail", "ref-leak"),
+        "vllm-omni-bug:ref-leak-4373": (True, "fail", "ref-leak-4373")}  # a mutant is never the release
+    assert not any(line(c[0]).control for k, c in cases.items() if not k.startswith(("cpu-engine", "vllm-omni-bug")))
     # a planted defect's line expects the run to fail: a run that passes after one that failed is the regression
     R = lambda i, t, v: SimpleNamespace(run_id=i, experiment_id="1", device="cpu", start_ms=t, verdict=v,  # noqa: E731
                                         failing=[], line=controls["cpu-engine:ref-leak"], suite_hash="h")

@@ -85,7 +85,11 @@ def run_entries(entries: list[Entry], out: Path, policy: Policy, opts: RunOption
                 if log_mlflow:
                     from ..records.tracking import log_run
 
-                    log_run(out / e.id, mlflow_uri, tags={"difftest.bug": e.id, "difftest.bug.status": row["status"]})
+                    exp = e.expect
+                    log_run(out / e.id, mlflow_uri, tags={
+                        "difftest.bug": e.id, "difftest.bug.status": row["status"],
+                        "difftest.bug.upstream": e.upstream_label,
+                        "difftest.bug.expect": f"{exp['verdict']}@{exp['stage']}" + (" +donor" if exp.get("donor") else "")})
             except DifftestError as err:
                 row.update(status="error", error=str(err).splitlines()[0],
                            exit_code=EXIT_BAD_INPUT if isinstance(err, BadInput) else EXIT_INFRA)

@@ -120,6 +120,8 @@ def canonical_tags(report: dict) -> dict[str, str]:
         or package_version(report, "vllm-omni", ("candidate", "candidate.provenance", "provenance")),
         "candidate.commit": _first(report, "candidate.commit", "provenance.candidate.commit",
                                    "candidate.provenance.commit"),
+        # a bug-corpus mutant (difftest.bugs): a control, never the release it was made from
+        "candidate.mutant": _first(report, "candidate.versions.vllm_omni_mutant.bug"),
         "vllm_omni.version": _first(report, "provenance.vllm_omni.version") or package_version(report, "vllm-omni"),
         "vllm.version": _first(report, "provenance.vllm.version") or package_version(report, "vllm"),
         "qwen_tts.version": _first(report, "provenance.qwen_tts.version")
