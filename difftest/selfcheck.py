@@ -75,15 +75,20 @@ def variant(suite: Suite, kind: str) -> Suite:
                    hash=content_hash({"base": suite.hash, "variant": kind}))
 
 
-def _leak_truth(out: Path, n: int) -> dict[str, list[str]]:
-    """Whose reference codes each request's vocoder really got at N (from the capture files)."""
+def _leak_truth(out: Path, n: int) -> dict[tuple[str, str], list[str]]:
+    """(segment, donor kind) -> whose reference codes ("codes") or generated codes ("generated") each
+    request's vocoder really got at N, from the capture files (the segments whose own they are at 1)."""
     at_n, _ = load_result_set(out / "results" / f"candidate-c{n}")
     at_1, _ = load_result_set(out / "results" / "candidate-c1")
     truth = {}
     for sid, r in at_n.items():
-        owners = [o for o, c in at_1.items() if c.has_codes and np.array_equal(c.ref_codes, r.ref_codes)]
-        if r.has_codes and len(r.ref_codes) and sid not in owners:
-            truth[sid] = owners
+        if not r.has_codes:
+            continue
+        for kind, field_name in (("codes", "ref_codes"), ("generated", "codes")):
+            mine = getattr(r, field_name)
+            owners = [o for o, c in at_1.items() if c.has_codes and np.array_equal(getattr(c, field_name), mine)]
+            if len(mine) and sid not in owners:
+                truth[(sid, kind)] = owners
     return truth
 
 
@@ -113,7 +118,8 @@ def judge(check: Check, report: dict, out: Path) -> dict:
     if donors:
         truth = _leak_truth(out, report["concurrency"])
         row["donor"] = donors[0]["donor"]
-        row["donor_right"] = all(s["donor"] in truth.get(s["id"], []) for s in donors)
+        row["donor_right"] = all(s["donor"] in truth.get((s["id"], s.get("donor_kind") or "codes"), [])
+                                 for s in donors)
         if not row["donor_right"]:
             row["ok"], row["problem"] = False, "wrong donor named"
     return row

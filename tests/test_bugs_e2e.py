@@ -62,8 +62,11 @@ def test_the_seed_leak_names_the_request_it_came_from(corpus_run):
         donor = read_result(next((run / "ref-leak-4373" / "results" / "candidate-c4").glob("hm-11-*.json")))
         assert np.array_equal(cand.ref_codes, donor.extra["talker_ref_codes"])
         assert cand.extra["talker_ref_codes"].shape == (0, 16)  # its own talker had none
-    # at concurrency 1 the release with the bug is clean: the leak needs a co-batched request
-    assert rep["at_concurrency_1"]["verdict"] == "pass"
+    # at concurrency 1 the leak is gone (it needs a co-batched request); what stays is the release's own
+    # float-ceil padding of hm-06-es (cases/bugs/prompt-len-float-ceil)
+    at_one = {s["id"]: s["verdict"] for s in rep["at_concurrency_1"]["segments"]}
+    assert at_one.pop("hm-06-es") == "talker_defect"
+    assert set(at_one.values()) <= {"identical", "numeric_drift", "code_divergence"}, at_one
 
 
 def test_the_reference_left_in_the_output_is_a_handoff_defect(corpus_run):

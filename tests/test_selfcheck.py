@@ -18,7 +18,8 @@ def test_selfcheck_catches_planted_defects_and_passes_the_clean_engine(tmp_path)
     assert rows["clean"]["ok"] and rows["clean"]["verdict"] == "pass" and rows["clean"]["at_concurrency_1"] == "pass"
     mix = rows["batch-mixup"]
     assert mix["ok"] and mix["verdict"] == "fail" and mix["at_concurrency_1"] == "pass"  # invisible at 1
-    assert "concurrency_defect" in mix["verdicts"]
+    # the talker's side of the capture names whose generated codes every request got: request 0's
+    assert "contamination" in mix["verdicts"] and mix["donor"] == "smoke-01" and mix["donor_right"]
     rio = rows["ref-in-output"]
     assert rio["ok"] and rio["verdicts"] == ["length_mismatch"] and rio["stage"] == "vocoder"
     assert rio["chunk"] == 0  # the reference re-synthesised opens the answer
