@@ -39,19 +39,10 @@ def _sha256(path: Path) -> str:
 
 def release_site(base_python: Path) -> tuple[Path, str]:
     """The site-packages folder holding the release's `vllm_omni`, and the release's version."""
-    probe = ("import importlib.metadata as m, importlib.util as u, json, pathlib; s = u.find_spec('vllm_omni'); "
-             "print(json.dumps({'dir': str(pathlib.Path(s.origin).parent.parent) if s else None, "
-             "'version': m.version('vllm-omni') if s else None}))")
-    try:
-        p = subprocess.run([str(base_python), "-c", probe], capture_output=True, text=True, timeout=120, check=False)
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise InfraError(f"cannot run the release environment's interpreter {base_python}: {e}") from None
-    if p.returncode != 0:
-        raise InfraError(f"the release environment {base_python} is broken: {p.stderr.strip()[-800:]}")
-    info = json.loads(p.stdout.strip().splitlines()[-1])
-    if not info["dir"]:
-        raise BadInput(f"{base_python} has no vllm_omni installed")
-    return Path(info["dir"]), info["version"]
+    from ..engines.vllm_omni import environment_info
+
+    info = environment_info(Path(base_python))  # BadInput when it has no vllm-omni, InfraError when broken
+    return Path(info["deploy_dir"]).parent.parent, info["vllm_omni"]
 
 
 def check_source(entry: Entry, site: Path, version: str) -> None:
