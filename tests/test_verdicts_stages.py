@@ -118,3 +118,12 @@ def test_the_reference_left_in_the_generated_frames_is_a_handoff_defect(policy):
     assert v.summary.startswith("the vocoder got 20 of the talker's 20 reference frames as generated frames")
     assert v.comparisons["talker_stage"] == {"talker_frames": 40, "handed_frames": 60, "prompt_reserved": 60,
                                              "prompt_built": 60, "ref_code_len": 20, "talker_ref_frames": 20}
+
+
+def test_a_segment_of_the_same_voice_is_not_blamed_for_a_cut(policy):
+    # voice-clone-concurrency at 4 on 0.30.0: vcc-19 (fabio's voice) got its own reference cut to 32 frames;
+    # vcc-07, served earlier with the same voice, has the same codes and must not be named as the donor
+    v = classify(ev(OWN[:17], peers={}, history={"c": OWN}), policy)
+    assert (v.verdict, v.donor) == ("handoff_defect", None)
+    v = classify(ev(OWN[:17], peers={"c": OWN, "d": OTHER[:17]}), policy)  # nor a co-batched one
+    assert v.donor != "c"

@@ -245,8 +245,12 @@ def _prefix_of(used: np.ndarray, rc: np.ndarray) -> bool:
     return bool(len(rc)) and (_same(used, rc) or (0 < len(used) < len(rc) and _same(used, rc[:len(used)])))
 
 
-def _code_donors(used: np.ndarray, ev: Evidence) -> tuple[list[str], bool]:
-    """Segments whose own reference codes `used` is (co-batched ones first); whether co-batched."""
+def _code_donors(used: np.ndarray, ev: Evidence, own: np.ndarray) -> tuple[list[str], bool]:
+    """Segments whose own reference codes `used` is (co-batched ones first); whether co-batched.
+    None where `used` is the segment's own reference, whole or cut: a segment of the same voice has the
+    same codes, and naming it would blame it for a cut (the length check's business)."""
+    if _prefix_of(used, own):
+        return [], False
     batch = [p for p, rc in sorted(ev.peer_ref_codes.items()) if _prefix_of(used, rc)]
     if batch:
         return batch, True
@@ -266,7 +270,7 @@ def _handoff_findings(ev: Evidence, comps: dict, notes: list, voc: list) -> list
         own, own_from = own_src.ref_codes, ("control" if own_src is ev.control else "reference")
     if _same(cand.ref_codes, own):
         return []
-    donors, co_batched = _code_donors(cand.ref_codes, ev)
+    donors, co_batched = _code_donors(cand.ref_codes, ev, own)
     n, m = len(cand.ref_codes), len(own)
     resized = bool(n and m and n != m and _same(cand.ref_codes, _resized(own, n)))
     by_length = [p for p, rc in sorted(ev.peer_ref_codes.items()) if len(rc) == n] if resized else []
@@ -372,7 +376,7 @@ def _stage_findings(ev: Evidence, comps: dict) -> list[_Finding]:
                             frame=0, chunk=0, stage="talker"))
     ctrl = talker_stage(ev.control)
     if ctrl is not None and not _same(ctrl["ref_codes"], talker["ref_codes"]):
-        donors, _ = _code_donors(talker["ref_codes"], ev)
+        donors, _ = _code_donors(talker["ref_codes"], ev, ctrl["ref_codes"])
         if donors:
             out.append(_Finding("contamination",
                                 f"the talker was prompted with {donors[0]}'s reference codes at concurrency N "
@@ -422,7 +426,7 @@ def _history_findings(ev: Evidence, policy: Policy, comps: dict) -> list[_Findin
     left behind) parts them. Reference codes first: those of a request served earlier name it."""
     rep, ctrl = ev.repeat, ev.control
     if rep.has_codes and ctrl.has_codes and not _same(rep.ref_codes, ctrl.ref_codes):
-        donors, _ = _code_donors(rep.ref_codes, replace(ev, peer_ref_codes={}))
+        donors, _ = _code_donors(rep.ref_codes, replace(ev, peer_ref_codes={}), ctrl.ref_codes)
         comps["repeat_ref_codes"] = {"first_frames": len(ctrl.ref_codes), "repeat_frames": len(rep.ref_codes),
                                      "matches": donors[0] if donors else None}
         if donors:
