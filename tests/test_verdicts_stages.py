@@ -127,3 +127,12 @@ def test_a_segment_of_the_same_voice_is_not_blamed_for_a_cut(policy):
     assert (v.verdict, v.donor) == ("handoff_defect", None)
     v = classify(ev(OWN[:17], peers={"c": OWN, "d": OTHER[:17]}), policy)  # nor a co-batched one
     assert v.donor != "c"
+
+
+def test_a_shorter_donors_reference_repeated_to_the_own_length_names_it(policy):
+    # the seed's bug in 0.30.0 (handoff-mix, hm-08-zh): hm-07's 35 frames arrived, repeated from their
+    # start to hm-08's own 37 (the accumulated reference trimmed to its own ref_code_len)
+    short = OTHER[:15]
+    v = classify(ev(np.concatenate([short, short[:5]]), peers={"b": short}), policy)
+    assert (v.verdict, v.stage, v.donor, v.donor_kind) == ("contamination", "handoff", "b", "codes")
+    assert "the candidate used b's reference codes (20 frames, 15 repeated to 20)" in v.summary

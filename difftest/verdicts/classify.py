@@ -240,9 +240,10 @@ def talker_stage(r: Result | None) -> dict | None:
 
 
 def _prefix_of(used: np.ndarray, rc: np.ndarray) -> bool:
-    """`used` is `rc`, or `rc` cut to `used`'s length (the hand-off trims a reference to the
-    request's own ref_code_len: another's longer reference arrives cut)."""
-    return bool(len(rc)) and (_same(used, rc) or (0 < len(used) < len(rc) and _same(used, rc[:len(used)])))
+    """`used` is `rc`, cut or extended by repeating it to `used`'s length: the no-async hand-off
+    concatenates a reference the talker re-emits each step and trims it to the request's own
+    ref_code_len, so another's reference arrives cut (a longer one) or repeated (a shorter one)."""
+    return bool(len(rc)) and len(used) > 0 and _same(used, _resized(rc, len(used)))
 
 
 def _code_donors(used: np.ndarray, ev: Evidence, own: np.ndarray) -> tuple[list[str], bool]:
@@ -288,7 +289,8 @@ def _handoff_findings(ev: Evidence, comps: dict, notes: list, voc: list) -> list
     if donors:
         same = f" (as are {', '.join(donors[1:])}'s: the same voice)" if len(donors) > 1 else ""
         whose = donors[0] if co_batched else f"{donors[0]} (served earlier, not in its batch)"
-        cut = f", cut to {n}" if n < len((ev.peer_ref_codes | ev.history_ref_codes)[donors[0]]) else ""
+        theirs = len((ev.peer_ref_codes | ev.history_ref_codes)[donors[0]])
+        cut = f", cut to {n}" if n < theirs else f", {theirs} repeated to {n}" if n > theirs else ""
         return [_Finding("contamination",
                          f"the candidate used {whose}'s reference codes ({n} frames{cut}) "
                          f"instead of its own ({m} frames){same}{audio}",
