@@ -68,17 +68,18 @@ class RunnerProcess:
         except OSError as e:
             raise RunnerDied(f"cannot start runner {self.argv[0]}: {e}") from None
         threading.Thread(target=self._read_stdout, daemon=True).start()
-        threading.Thread(target=self._read_stderr, daemon=True).start()
+        self._stderr_reader = threading.Thread(target=self._read_stderr, daemon=True)
+        self._stderr_reader.start()
         msg = self._next_event(self.start_timeout)
         if msg.get("event") == "refused":
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill()
-            raise RunnerRefused(msg, self.log_tail())
+            raise RunnerRefused(msg, self._exit_tail())
         if msg.get("event") != "ready":
             self.kill()
-            raise RunnerDied(f"runner did not announce itself: {msg}", self.log_tail())
+            raise RunnerDied(f"runner did not announce itself: {msg}", self._exit_tail())
         self.hello = msg
         return msg
 
@@ -114,6 +115,15 @@ class RunnerProcess:
     def log_tail(self, lines: int = 30) -> str:
         return "\n".join(list(self._log_tail)[-lines:])
 
+    def _exit_tail(self) -> str:
+        """The log tail once the runner has exited: its last words on stderr may still be in the pipe
+        when stdout closes, so the reader gets a moment to take them (bounded: a grandchild can
+        hold the pipe open)."""
+        reader = getattr(self, "_stderr_reader", None)
+        if reader is not None:
+            reader.join(timeout=10)
+        return self.log_tail()
+
     # -- I/O -------------------------------------------------------------
     def _read_stdout(self) -> None:
         for line in self.proc.stdout:
@@ -146,10 +156,10 @@ class RunnerProcess:
             msg = self._events.get(timeout=timeout)
         except queue.Empty:
             self.kill()
-            raise RunnerDied(f"runner silent for {timeout:.0f} s; killed", self.log_tail()) from None
+            raise RunnerDied(f"runner silent for {timeout:.0f} s; killed", self._exit_tail()) from None
         if msg is _EOF:
             code = self.proc.wait()
-            raise RunnerDied(f"runner exited with status {code}", self.log_tail())
+            raise RunnerDied(f"runner exited with status {code}", self._exit_tail())
         return msg
 
     def request(self, op: str, timeout: float = 600.0, **fields) -> Iterator[dict]:
@@ -159,7 +169,7 @@ class RunnerProcess:
         Raises RunnerDied if the runner exits or goes silent.
         """
         if not self.alive:
-            raise RunnerDied("runner is not running", self.log_tail())
+            raise RunnerDied("runner is not running", self._exit_tail())
         self._next_id += 1
         jid = self._next_id
         try:
@@ -167,7 +177,7 @@ class RunnerProcess:
             self.proc.stdin.flush()
         except (BrokenPipeError, OSError):
             code = self.proc.wait()
-            raise RunnerDied(f"runner exited with status {code}", self.log_tail()) from None
+            raise RunnerDied(f"runner exited with status {code}", self._exit_tail()) from None
         while True:
             msg = self._next_event(timeout)
             if msg.get("id") not in (jid, None):
