@@ -19,7 +19,8 @@ def test_selfcheck_catches_planted_defects_and_passes_the_clean_engine(tmp_path)
     mix = rows["batch-mixup"]
     assert mix["ok"] and mix["verdict"] == "fail" and mix["at_concurrency_1"] == "pass"  # invisible at 1
     # the talker's side of the capture names whose generated codes every request got: request 0's
-    assert "contamination" in mix["verdicts"] and mix["donor"] == "smoke-01" and mix["donor_right"]
+    # (which segment that is depends on how the engine formed the batch), checked against the capture
+    assert "contamination" in mix["verdicts"] and mix["donor"] and mix["donor_right"]
     rio = rows["ref-in-output"]
     assert rio["ok"] and rio["verdicts"] == ["length_mismatch"] and rio["stage"] == "vocoder"
     assert rio["chunk"] == 0  # the reference re-synthesised opens the answer
