@@ -30,6 +30,7 @@ from .engines import identity as ident
 from .engines.base import Engine
 from .engines.reference import REPO, ReferenceEngine, ReferenceOptions, reference_python, runner_argv, tiny_checkpoints
 from .engines.runner_client import RunnerDied, RunnerProcess
+from .engines.scorer import Scorer, ScoreItem
 from .engines.start import (
     CPU_ENGINE,
     URL,
@@ -196,7 +197,40 @@ def _candidate_at(n, engine, suite: Suite, folder: Path, key: str):
     return outcome
 
 
-def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy, again=None) -> dict:
+def _conditioning(seg, r: Result) -> np.ndarray | None:
+    """The reference codes a candidate's talker was prompted with (the capture's talker stage, else
+    what reached the vocoder), to teacher-force its codes in the same context; None where the
+    segment has no in-context reference (the voice's own prompt is then the whole context)."""
+    if seg.task != "voice_clone" or seg.voice is None or seg.voice.mode != "icl":
+        return None
+    talker = talker_stage(r)
+    rc = talker["ref_codes"] if talker is not None else r.ref_codes
+    return rc if len(rc) else None
+
+
+def score_streams(scorer: Scorer, suite: Suite, outcomes: dict) -> tuple[dict, dict]:
+    """Teacher-forced scores of every candidate stream with codes: (role -> sid -> ScoreFile,
+    role -> sid -> error message). `outcomes`: role -> the candidate's outcome at that role."""
+    items = {}
+    for role, o in outcomes.items():
+        for seg in suite.segments:
+            r = o.results.get(seg.id)
+            if r is None or not r.has_codes or not len(r.codes):
+                continue
+            # qwen-tts yields max_new_tokens - 1 frames when no EOS came (the last token never becomes one)
+            eos = len(r.codes) < int(seg.decode["max_new_tokens"]) - 1
+            items[f"{role}:{seg.id}"] = ScoreItem(seg, r.codes, _conditioning(seg, r), eos)
+    got = scorer.score(items) if items else {}
+    scores: dict = {role: {} for role in outcomes}
+    errors: dict = {role: {} for role in outcomes}
+    for name, sf in got.items():
+        role, sid = name.split(":", 1)
+        (errors if isinstance(sf, str) else scores)[role][sid] = sf
+    return scores, errors
+
+
+def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy, again=None,
+           scores: tuple[dict, dict] | None = None) -> dict:
     """Every segment's verdict: cross-decodes through the reference vocoder, the classifier, and
     where the vocoder check fails, the donor search with each co-batched request's reference."""
 
@@ -212,6 +246,7 @@ def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy,
         r = ref_run.results.get(sid)
         return r.ref_codes if r is not None else np.zeros((0, 16), np.int64)
 
+    score_ok, score_errors = scores or ({}, {})
     with_codes = _segments_with_codes(cand.results)
     cross = vocoder.decode({f"{sid}.own": (sid, r.codes, own_ref(sid)) for sid, r in with_codes.items()})
     peers_of = {}
@@ -224,6 +259,10 @@ def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy,
         for label, o in (("reference", ref_run), ("candidate", cand), ("control", ctrl), ("repeat", again)):
             if o is not None and sid in o.errors:
                 errors.append({**o.errors[sid], "source": label})
+        for role in ("candidate", "control"):
+            if sid in score_errors.get(role, {}):
+                errors.append({"source": f"teacher forcing ({role})", "kind": "infrastructure",
+                               "message": score_errors[role][sid]})
         x = cross.get(f"{sid}.own")
         if isinstance(x, str):
             errors.append({"source": "cross-decode", "kind": "infrastructure", "message": x})
@@ -234,7 +273,8 @@ def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy,
                         {p: own_ref(p) for p in cand.results if p != sid and talker_stage(cand.results[p])},
                         {p: t["tokens"] for p in peers if (t := talker_stage(cand.results.get(p)))},
                         errors, suite.chunks["initial_frames"], suite.chunks["frames"],
-                        again.results.get(sid) if again is not None else None)
+                        again.results.get(sid) if again is not None else None,
+                        {role: got[sid] for role, got in score_ok.items() if sid in got})
 
     verdicts = {s.id: classify(evidence(s.id), policy) for s in suite.segments}
     need = {}
@@ -302,18 +342,25 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
             with timings("candidate_repeat_s" if n == REPEAT else f"candidate_c{n}_s"):
                 outcomes[n] = _candidate_at(n, candidate, suite, folder, key)
         cand, ctrl, again = outcomes[opts.concurrency], outcomes[1], outcomes.get(REPEAT)
+        print(f"teacher forcing: {len(_segments_with_codes(cand.results))} segments at c={opts.concurrency} and "
+              f"{len(_segments_with_codes(ctrl.results))} at c=1 through qwen-tts's talker", file=sys.stderr, flush=True)
+        with timings("score_s"):
+            scores = score_streams(Scorer(runner, store.root, opts.reference.timeout), suite,
+                                   {"candidate": cand, "control": ctrl})
         print(f"cross-decodes: {len(_segments_with_codes(cand.results))} segments through the reference vocoder",
               file=sys.stderr, flush=True)
         with timings("cross_decode_s"):
             verdicts = _judge(suite, ref_run, cand, ctrl, _Vocoder(runner, out / "results" / "cross",
-                                                                    opts.reference.timeout), policy, again)
+                                                                    opts.reference.timeout), policy, again, scores)
 
     ordered = [verdicts[s.id] for s in suite.segments]
     # The candidate at concurrency 1 judged on its own against the reference: a defect that only
     # concurrency causes must leave this clean (no extra model work: every input is already here).
     at_one = [classify(Evidence(s.id, ref_run.results.get(s.id), ctrl.results.get(s.id),
                                 errors=[{**ctrl.errors[s.id], "source": "control"}] if s.id in ctrl.errors else [],
-                                initial_frames=suite.chunks["initial_frames"], chunk_frames=suite.chunks["frames"]),
+                                initial_frames=suite.chunks["initial_frames"], chunk_frames=suite.chunks["frames"],
+                                scores={"candidate": scores[0]["control"][s.id]}
+                                if s.id in scores[0]["control"] else {}),
                        policy) for s in suite.segments]
     timings["total_s"] = time.perf_counter() - t_start
     report = build_report(

@@ -37,6 +37,7 @@ class Check:
     variant: str  # greedy | sampled | long
     expect: frozenset  # verdicts that count as catching it (empty: must pass)
     concurrency_only: bool  # must be invisible at concurrency 1
+    caught_at_one: bool = False  # must fail at concurrency 1 alone as well (a talker defect acts there too)
 
 
 CHECKS = (
@@ -49,6 +50,10 @@ CHECKS = (
     Check("ref-in-output", "ref-in-output", "greedy", frozenset({"length_mismatch"}), False),
     # with the talker's side captured, the lost frame is placed in the hand-off itself
     Check("off-by-one", "off-by-one", "greedy", frozenset({"length_mismatch", "handoff_defect"}), False),
+    # talker defects: the capture reports what the request asked for; teacher forcing sees the rest
+    *(Check(d, d, "greedy", frozenset({"talker_defect"}), False, True)
+      for d in ("prompt-truncated", "prompt-padded", "sampled-greedy", "codebook-shift", "language-dropped",
+                "streaming-layout")),
 )
 DEFECTS = tuple(c.defect for c in CHECKS if c.defect)
 
@@ -109,11 +114,14 @@ def judge(check: Check, report: dict, out: Path) -> dict:
         return row
     caught = report["verdict"] == "fail" and bool(hits)
     if check.concurrency_only:
-        quiet_at_one = at_one == "pass"
+        at_one_ok = at_one == "pass"
+    elif check.caught_at_one:
+        at_one_ok = at_one == "fail"
     else:
-        quiet_at_one = True  # visible at 1 as well; nothing to require
-    row["ok"] = caught and quiet_at_one
+        at_one_ok = True  # visible at 1 as well; nothing to require
+    row["ok"] = caught and at_one_ok
     row["problem"] = (None if row["ok"] else "escaped" if not caught
+                      else "escaped at concurrency 1, where it acts too" if check.caught_at_one
                       else "flagged at concurrency 1, where it cannot act")
     donors = [s for s in hits if s["donor"]]
     if donors:

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..compare import align
+from ..compare import align, forced
 from ..compare.audio import ChunkMetrics, frame_metrics, log_mel, non_finite, reduce_frames
 from ..compare.codes import diff_codes
 from ..results import Result
@@ -54,6 +54,7 @@ class Evidence:
     initial_frames: int = 1
     chunk_frames: int = 25
     repeat: Result | None = None  # the candidate at 1 again, after every other segment (reverse order)
+    scores: dict = field(default_factory=dict)  # "candidate" / "control" -> teacher-forced ScoreFile of its codes
 
 
 @dataclass
@@ -403,9 +404,17 @@ def _concurrency_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict,
         comps[f"{key}_codes"] = _code_json(d)
         if not d.equal:
             f = d.first_divergent_frame
+            chunk = _chunk_of(f, max(d.len_a, d.len_b), ev)
+            tie = _near_tie(ev, policy, comps) if key == "concurrency" else None
+            if tie:
+                out.append(_Finding("code_divergence", f"codes {later} part from {first} at frame {f} on a near-tie "
+                                                       f"under qwen-tts ({tie}), and stay plausible after it",
+                                    frame=f, chunk=chunk, stage="talker"))
+                return out
             out.append(_Finding(kind, f"codes {later} differ from {first} from frame {f} "
-                                      f"({d.len_b} against {d.len_a} frames)",
-                                frame=f, chunk=_chunk_of(f, max(d.len_a, d.len_b), ev), stage="talker"))
+                                      f"({d.len_b} against {d.len_a} frames)"
+                                + (f": not a near-tie ({comps['near_tie']['why']})" if "near_tie" in comps else ""),
+                                frame=f, chunk=chunk, stage="talker"))
             return out
     audio = _Audio(ctrl, cand, ev, policy, mels)
     comps[key] = audio.to_json()
@@ -420,6 +429,46 @@ def _concurrency_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict,
                                   f"(tier {TIERS[audio.tiers[chunk]]}, log-mel {audio.chunks.logmel[chunk]:.3g})",
                             frame=frame, chunk=chunk, stage=stage))
     return out
+
+
+def _near_tie(ev: Evidence, policy: Policy, comps: dict) -> str | None:
+    """Where the candidate at N and at 1 part on greedy codes: a description when it is a near-tie
+    (both tokens in qwen-tts's top-k, each close to its top-1, and the stream at N plausible after),
+    else None with the reason in comps["near_tie"]."""
+    a, b = ev.scores.get("control"), ev.scores.get("candidate")
+    if a is None or b is None or forced.sampled(a) or forced.sampled(b):
+        return None  # a sampled flip is a different draw: no near-tie explains it
+    at = forced.first_difference(ev.control.codes, ev.candidate.codes)
+    if at is None:
+        return None
+    ok, detail = forced.near_tie(a, b, at, policy.forced)
+    if ok:
+        later = forced.implausible(b, policy.forced)
+        if later is not None:
+            ok, detail["why"] = False, f"the stream at N is implausible after it: {later.reason}"
+    else:
+        detail.setdefault("why", f"ranks {detail.get('ranks')} and gaps {detail.get('gaps')} nats under qwen-tts "
+                                 f"(policy: top-{policy.forced.near_tie_top_k}, gap <= {policy.forced.near_tie_max_gap})")
+    comps["near_tie"] = {**detail, "near_tie": ok}
+    if not ok:
+        return None
+    return (f"codebook {at[1]}: ranks {detail['ranks'][0]} and {detail['ranks'][1]}, "
+            f"{max(detail['gaps']):.2g} nats from the top-1")
+
+
+def _forced_findings(ev: Evidence, policy: Policy, comps: dict) -> list[_Finding]:
+    """The candidate's codes under teacher forcing: a stream qwen-tts could not have decoded as asked
+    (conditioned on the candidate's own reference codes) is the talker's defect, at any concurrency."""
+    sf = ev.scores.get("candidate")
+    if sf is None:
+        return []
+    comps["forced"] = forced.summary(sf)
+    bad = forced.implausible(sf, policy.forced)
+    if bad is None:
+        return []
+    return [_Finding("talker_defect", f"teacher-forced under qwen-tts, the candidate's codes are not what its talker "
+                                      f"should decode: {bad.reason}",
+                     frame=bad.frame, chunk=_chunk_of(bad.frame, len(ev.candidate.codes), ev), stage="talker")]
 
 
 def _history_findings(ev: Evidence, policy: Policy, comps: dict) -> list[_Finding]:
@@ -539,6 +588,16 @@ def classify(ev: Evidence, policy: Policy) -> SegmentVerdict:
                 findings += _history_findings(ev, policy, comps)
         else:
             notes.append("no concurrency-1 control: concurrency invariance not checked")
+        if cand.has_codes:
+            tf = _forced_findings(ev, policy, comps)
+            findings += tf
+            if "forced" in comps and not tf:
+                f = comps["forced"]
+                notes.append(f"teacher-forced under qwen-tts the candidate's codes are plausible ({f['decoding']}: "
+                             f"top-1 at {f['top1_share']:.0%} of frames, worst rank {f['worst_rank']}, "
+                             f"worst gap {f['worst_gap']:.2g} nats)")
+            elif "forced" not in comps:
+                notes.append("no teacher-forced scores: the talker stage not judged")
         findings += _headline_findings(ev, policy, comps, mels)
         if abs(len(ev.reference.grid_wav) - len(cand.grid_wav)) == align.TRAILING_SAMPLES:
             notes.append("one trailing sample of difference in length")

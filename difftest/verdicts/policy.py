@@ -10,6 +10,7 @@ import numpy as np
 import yaml
 
 from ..compare.audio import ChunkMetrics
+from ..compare.forced import ForcedPolicy
 from ..errors import BadInput
 
 DEFAULT_POLICY = Path(__file__).with_name("default_policy.yaml")
@@ -36,6 +37,7 @@ class Policy:
     # already failed in the baseline (a known failure) fails the gate.
     baseline_verdicts: frozenset = frozenset({"pass", "fail"})
     known_failures_fail: bool = False
+    forced: ForcedPolicy = ForcedPolicy()  # teacher-forced scoring thresholds
 
     def tier_index(self, comparison: str) -> int:
         return TIERS.index(self.require[comparison])
@@ -50,6 +52,7 @@ class Policy:
             "require": dict(self.require), "donor": {"max_ratio": self.donor_max_ratio},
             "fail_on": sorted(self.fail_on),
             "baseline": {"verdicts": sorted(self.baseline_verdicts), "known_failures_fail": self.known_failures_fail},
+            "forced": dict(self.forced.__dict__),
             "source": self.source,
         }
 
@@ -61,6 +64,7 @@ SCHEMA = {
     "donor": {"max_ratio"},
     "fail_on": None,
     "baseline": {"verdicts", "known_failures_fail"},
+    "forced": set(ForcedPolicy.__dataclass_fields__),
 }
 
 
@@ -129,9 +133,19 @@ def load_policy(path: str | Path | None = None) -> Policy:
     known_fail = baseline.get("known_failures_fail", False)
     if not isinstance(known_fail, bool):
         bad("baseline.known_failures_fail", f"expected true or false, got {known_fail!r}")
+    forced = {}
+    for key, default in ForcedPolicy().__dict__.items():  # an absent key keeps the built-in value
+        v = (raw.get("forced") or {}).get(key, default)
+        integral = isinstance(default, int)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (integral and not isinstance(v, int)):
+            bad(f"forced.{key}", f"expected {'an integer' if integral else 'a number'}, got {v!r}")
+        if not math.isfinite(v) or v < 0 or (key.endswith("share") and v > 1) or (key == "near_tie_top_k" and v < 1):
+            bad(f"forced.{key}", f"out of range: {v!r}")
+        forced[key] = v
     return Policy(vals["quantisation_max_abs"], vals["close_max_abs"], vals["close_snr_db"],
                   vals["close_logmel"], {c: require[c] for c in ("concurrency", "vocoder", "drift")},
-                  float(ratio), frozenset(fail_on), str(path), frozenset(run_verdicts), known_fail)
+                  float(ratio), frozenset(fail_on), str(path), frozenset(run_verdicts), known_fail,
+                  ForcedPolicy(**forced))
 
 
 def chunk_tiers(m: ChunkMetrics, policy: Policy, quantised: bool = False) -> np.ndarray:

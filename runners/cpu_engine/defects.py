@@ -45,6 +45,34 @@ rest of the engine is the clean path. Where each one acts:
   short and the audio 1920 samples short. Any concurrency.
   Acts in: handoff.talker2code2wav.
 
+Talker defects at any concurrency (issue: teacher-forced scoring). The capture
+reports what the request asked for, so only teacher forcing can see them:
+
+- `prompt-truncated` (#3940 / PR #3940: a collapsed `ref_code` truncated the
+  in-context prompt, so the speech ignored what it was given). The talker is
+  prompted with the first 2 frames of the reference codes; the hand-off and the
+  capture carry the whole reference. In-context voice clones only.
+  Acts in: engine._talker (the prompt items).
+- `prompt-padded` (#1553 / PR #1554: the ICL prompt-length estimate fell back to
+  2048 and the talker attended to padding). 24 rows of the text pad embedding are
+  put in front of every prompt, attended to. Every task.
+  Acts in: engine._talker (talker.generate's inputs).
+- `sampled-greedy` (decoding other than asked: a greedy request served with the
+  deploy's sampling defaults). A greedy request's talker samples (temperature
+  0.9, top-k 50, its seed). Greedy requests only.
+  Acts in: engine._generate_kwargs.
+- `codebook-shift` (the code predictor's outputs assigned to the wrong
+  codebooks). Codebooks 1-15 of every frame are rotated by one before the
+  hand-off and the capture. Every task.
+  Acts in: engine._talker.
+- `language-dropped` (the request's language never reaches the prompt: the
+  talker gets no language tag, as for "Auto"). Every segment with a language.
+  Acts in: engine._talker.
+- `streaming-layout` (the prompt laid out in non-streaming mode, the whole text
+  before the first frame, where streaming was asked, or the reverse). Voice
+  clones (custom and designed voices lay the text out alike either way).
+  Acts in: engine._generate_kwargs.
+
 Where each lives upstream: docs/cpu-engine.md.
 """
 
@@ -81,7 +109,40 @@ DEFECTS: dict[str, dict] = {
         "summary": "the last generated frame is dropped when a request stops at max_new_tokens",
         "concurrency_only": False,
     },
+    "prompt-truncated": {
+        "family": ["#3940"],
+        "summary": "the talker is prompted with the first 2 frames of the reference codes",
+        "concurrency_only": False, "talker": True,
+    },
+    "prompt-padded": {
+        "family": ["#1553", "#1554"],
+        "summary": "24 attended pad rows in front of every talker prompt",
+        "concurrency_only": False, "talker": True,
+    },
+    "sampled-greedy": {
+        "family": ["decoding other than asked"],
+        "summary": "a greedy request's talker samples (temperature 0.9, top-k 50)",
+        "concurrency_only": False, "talker": True,
+    },
+    "codebook-shift": {
+        "family": ["code predictor outputs on the wrong codebooks"],
+        "summary": "codebooks 1-15 rotated by one before the hand-off",
+        "concurrency_only": False, "talker": True,
+    },
+    "language-dropped": {
+        "family": ["the request's language lost before the prompt"],
+        "summary": "the talker is prompted without the language tag",
+        "concurrency_only": False, "talker": True,
+    },
+    "streaming-layout": {
+        "family": ["prompt layout: non_streaming_mode"],
+        "summary": "the prompt laid out in the other streaming mode than asked",
+        "concurrency_only": False, "talker": True,
+    },
 }
+
+TRUNCATED_REF_FRAMES = 2
+PADDED_ROWS = 24
 
 # chunk-boundary: the vocoder's chunked decode, clean and defective.
 DECODE_CHUNK_FRAMES = 300

@@ -29,7 +29,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -148,6 +148,10 @@ class BatchEngine:
               "max_new_tokens": job.max_new_tokens, "non_streaming_mode": job.non_streaming_mode}
         if job.do_sample:
             kw.update(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p)
+        elif self.defect == "sampled-greedy":
+            kw.update(do_sample=True, temperature=0.9, top_k=50, top_p=1.0)
+        if self.defect == "streaming-layout":
+            kw["non_streaming_mode"] = not job.non_streaming_mode
         kw.update(self.subtalker.kwargs())
         return kw
 
@@ -164,6 +168,11 @@ class BatchEngine:
             items = [self._prompt(tts, j) for j in jobs]
             refs = [None if it.ref_code is None else it.ref_code.detach().cpu().numpy().astype(np.int64)
                     for it in items]
+            if self.defect == "prompt-truncated":  # the hand-off and the capture keep `refs` whole
+                items = [it if it.ref_code is None else replace(it, ref_code=it.ref_code[:defects.TRUNCATED_REF_FRAMES])
+                         for it in items]
+        if self.defect == "language-dropped":
+            languages = ["Auto"] * len(jobs)
 
         vocoder_calls = []
 
@@ -175,6 +184,8 @@ class BatchEngine:
 
         st = tts.model.speech_tokenizer
         st.decode = talker_only_decode  # an instance attribute shadows the bound method
+        if self.defect == "prompt-padded":
+            _pad_talker_prompt(tts.model.talker, defects.PADDED_ROWS)
         capture.codes = None
         try:
             # Clean: a sampled request is always alone here, seeded with its own seed, which is
@@ -191,10 +202,14 @@ class BatchEngine:
                                           **kwargs)
         finally:
             del st.decode
+            if self.defect == "prompt-padded":
+                del tts.model.talker.generate
         if capture.codes is None or len(capture.codes) != len(jobs):
             raise RuntimeError(f"qwen-tts returned {0 if capture.codes is None else len(capture.codes)} code "
                                f"sequences for a batch of {len(jobs)}")
         codes = [c.numpy().astype(np.int64) for c in capture.codes]
+        if self.defect == "codebook-shift":
+            codes = [np.concatenate([c[:, :1], np.roll(c[:, 1:], 1, axis=1)], axis=1) for c in codes]
         # qwen-tts gives N-1 frames for N talker tokens when no EOS came: a max-length stop.
         at_max = [c.shape[0] >= j.max_new_tokens - 1 for c, j in zip(codes, jobs)]
         return codes, refs, at_max
@@ -228,3 +243,21 @@ class BatchEngine:
             left = int(s.get("meta.left_context_size", 0))  # ref-in-output: the trim went elsewhere
             wavs[i] = np.asarray(handoff.trim_reference(wav, left, s["decoder_input"].shape[0]), dtype=np.float32)
         return wavs, int(sr)
+
+
+def _pad_talker_prompt(talker, rows: int) -> None:
+    """prompt-padded: shadow `talker.generate` (an instance attribute; the caller deletes it) so that
+    every prompt gets `rows` attended rows of the text pad embedding in front."""
+    inner = type(talker).generate
+
+    def padded_generate(inputs_embeds=None, attention_mask=None, tts_pad_embed=None, **kwargs):
+        import torch
+
+        pad = tts_pad_embed.expand(inputs_embeds.shape[0], rows, -1).to(inputs_embeds.dtype)
+        inputs_embeds = torch.cat([pad, inputs_embeds], dim=1)
+        attention_mask = torch.cat([torch.ones(attention_mask.shape[0], rows, dtype=attention_mask.dtype,
+                                               device=attention_mask.device), attention_mask], dim=1)
+        return inner(talker, inputs_embeds=inputs_embeds, attention_mask=attention_mask,
+                     tts_pad_embed=tts_pad_embed, **kwargs)
+
+    talker.generate = padded_generate

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     service = ReferenceService(checkpoints, engine, provenance)
     log("serving " + ", ".join(f"{c.model_type} from {c.path}" for c in checkpoints.values())
         + f" on {args.device} in {args.dtype}")
-    return serve({"generate": service.generate, "decode": service.decode},
+    return serve({"generate": service.generate, "decode": service.decode, "score": service.score},
                  {"label": LABEL, "fingerprint": fingerprint, "provenance": provenance})
 
 

@@ -115,26 +115,15 @@ class QwenTTSEngine:
         ref_codes = None
         timings = {}
         t0 = time.perf_counter()
-        if u.task == "voice_clone":
-            # One prompt per utterance: a prompt built for a batch would encode the
-            # references zero-padded together, which changes their last frame.
-            prompt = tts.create_voice_clone_prompt(ref_audio=str(u.voice_wav), ref_text=u.transcript or None,
-                                                   x_vector_only_mode=u.xvector_only)
-            if prompt[0].ref_code is not None:
-                ref_codes = prompt[0].ref_code.detach().to("cpu").numpy()
+        prompt = self._voice_prompt(tts, u)
+        if prompt is not None and prompt[0].ref_code is not None:
+            ref_codes = prompt[0].ref_code.detach().to("cpu").numpy()
+        if prompt is not None:
             timings["prompt_s"] = time.perf_counter() - t0
         capture.codes = None
         torch.manual_seed(int(u.decode["seed"]))
         t1 = time.perf_counter()
-        if u.task == "voice_clone":
-            wavs, sr = tts.generate_voice_clone(text=u.text, language=u.language, voice_clone_prompt=prompt, **kwargs)
-        elif u.task == "custom_voice":
-            wavs, sr = tts.generate_custom_voice(text=u.text, speaker=u.speaker, language=u.language,
-                                                 instruct=u.instructions, **kwargs)
-        elif u.task == "voice_design":
-            wavs, sr = tts.generate_voice_design(text=u.text, instruct=u.instructions, language=u.language, **kwargs)
-        else:
-            raise ValueError(f"unknown task {u.task!r}")
+        wavs, sr = _official_call(u, prompt, kwargs)(tts)
         if self.device == "cuda":
             torch.cuda.synchronize()
         timings["generate_s"] = time.perf_counter() - t1
@@ -144,6 +133,31 @@ class QwenTTSEngine:
         return Synthesis(codes=codes, ref_codes=np.zeros((0, 16), np.int64) if ref_codes is None else ref_codes,
                          wav=np.asarray(wavs[0], dtype=np.float32), sample_rate=int(sr), timings=timings,
                          generate_kwargs=kwargs)
+
+    def _voice_prompt(self, tts, u: Utterance):
+        if u.task != "voice_clone":
+            return None
+        # One prompt per utterance: a prompt built for a batch would encode the
+        # references zero-padded together, which changes their last frame.
+        return tts.create_voice_clone_prompt(ref_audio=str(u.voice_wav), ref_text=u.transcript or None,
+                                             x_vector_only_mode=u.xvector_only)
+
+    # -- teacher-forced scoring ----------------------------------------
+    def score(self, u: Utterance, codes: np.ndarray, ref_codes: np.ndarray | None, ended_by_eos: bool):
+        """qwen-tts's view of `codes` for this utterance (runners/reference/scoring.py), conditioned
+        on `ref_codes` as the in-context reference where given, else on the voice's own."""
+        from runners.reference import scoring
+
+        torch = self._import()
+        tts = self.model(u.task)
+        prompt = self._voice_prompt(tts, u)
+        if ref_codes is not None and prompt is not None:
+            prompt = scoring.override_ref_code(prompt, ref_codes, torch)
+        kwargs = {k: u.decode[k] for k in GENERATE_KWARGS if k in u.decode}
+        if "non_streaming_mode" in u.decode:
+            kwargs["non_streaming_mode"] = u.decode["non_streaming_mode"]
+        talker_kwargs = scoring.capture_prompt(tts, _official_call(u, prompt, kwargs))
+        return scoring.score_stream(tts, talker_kwargs, codes, ended_by_eos)
 
     # -- the vocoder alone ---------------------------------------------
     def vocode(self, codes: np.ndarray, ref_codes: np.ndarray, task: str) -> tuple[np.ndarray, int]:
@@ -164,3 +178,17 @@ class QwenTTSEngine:
             cut = int(ref_len / max(total_len, 1) * wav.shape[0])
             wav = wav[cut:]
         return np.asarray(wav, dtype=np.float32), int(sr)
+
+
+def _official_call(u: Utterance, prompt, kwargs: dict):
+    """The official qwen-tts call for this utterance, as a function of the loaded model."""
+    if u.task == "voice_clone":
+        return lambda tts: tts.generate_voice_clone(text=u.text, language=u.language, voice_clone_prompt=prompt,
+                                                    **kwargs)
+    if u.task == "custom_voice":
+        return lambda tts: tts.generate_custom_voice(text=u.text, speaker=u.speaker, language=u.language,
+                                                     instruct=u.instructions, **kwargs)
+    if u.task == "voice_design":
+        return lambda tts: tts.generate_voice_design(text=u.text, instruct=u.instructions, language=u.language,
+                                                     **kwargs)
+    raise ValueError(f"unknown task {u.task!r}")

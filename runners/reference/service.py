@@ -1,4 +1,4 @@
-"""The reference runner's jobs: `generate` and `decode` (docs/runner-protocol.md).
+"""The reference runner's jobs: `generate`, `decode` and `score` (docs/runner-protocol.md).
 
 Everything that can be decided without torch is decided here, before the model
 is touched: whether a result is already cached, whether the segment's inputs
@@ -17,6 +17,7 @@ import numpy as np
 
 from difftest.compare.align import lead_of
 from difftest.results import CorruptResult, Result, ResultStore, read_result, write_result
+from difftest.scores import ScoreFile, read_scores, write_scores
 from difftest.suites.suite import DECODE_FIELDS
 from difftest.suites.voices import VoiceError, check_voice
 from runners.reference.checkpoint import MODEL_TYPE_OF_TASK, Checkpoint
@@ -144,6 +145,68 @@ class ReferenceService:
              audio_seconds=len(wav) / sr)
 
 
+    # -- score (teacher forcing) ----------------------------------------
+    def score(self, job: dict, emit) -> None:
+        """Teacher-forced scores of given code streams (runners/reference/scoring.py). Each item: the
+        segment (as in generate), `input` (npz: `codes` (T, 16), and `ref_codes` to condition the
+        talker on instead of the voice's own, where `condition` is "given"), `ended_by_eos` and `out`."""
+        for item in job.get("items") or []:
+            name = item.get("name", "?") if isinstance(item, dict) else "?"
+            try:
+                self._score_one(item, emit)
+            except BadInput as e:
+                emit("error", item=name, segment=name, kind="bad_input", message=str(e))
+            except Exception as e:
+                log(f"score {name}: {type(e).__name__}: {e}")
+                emit("error", item=name, segment=name, kind="engine", message=f"{type(e).__name__}: {e}")
+
+    def _score_one(self, item: dict, emit) -> None:
+        if not isinstance(item, dict):
+            raise BadInput("a score item must be a JSON object")
+        name, seg, src, out = item.get("name"), item.get("segment"), item.get("input"), item.get("out")
+        if not name or not isinstance(seg, dict) or not src or not out:
+            raise BadInput("a score item needs name, segment, input and out")
+        sid, shash = _segment_key(seg)
+        side = _sidecar(Path(out))
+        if side.exists():
+            try:
+                read_scores(side)
+                emit("result", item=name, segment=sid, path=str(side), cached=True, seconds=0.0)
+                return
+            except CorruptResult as e:
+                log(f"rescoring: {e}")
+        utt, _ = self._utterance(seg)
+        codes, ref_codes = _load_codes(Path(src))
+        condition = item.get("condition", "voice")
+        if condition not in ("given", "voice"):
+            raise BadInput(f"score item {name}: condition must be 'given' or 'voice', not {condition!r}")
+        if condition == "given" and (utt.task != "voice_clone" or utt.xvector_only):
+            raise BadInput(f"score item {name}: reference codes to condition on, but segment {sid} has no "
+                           f"in-context reference (task {utt.task}{', x-vector only' if utt.xvector_only else ''})")
+        if condition == "given" and not len(ref_codes):
+            raise BadInput(f"score item {name}: condition 'given' with no ref_codes in {src}")
+        if not self.engine.is_loaded(utt.task):
+            emit("progress", item=name, segment=sid, stage="load",
+                 message=f"loading the {MODEL_TYPE_OF_TASK[utt.task]} model")
+        t0 = time.perf_counter()
+        try:
+            sc = self.engine.score(utt, codes, ref_codes if condition == "given" else None,
+                                   bool(item.get("ended_by_eos", False)))
+        except ValueError as e:  # codes the checkpoint cannot score (codebooks, ids)
+            raise BadInput(f"score item {name} (segment {sid}): {e}") from None
+        seconds = time.perf_counter() - t0
+        ckpt = self.checkpoints[utt.task]
+        conditioning = {"ref_codes": condition if utt.task == "voice_clone" and not utt.xvector_only else "none",
+                        "frames": int(len(ref_codes)) if condition == "given" else None}
+        result = ScoreFile(sid, shash, sc.arrays, sc.eos, sc.settings, conditioning,
+                           {**self.provenance, "op": "score", "input": str(src),
+                            "checkpoint": {"path": str(ckpt.path), "sha256": ckpt.sha256,
+                                           "tts_model_type": ckpt.model_type}},
+                           {"score_s": seconds, "frames": int(len(codes))})
+        side = write_scores(Path(out), result)
+        emit("result", item=name, segment=sid, path=str(side), cached=False, seconds=seconds)
+
+
 def parse_segment(seg: dict, checkpoints: dict[str, Checkpoint]) -> tuple[Utterance, dict | None]:
     """A segment job checked against the checkpoints (BadInput names what is wrong), and its voice's provenance.
 
@@ -256,24 +319,24 @@ def _load_codes(path: Path) -> tuple[np.ndarray, np.ndarray]:
     try:
         blob = path.read_bytes()
     except OSError as e:
-        raise BadInput(f"decode input {path}: unreadable ({e.strerror or e})") from None
+        raise BadInput(f"codes file {path}: unreadable ({e.strerror or e})") from None
     try:
         with np.load(io.BytesIO(blob), allow_pickle=False) as z:
             arrays = {k: z[k] for k in ("codes", "ref_codes") if k in z.files}
     except Exception as e:
-        raise BadInput(f"decode input {path}: not a readable npz ({e})") from None
+        raise BadInput(f"codes file {path}: not a readable npz ({e})") from None
     if "codes" not in arrays:
-        raise BadInput(f"decode input {path}: no 'codes' array")
+        raise BadInput(f"codes file {path}: no 'codes' array")
     out = []
     for name in ("codes", "ref_codes"):
         a = arrays.get(name, np.zeros((0, 16), np.int64))
         if a.size == 0:
             a = np.zeros((0, 16), np.int64)
         if a.ndim != 2 or a.shape[1] != 16 or not np.issubdtype(a.dtype, np.integer):
-            raise BadInput(f"decode input {path}: {name} must be integers of shape (T, 16), got {a.dtype} {a.shape}")
+            raise BadInput(f"codes file {path}: {name} must be integers of shape (T, 16), got {a.dtype} {a.shape}")
         if a.size and (a.min() < 0 or a.max() >= 2048):
-            raise BadInput(f"decode input {path}: {name} holds ids outside [0, 2048)")
+            raise BadInput(f"codes file {path}: {name} holds ids outside [0, 2048)")
         out.append(a.astype(np.int64))
     if out[0].shape[0] == 0:
-        raise BadInput(f"decode input {path}: codes are empty")
+        raise BadInput(f"codes file {path}: codes are empty")
     return out[0], out[1]

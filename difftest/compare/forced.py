@@ -1,0 +1,116 @@
+"""Reading teacher-forced scores (difftest/scores.py): is a code stream one qwen-tts could have decoded?
+
+Greedy decoding: a stream is plausible when its tokens are qwen-tts's top-1 in
+most frames and never far from it (a bf16 talker flips near-ties; a talker
+conditioned on the wrong prompt picks tokens qwen-tts ranks far down). A code
+difference is a near-tie when, at the first differing position, both sides'
+tokens lie in qwen-tts's top-k and within a small log-probability of each other,
+judged in the same context (the streams agree up to there).
+
+Sampled decoding: every token must lie inside qwen-tts's sampling support
+(temperature, top-k, top-p as asked); the likelihood of the whole suite is
+compared run-level (difftest.verdicts.sampling).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..scores import ScoreFile
+
+
+@dataclass(frozen=True)
+class ForcedPolicy:
+    near_tie_top_k: int = 3
+    near_tie_max_gap: float = 0.05
+    min_top1_share: float = 0.8
+    min_sub_top1_share: float = 0.9
+    max_rank: int = 5
+    max_gap: float = 0.25
+
+
+def sampled(sf: ScoreFile) -> bool:
+    return bool(sf.settings.get("do_sample")) or bool(sf.settings.get("subtalker_dosample"))
+
+
+def summary(sf: ScoreFile) -> dict:
+    """Per-stream statistics, the report's `forced` entry."""
+    rank, gap = sf.arrays["rank"], sf.gap
+    worst = np.unravel_index(int(np.argmax(gap)), gap.shape) if gap.size else (0, 0)
+    out = {
+        "frames": sf.frames,
+        "decoding": "sampled" if sampled(sf) else "greedy",
+        "top1_share": round(float(np.mean(rank[:, 0] == 0)), 4),
+        "sub_top1_share": round(float(np.mean(rank[:, 1:] == 0)), 4),
+        "worst_rank": int(rank.max()),
+        "worst_rank_codebook0": int(rank[:, 0].max()),
+        "worst_gap": round(float(gap.max()), 4),
+        "worst_gap_at": [int(worst[0]), int(worst[1])],
+        "mean_logprob": round(float(np.mean(sf.arrays["logprob"])), 4),
+        "out_of_support": int((~sf.arrays["in_support"]).sum()) if sampled(sf) else None,
+        "conditioning": sf.conditioning.get("ref_codes"),
+    }
+    if sf.eos is not None:
+        out["eos"] = {"rank": int(sf.eos["rank"]), "gap": round(float(sf.eos["top1_logprob"] - sf.eos["logprob"]), 4)}
+    return out
+
+
+@dataclass
+class Implausible:
+    frame: int
+    codebook: int
+    reason: str
+
+
+def implausible(sf: ScoreFile, p: ForcedPolicy) -> Implausible | None:
+    """Why this stream is not one qwen-tts could have decoded as asked, or None when it could."""
+    rank, gap = sf.arrays["rank"], sf.gap
+    if sampled(sf):
+        # Each model's part is judged by its own decoding: greedy codebooks must be top-1.
+        out = ~sf.arrays["in_support"]
+        bad = np.argwhere(out)
+        if len(bad):
+            f, c = (int(x) for x in bad[0])
+            return Implausible(f, c, f"{len(bad)} tokens outside qwen-tts's sampling support, the first at frame {f} "
+                                     f"codebook {c} (rank {int(rank[f, c])}, {float(gap[f, c]):.3g} nats below the top-1)")
+        return None
+    far = np.argwhere((rank > p.max_rank) | (gap > p.max_gap))
+    if len(far):
+        f, c = (int(x) for x in far[0])
+        return Implausible(f, c, f"frame {f} codebook {c}: the token is qwen-tts's rank {int(rank[f, c])}, "
+                                 f"{float(gap[f, c]):.3g} nats below its top-1 (policy: rank <= {p.max_rank}, "
+                                 f"gap <= {p.max_gap}); {len(far)} such positions")
+    s0, s1 = float(np.mean(rank[:, 0] == 0)), float(np.mean(rank[:, 1:] == 0))
+    if s0 < p.min_top1_share or s1 < p.min_sub_top1_share:
+        miss = np.argwhere(rank > 0)
+        f, c = (int(x) for x in miss[0])
+        return Implausible(f, c, f"only {s0:.0%} of frames take qwen-tts's top-1 codebook-0 token and {s1:.0%} of "
+                                 f"the other codebooks' (policy: {p.min_top1_share:.0%}, {p.min_sub_top1_share:.0%})")
+    if sf.eos is not None and (sf.eos["rank"] > p.max_rank or sf.eos["top1_logprob"] - sf.eos["logprob"] > p.max_gap):
+        return Implausible(sf.frames, 0, f"the stream stops after {sf.frames} frames where qwen-tts ranks the stop "
+                                         f"{int(sf.eos['rank'])}")
+    return None
+
+
+def first_difference(a: np.ndarray, b: np.ndarray) -> tuple[int, int] | None:
+    """(frame, codebook) of the first position where two streams differ (None: equal where both exist)."""
+    n = min(len(a), len(b))
+    diff = np.argwhere(a[:n] != b[:n])
+    return (int(diff[0][0]), int(diff[0][1])) if len(diff) else None
+
+
+def near_tie(sf_a: ScoreFile, sf_b: ScoreFile, at: tuple[int, int], p: ForcedPolicy) -> tuple[bool, dict]:
+    """Whether two streams that agree before `at` part there on a near-tie: both tokens in qwen-tts's
+    top-k, each within `near_tie_max_gap` nats of the top-1 (so of each other)."""
+    f, c = at
+    detail = {"frame": f, "codebook": c}
+    if f >= min(sf_a.frames, sf_b.frames):
+        return False, {**detail, "why": "one stream ends there"}
+    ranks = [int(s.arrays["rank"][f, c]) for s in (sf_a, sf_b)]
+    gaps = [float(s.gap[f, c]) for s in (sf_a, sf_b)]
+    detail.update(ranks=ranks, gaps=[round(g, 5) for g in gaps],
+                  margin=round(float(sf_a.arrays["margin"][f, c]), 5))
+    ok = max(ranks) < p.near_tie_top_k and max(gaps) <= p.near_tie_max_gap
+    return ok, detail

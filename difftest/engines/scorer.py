@@ -1,0 +1,87 @@
+"""Teacher-forced scoring through the reference runner's `score` job, cached in the result store.
+
+A score depends on the segment (text, voice, decode settings), the code stream,
+the reference codes the talker is conditioned on, whether the stream ended with
+EOS, and the reference configuration (the runner's fingerprint: qwen-tts,
+checkpoint, dtype, device). Files are named by the hash of all of it, under
+`<store>/scores-<config key>/`, so the same candidate codes are scored once
+across runs and changed codes never reuse a stale score.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ..results import CorruptResult, ResultStore, _ext, atomic_write
+from ..scores import ScoreFile, read_scores
+from .runner_client import RunnerDied, RunnerProcess
+
+
+@dataclass
+class ScoreItem:
+    segment: object  # difftest.suites.suite.Segment
+    codes: np.ndarray  # (T, 16), the stream to score
+    ref_codes: np.ndarray | None  # condition the talker on these (the candidate's own); None: the voice's own
+    ended_by_eos: bool  # the stream stopped with EOS (score the stop too), not at the token cap
+
+
+class Scorer:
+    def __init__(self, runner: RunnerProcess, store_root: str | Path, timeout: float):
+        self.runner, self.timeout = runner, timeout
+        fingerprint = runner.hello.get("fingerprint") or {}
+        self.salt = ResultStore.config_key(fingerprint)
+        self.dir = ResultStore(Path(store_root).resolve()).config_dir("scores", fingerprint)
+
+    def key(self, it: ScoreItem) -> str:
+        h = hashlib.sha256(f"{self.salt}|{it.segment.hash}|{it.ended_by_eos}|{it.ref_codes is not None}".encode())
+        for a in (it.codes, np.zeros((0, 16)) if it.ref_codes is None else it.ref_codes):
+            a = np.ascontiguousarray(a, dtype=np.int64)
+            h.update(str(a.shape).encode())
+            h.update(a.tobytes())
+        return h.hexdigest()
+
+    def score(self, items: dict[str, ScoreItem]) -> dict[str, ScoreFile | str]:
+        """name -> ScoreFile, or the error message that stands for it."""
+        done: dict[str, ScoreFile | str] = {}
+        todo, names = [], set()
+        for name, it in items.items():
+            stem = self.dir / f"{it.segment.id}.{self.key(it)[:16]}"
+            try:
+                done[name] = read_scores(_ext(stem, ".json"))
+                continue
+            except CorruptResult:
+                pass
+            src = _ext(stem, ".in.npz")
+            buf = io.BytesIO()
+            np.savez(buf, codes=np.asarray(it.codes, np.int64),
+                     ref_codes=np.zeros((0, 16), np.int64) if it.ref_codes is None else np.asarray(it.ref_codes, np.int64))
+            atomic_write(src, buf.getvalue())
+            todo.append({"name": name, "segment": it.segment.to_job(), "input": str(src), "out": str(stem),
+                         "condition": "voice" if it.ref_codes is None else "given",
+                         "ended_by_eos": bool(it.ended_by_eos)})
+            names.add(name)
+        if not todo:
+            return done
+        try:
+            for ev in self.runner.request("score", timeout=self.timeout, items=todo):
+                name = ev.get("item")
+                if name not in names:
+                    continue
+                if ev.get("event") == "result":
+                    try:
+                        done[name] = read_scores(ev["path"])
+                    except CorruptResult as e:
+                        done[name] = str(e)
+                elif ev.get("event") == "error":
+                    done[name] = ev.get("message", "scoring failed")
+        except RunnerDied as e:
+            for name in names:
+                done.setdefault(name, f"reference runner died while scoring: {str(e).splitlines()[0]}")
+        for name in names:
+            done.setdefault(name, "the reference runner did not answer this score item")
+        return done

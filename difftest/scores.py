@@ -1,0 +1,95 @@
+"""Teacher-forced score files: what qwen-tts thought of a code stream (the reference runner's `score` job).
+
+`<stem>.npz` holds, per FIELD, a (T, 16) array over the stream's frames and
+codebooks; `<stem>.json` is the sidecar, written last, with the npz's sha256
+(the commit marker, as for results), the stop row (`eos`: the same fields for
+the EOS token after the last frame, or null when the stream ended at the token
+cap), the decode settings the processors used and what the talker was
+conditioned on. Numpy only: the runner writes these files, difftest reads them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from .results import CorruptResult, _ext, atomic_write
+
+FORMAT = "difftest.score/1"
+FIELDS = ("logprob", "rank", "top1", "top1_logprob", "margin", "in_support")
+DTYPES = {"logprob": np.float32, "rank": np.int64, "top1": np.int64, "top1_logprob": np.float32,
+          "margin": np.float32, "in_support": np.bool_}
+
+
+@dataclass
+class ScoreFile:
+    segment_id: str
+    segment_hash: str
+    arrays: dict  # FIELD -> (T, 16)
+    eos: dict | None = None
+    settings: dict = field(default_factory=dict)
+    conditioning: dict = field(default_factory=dict)  # {"ref_codes": "given" | "voice" | "none", "frames": R}
+    provenance: dict = field(default_factory=dict)
+    timings: dict = field(default_factory=dict)
+    source: Path | None = None
+
+    @property
+    def frames(self) -> int:
+        return int(self.arrays["rank"].shape[0])
+
+    @property
+    def gap(self) -> np.ndarray:
+        """How much less likely the forced token is than the top-1, in nats (0 where it is the top-1)."""
+        return np.maximum(self.arrays["top1_logprob"] - self.arrays["logprob"], 0.0)
+
+
+def write_scores(stem: str | Path, s: ScoreFile) -> Path:
+    stem = Path(stem)
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    buf = io.BytesIO()
+    np.savez(buf, **{f: np.asarray(s.arrays[f], DTYPES[f]) for f in FIELDS})
+    blob = buf.getvalue()
+    npz = _ext(stem, ".npz")
+    atomic_write(npz, blob)
+    side = _ext(stem, ".json")
+    atomic_write(side, json.dumps({
+        "format": FORMAT, "segment_id": s.segment_id, "segment_hash": s.segment_hash, "npz": npz.name,
+        "npz_sha256": hashlib.sha256(blob).hexdigest(), "frames": s.frames, "eos": s.eos, "settings": s.settings,
+        "conditioning": s.conditioning, "provenance": s.provenance, "timings": s.timings,
+    }, indent=1, sort_keys=True, allow_nan=False).encode())
+    return side
+
+
+def read_scores(sidecar: str | Path) -> ScoreFile:
+    side = Path(sidecar)
+    try:
+        meta = json.loads(side.read_text())
+    except FileNotFoundError:
+        raise CorruptResult(f"{side}: missing") from None
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CorruptResult(f"{side}: sidecar is not valid JSON ({e})") from None
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        raise CorruptResult(f"{side}: not a {FORMAT} sidecar")
+    npz = side.with_name(str(meta.get("npz")))
+    try:
+        blob = npz.read_bytes()
+    except FileNotFoundError:
+        raise CorruptResult(f"{npz}: missing (sidecar present)") from None
+    if hashlib.sha256(blob).hexdigest() != meta.get("npz_sha256"):
+        raise CorruptResult(f"{npz}: content does not match its sidecar's sha256 (truncated or changed)")
+    try:
+        with np.load(io.BytesIO(blob), allow_pickle=False) as z:
+            arrays = {f: z[f] for f in FIELDS}
+    except Exception as e:
+        raise CorruptResult(f"{npz}: unreadable or incomplete score npz ({e})") from None
+    shapes = {a.shape for a in arrays.values()}
+    if len(shapes) != 1 or len(next(iter(shapes))) != 2:
+        raise CorruptResult(f"{npz}: score arrays of unequal or wrong shapes {sorted(shapes)}")
+    return ScoreFile(meta["segment_id"], meta["segment_hash"], arrays, meta.get("eos"), meta.get("settings") or {},
+                     meta.get("conditioning") or {}, meta.get("provenance") or {}, meta.get("timings") or {},
+                     side.resolve())

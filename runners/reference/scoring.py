@@ -1,0 +1,195 @@
+"""Teacher-forced scoring: how qwen-tts's talker would have scored a given code stream.
+
+Generation samples one codebook-0 token per frame from the talker, then the
+code predictor fills codebooks 1-15 from the talker's hidden state. Scoring
+forces a given stream (T x 16) through the same two models and reads, at every
+frame and codebook, what the reference would have thought of the forced token.
+
+- The prompt is exactly what generation builds: `talker.generate` is shadowed
+  on the instance for one call of the official `generate_*` method, which
+  records its arguments (prompt embeddings, trailing text, pad embedding,
+  logits-processor settings) and stops there. Nothing is re-implemented of the
+  prompt layout, so a prompt bug in qwen-tts is the reference's as well.
+- The talker is causal: one forward pass over prompt + the stream's frame
+  embeddings gives every codebook-0 distribution (no KV cache, same positions:
+  a batch of one has no padding).
+- The code predictor runs once, batched over all frames, with each frame's
+  16-position input (talker hidden state, codebooks 0-14) as its finetuning
+  forward lays it out.
+- Logits go through what generation applies (repetition penalty over the
+  codebook-0 tokens so far, suppressed control tokens, EOS banned for the first
+  `min_new_tokens` steps; with sampling, temperature then top-k then top-p).
+
+Output per position: the forced token's log-probability, its rank, the top-1
+token and its log-probability, the top-1/top-2 margin, and whether the token
+lies inside the sampling support (for greedy decoding: whether it is the top-1).
+Position (frame k, codebook 0) is the talker's; (k, 1..15) the code predictor's;
+an optional extra codebook-0 row scores the stop (EOS) after the last frame.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from difftest.scores import DTYPES, FIELDS
+
+
+class Captured(Exception):
+    """Raised by the shadowed `talker.generate` once it has recorded its arguments."""
+
+    def __init__(self, kwargs):
+        super().__init__("prompt captured")
+        self.kwargs = kwargs
+
+
+@dataclass
+class Scores:
+    arrays: dict  # FIELD -> (T, 16)
+    eos: dict | None  # FIELD -> value for the EOS after the last frame; None when the stream ended at the cap
+    settings: dict  # the decode settings the processors applied
+
+
+def capture_prompt(tts, call) -> dict:
+    """The talker's generate arguments for `call(tts)` (an official `generate_*` call), without generating."""
+    talker = tts.model.talker
+
+    def record(**kwargs):
+        raise Captured(kwargs)
+
+    talker.generate = record  # an instance attribute shadows the class method
+    try:
+        call(tts)
+    except Captured as c:
+        return c.kwargs
+    finally:
+        del talker.generate
+    raise RuntimeError("qwen-tts returned without calling the talker's generate: no prompt to score against")
+
+
+def override_ref_code(prompt_items: list, ref_codes: np.ndarray, torch):
+    """Voice-clone prompt items with `ref_codes` as the in-context reference (the candidate's own)."""
+    item = prompt_items[0]
+    if item.ref_code is None:
+        raise ValueError("reference codes given for a voice without in-context reference (x-vector only)")
+    rc = torch.from_numpy(np.ascontiguousarray(ref_codes, dtype=np.int64)).to(item.ref_code.device)
+    return [replace(item, ref_code=rc)]
+
+
+def _processed(logits, prev_tokens, step, kw, torch, *, talker: bool):
+    """Logits as generation's processors leave them (before the temperature)."""
+    scores = logits.float().clone()
+    if talker:
+        penalty = float(kw.get("repetition_penalty") or 1.0)
+        if penalty != 1.0 and len(prev_tokens):
+            idx = torch.tensor(sorted(set(prev_tokens)), dtype=torch.long)
+            s = scores[idx]
+            scores[idx] = torch.where(s < 0, s * penalty, s / penalty)
+        suppress = kw.get("suppress_tokens") or []
+        if suppress:
+            scores[torch.tensor(suppress, dtype=torch.long)] = -float("inf")
+        if step < int(kw.get("min_new_tokens") or 0):
+            scores[int(kw["eos_token_id"])] = -float("inf")
+    return scores
+
+
+def _support(scores, do_sample, top_k, top_p, temperature, torch):
+    """(log-probabilities of the distribution decoding draws from, boolean support mask)."""
+    if not do_sample:
+        logp = torch.log_softmax(scores, dim=-1)
+        return logp, scores == scores.max(dim=-1, keepdim=True).values
+    t = float(temperature or 1.0)
+    scaled = scores / t
+    keep = torch.isfinite(scaled)
+    k = int(top_k or 0)
+    if 0 < k < scaled.shape[-1]:
+        kth = torch.topk(scaled, k, dim=-1).values[..., -1:]
+        keep &= scaled >= kth
+    p = float(top_p if top_p is not None else 1.0)
+    if p < 1.0:
+        masked = scaled.masked_fill(~keep, -float("inf"))
+        order = torch.sort(masked, dim=-1, descending=True)
+        probs = torch.softmax(order.values, dim=-1)
+        before = torch.cumsum(probs, dim=-1) - probs  # mass strictly above each token
+        keep_sorted = before < p
+        keep_sorted[..., 0] = True
+        nucleus = torch.zeros_like(keep)
+        nucleus.scatter_(-1, order.indices, keep_sorted)
+        keep &= nucleus
+    return torch.log_softmax(scaled, dim=-1), keep
+
+
+def _rows(scores, logp, support, forced, torch) -> dict:
+    """Per-row statistics of the forced tokens; `scores`/`logp` are (N, V), `forced` (N,)."""
+    idx = forced.view(-1, 1)
+    lp_forced = logp.gather(-1, idx).squeeze(-1)
+    s_forced = scores.gather(-1, idx)
+    rank = (scores > s_forced).sum(dim=-1)
+    top2 = torch.topk(logp, 2, dim=-1)
+    return {"logprob": lp_forced.numpy(), "rank": rank.numpy(), "top1": top2.indices[:, 0].numpy(),
+            "top1_logprob": top2.values[:, 0].numpy(), "margin": (top2.values[:, 0] - top2.values[:, 1]).numpy(),
+            "in_support": support.gather(-1, idx).squeeze(-1).numpy()}
+
+
+def score_stream(tts, kwargs: dict, codes: np.ndarray, ended_by_eos: bool) -> Scores:
+    """Teacher-force `codes` (T, 16) through the talker and code predictor under the captured prompt `kwargs`."""
+    import torch
+
+    talker = tts.model.talker
+    cfg = talker.config
+    n_groups = int(cfg.num_code_groups)
+    vocab = int(cfg.vocab_size)
+    sub_vocab = int(cfg.code_predictor_config.vocab_size)
+    codes = np.asarray(codes, dtype=np.int64)
+    T = codes.shape[0]
+    if codes.ndim != 2 or codes.shape[1] != n_groups or T == 0:
+        raise ValueError(f"codes must be a non-empty (T, {n_groups}) stream, got {codes.shape}")
+    if codes[:, 0].max() >= vocab or codes[:, 1:].max() >= sub_vocab or codes.min() < 0:
+        raise ValueError(f"codes hold ids outside the codebooks ([0, {vocab}) for codebook 0, [0, {sub_vocab}) after)")
+    device = talker.device
+    c = torch.from_numpy(codes).to(device)
+    prompt = kwargs["inputs_embeds"]
+    if prompt.shape[0] != 1:
+        raise ValueError("scoring handles one utterance at a time")
+    trailing, pad = kwargs["trailing_text_hidden"], kwargs["tts_pad_embed"]
+    with torch.inference_mode():
+        emb0 = talker.get_input_embeddings()
+        sub_embs = talker.code_predictor.get_input_embeddings()
+        # Frame k's input to the talker: its 16 codes' embeddings summed, plus the k-th trailing text
+        # embedding (the pad embedding once the text is used up), as the talker's forward adds them.
+        frames = emb0(c[:, 0]) + sum(sub_embs[i - 1](c[:, i]) for i in range(1, n_groups))
+        text = torch.cat([trailing[0, :min(T, trailing.shape[1])],
+                          pad[0].expand(max(0, T - trailing.shape[1]), -1)], dim=0)
+        full = torch.cat([prompt, (frames + text).unsqueeze(0).to(prompt.dtype)], dim=1)
+        mask = torch.ones(full.shape[:2], dtype=torch.long, device=device)
+        out = talker(inputs_embeds=full, attention_mask=mask, use_cache=False, output_hidden_states=True)
+        P = prompt.shape[1]
+        hidden = out.hidden_states[0][-1][0, P - 1:P + T]  # (T + 1, D): the states that chose each codebook-0 token
+        logits0 = out.logits[0, P - 1:P + T].float().cpu()  # (T + 1, V)
+        # Codebooks 1-15: the code predictor's 16-position input per frame, all frames at once.
+        sub_in = torch.cat([hidden[:T].unsqueeze(1), emb0(c[:, :1])]
+                           + [sub_embs[i - 1](c[:, i:i + 1]) for i in range(1, n_groups - 1)], dim=1)
+        sub_logits = talker.code_predictor.forward_finetune(inputs_embeds=sub_in).logits.float().cpu()  # (T, 15, V')
+    tokens0 = codes[:, 0].tolist() + ([int(kwargs["eos_token_id"])] if ended_by_eos else [])
+    rows0 = torch.stack([_processed(logits0[k], tokens0[:k], k, kwargs, torch, talker=True)
+                         for k in range(len(tokens0))])
+    lp0, sup0 = _support(rows0, kwargs.get("do_sample"), kwargs.get("top_k"), kwargs.get("top_p"),
+                         kwargs.get("temperature"), torch)
+    r0 = _rows(rows0, lp0, sup0, torch.tensor(tokens0), torch)
+    flat = sub_logits.reshape(T * (n_groups - 1), -1)
+    lp1, sup1 = _support(flat, kwargs.get("subtalker_dosample"), kwargs.get("subtalker_top_k"),
+                         kwargs.get("subtalker_top_p"), kwargs.get("subtalker_temperature"), torch)
+    r1 = _rows(flat, lp1, sup1, torch.from_numpy(codes[:, 1:].reshape(-1)), torch)
+    arrays = {}
+    for f in FIELDS:
+        a = np.empty((T, n_groups), dtype=DTYPES[f])
+        a[:, 0] = r0[f][:T]
+        a[:, 1:] = r1[f].reshape(T, n_groups - 1)
+        arrays[f] = a
+    eos = {f: r0[f][T].item() for f in FIELDS} if ended_by_eos else None  # python scalars: JSON
+    settings = {k: kwargs.get(k) for k in ("do_sample", "top_k", "top_p", "temperature", "repetition_penalty",
+                                           "subtalker_dosample", "subtalker_top_k", "subtalker_top_p",
+                                           "subtalker_temperature", "min_new_tokens", "max_new_tokens",
+                                           "eos_token_id")}
+    return Scores(arrays, eos, settings)
