@@ -46,6 +46,7 @@ from .progress import Progress
 from .records.report import build_report, overall, summary_lines, write_report
 from .results import CorruptResult, Result, ResultStore, _ext, atomic_write, read_result
 from .suites.suite import Suite, content_hash
+from .verdicts import sampling
 from .verdicts.classify import Evidence, classify, talker_stage
 from .verdicts.policy import Policy
 
@@ -345,8 +346,10 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         print(f"teacher forcing: {len(_segments_with_codes(cand.results))} segments at c={opts.concurrency} and "
               f"{len(_segments_with_codes(ctrl.results))} at c=1 through qwen-tts's talker", file=sys.stderr, flush=True)
         with timings("score_s"):
-            scores = score_streams(Scorer(runner, store.root, opts.reference.timeout), suite,
-                                   {"candidate": cand, "control": ctrl})
+            roles = {"candidate": cand, "control": ctrl}
+            if any(s.decode.get("do_sample") or s.decode.get("subtalker_dosample") for s in suite.segments):
+                roles["reference"] = ref_run  # qwen-tts's own samples: the sampling test's calibration
+            scores = score_streams(Scorer(runner, store.root, opts.reference.timeout), suite, roles)
         print(f"cross-decodes: {len(_segments_with_codes(cand.results))} segments through the reference vocoder",
               file=sys.stderr, flush=True)
         with timings("cross_decode_s"):
@@ -372,10 +375,13 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
                    "batches": cand.batches, "identity": engine, "identity_key": folders[opts.concurrency][1]},
         concurrency=opts.concurrency,
         provenance={"difftest": __version__, "timings": {k: round(v, 3) for k, v in timings.items()}},
-        warnings=[f"{sid}: reference: {e['message']}" for sid, e in ref_run.errors.items()],
+        warnings=[f"{sid}: reference: {e['message']}" for sid, e in ref_run.errors.items()]
+        + [f"{sid}: teacher forcing of qwen-tts's own sample: {m}" for sid, m in scores[1].get("reference", {}).items()],
+        sampling=sampling.judge(scores[0], policy.forced.sampling_max_z),
     )
     report["at_concurrency_1"] = {
-        "verdict": overall(at_one, policy)[0],
+        "verdict": overall(at_one, policy, [one] if (one := sampling.judge(
+            {k: v for k, v in scores[0].items() if k != "candidate"}, policy.forced.sampling_max_z)) else [])[0],
         "segments": [{"id": v.id, "verdict": v.verdict, "first_divergent_chunk": v.first_divergent_chunk,
                       "summary": v.summary} for v in at_one],
     }

@@ -21,9 +21,15 @@ import numpy as np
 from .results import CorruptResult, _ext, atomic_write
 
 FORMAT = "difftest.score/1"
-FIELDS = ("logprob", "rank", "top1", "top1_logprob", "margin", "in_support")
+# logprob .. in_support: the forced token under the processed logits (with the temperature when sampling).
+# sample_logprob, expected_logprob, logprob_var: under the distribution decoding draws from (truncated to
+# the support, renormalised): the token's log-probability, its expectation (minus the entropy) and its
+# variance there; 0 at greedy positions. Their sums make the sampling test (difftest/verdicts/sampling.py).
+FIELDS = ("logprob", "rank", "top1", "top1_logprob", "margin", "in_support",
+          "sample_logprob", "expected_logprob", "logprob_var")
 DTYPES = {"logprob": np.float32, "rank": np.int64, "top1": np.int64, "top1_logprob": np.float32,
-          "margin": np.float32, "in_support": np.bool_}
+          "margin": np.float32, "in_support": np.bool_, "sample_logprob": np.float32,
+          "expected_logprob": np.float32, "logprob_var": np.float32}
 
 
 @dataclass

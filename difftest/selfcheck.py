@@ -54,6 +54,10 @@ CHECKS = (
     *(Check(d, d, "greedy", frozenset({"talker_defect"}), False, True)
       for d in ("prompt-truncated", "prompt-padded", "sampled-greedy", "codebook-shift", "language-dropped",
                 "streaming-layout")),
+    # sampling tighter than asked: every token inside the support, the suite's likelihood too high (run-level).
+    # (temperature-ignored is not here: on the tiny checkpoint's flat logits it moves z to about -2.5 only;
+    # docs/verdicts.md, blind spots.)
+    Check("top-k-narrowed", "top-k-narrowed", "sampled", frozenset({"sampling_defect"}), False, True),
 )
 DEFECTS = tuple(c.defect for c in CHECKS if c.defect)
 
@@ -100,9 +104,14 @@ def _leak_truth(out: Path, n: int) -> dict[tuple[str, str], list[str]]:
 
 def judge(check: Check, report: dict, out: Path) -> dict:
     segs = report["segments"]
-    verdicts = sorted({s["verdict"] for s in segs})
+    sampling_failed = (report.get("sampling") or {}).get("verdict") == "sampling_defect"
+    verdicts = sorted({s["verdict"] for s in segs} | ({"sampling_defect"} if sampling_failed else set()))
     at_one = report.get("at_concurrency_1", {}).get("verdict")
     hits = [s for s in segs if s["verdict"] in check.expect]
+    run_level = (report.get("sampling") or {}).get("verdict")
+    if run_level in check.expect:  # a run-level finding (the sampling test) names no segment
+        hits.append({"id": "(run)", "verdict": run_level, "first_divergent_chunk": None, "stage": "talker",
+                     "donor": None})
     row = {"check": check.name, "defect": check.defect, "verdict": report["verdict"], "verdicts": verdicts,
            "at_concurrency_1": at_one, "chunk": None, "stage": None, "donor": None, "donor_right": None}
     if hits:

@@ -25,6 +25,7 @@ from ..scores import ScoreFile
 class ForcedPolicy:
     near_tie_top_k: int = 3
     near_tie_max_gap: float = 0.05
+    sampling_max_z: float = 4.0
     min_top1_share: float = 0.8
     min_sub_top1_share: float = 0.9
     max_rank: int = 5
@@ -65,32 +66,38 @@ class Implausible:
 
 
 def implausible(sf: ScoreFile, p: ForcedPolicy) -> Implausible | None:
-    """Why this stream is not one qwen-tts could have decoded as asked, or None when it could."""
-    rank, gap = sf.arrays["rank"], sf.gap
-    if sampled(sf):
-        # Each model's part is judged by its own decoding: greedy codebooks must be top-1.
-        out = ~sf.arrays["in_support"]
-        bad = np.argwhere(out)
-        if len(bad):
-            f, c = (int(x) for x in bad[0])
-            return Implausible(f, c, f"{len(bad)} tokens outside qwen-tts's sampling support, the first at frame {f} "
-                                     f"codebook {c} (rank {int(rank[f, c])}, {float(gap[f, c]):.3g} nats below the top-1)")
-        return None
-    far = np.argwhere((rank > p.max_rank) | (gap > p.max_gap))
+    """Why this stream is not one qwen-tts could have decoded as asked, or None when it could. Each
+    model's part is judged by its own decoding: the talker's codebook 0 and the code predictor's
+    codebooks 1-15 may be sampled (every token inside the support) or greedy (rank, gap, top-1 share)."""
+    rank, gap, support = sf.arrays["rank"], sf.gap, sf.arrays["in_support"]
+    talker_sampled = bool(sf.settings.get("do_sample"))
+    sub_sampled = bool(sf.settings.get("subtalker_dosample"))
+    greedy_cols = np.array([not talker_sampled] + [not sub_sampled] * (rank.shape[1] - 1))
+    out = ~support & ~greedy_cols
+    bad = np.argwhere(out)
+    if len(bad):
+        f, c = (int(x) for x in bad[0])
+        return Implausible(f, c, f"{len(bad)} tokens outside qwen-tts's sampling support, the first at frame {f} "
+                                 f"codebook {c} (rank {int(rank[f, c])}, {float(gap[f, c]):.3g} nats below the top-1)")
+    far = np.argwhere(((rank > p.max_rank) | (gap > p.max_gap)) & greedy_cols)
     if len(far):
         f, c = (int(x) for x in far[0])
         return Implausible(f, c, f"frame {f} codebook {c}: the token is qwen-tts's rank {int(rank[f, c])}, "
                                  f"{float(gap[f, c]):.3g} nats below its top-1 (policy: rank <= {p.max_rank}, "
                                  f"gap <= {p.max_gap}); {len(far)} such positions")
-    s0, s1 = float(np.mean(rank[:, 0] == 0)), float(np.mean(rank[:, 1:] == 0))
+    s0 = float(np.mean(rank[:, 0] == 0)) if not talker_sampled else 1.0
+    s1 = float(np.mean(rank[:, 1:] == 0)) if not sub_sampled else 1.0
     if s0 < p.min_top1_share or s1 < p.min_sub_top1_share:
-        miss = np.argwhere(rank > 0)
+        miss = np.argwhere((rank > 0) & greedy_cols)
         f, c = (int(x) for x in miss[0])
         return Implausible(f, c, f"only {s0:.0%} of frames take qwen-tts's top-1 codebook-0 token and {s1:.0%} of "
                                  f"the other codebooks' (policy: {p.min_top1_share:.0%}, {p.min_sub_top1_share:.0%})")
-    if sf.eos is not None and (sf.eos["rank"] > p.max_rank or sf.eos["top1_logprob"] - sf.eos["logprob"] > p.max_gap):
-        return Implausible(sf.frames, 0, f"the stream stops after {sf.frames} frames where qwen-tts ranks the stop "
-                                         f"{int(sf.eos['rank'])}")
+    if sf.eos is not None:
+        eos_gap = sf.eos["top1_logprob"] - sf.eos["logprob"]
+        off = (not sf.eos["in_support"]) if talker_sampled else (sf.eos["rank"] > p.max_rank or eos_gap > p.max_gap)
+        if off:
+            return Implausible(sf.frames, 0, f"the stream stops after {sf.frames} frames where qwen-tts ranks the "
+                                             f"stop {int(sf.eos['rank'])} ({eos_gap:.3g} nats below its top-1)")
     return None
 
 

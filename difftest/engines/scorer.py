@@ -2,8 +2,9 @@
 
 A score depends on the segment (text, voice, decode settings), the code stream,
 the reference codes the talker is conditioned on, whether the stream ended with
-EOS, and the reference configuration (the runner's fingerprint: qwen-tts,
-checkpoint, dtype, device). Files are named by the hash of all of it, under
+EOS, the reference configuration (the runner's fingerprint: qwen-tts,
+checkpoint, dtype, device) and the scoring code's version (`score_version` in
+the runner's announcement). Files are named by the hash of all of it, under
 `<store>/scores-<config key>/`, so the same candidate codes are scored once
 across runs and changed codes never reuse a stale score.
 """
@@ -17,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..errors import InfraError
 from ..results import CorruptResult, ResultStore, _ext, atomic_write
 from ..scores import ScoreFile, read_scores
 from .runner_client import RunnerDied, RunnerProcess
@@ -33,7 +35,10 @@ class ScoreItem:
 class Scorer:
     def __init__(self, runner: RunnerProcess, store_root: str | Path, timeout: float):
         self.runner, self.timeout = runner, timeout
-        fingerprint = runner.hello.get("fingerprint") or {}
+        if "score_version" not in runner.hello:
+            raise InfraError("the reference runner has no score job (an older runner?): restart it from this checkout")
+        # the reference configuration and the scoring code's version both decide a score
+        fingerprint = {**(runner.hello.get("fingerprint") or {}), "score_version": runner.hello["score_version"]}
         self.salt = ResultStore.config_key(fingerprint)
         self.dir = ResultStore(Path(store_root).resolve()).config_dir("scores", fingerprint)
 

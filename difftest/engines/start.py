@@ -160,7 +160,8 @@ def engine_identity(spec: CandidateSpec, setup: Setup) -> dict:
                            f"(known: {', '.join(known)})")
         return {"kind": CPU_ENGINE, "defect": spec.defect, "code": ident.code_hash(*CPU_ENGINE_CODE),
                 "versions": setup.reference_fingerprint.get("versions"), "checkpoints": checkpoints,
-                "device": "cpu", "dtype": "float32", "engine_args": list(spec.engine_args), **extra}
+                "device": "cpu", "dtype": "float32", "engine_args": list(spec.engine_args),
+                "subtalker_sampling": _subtalker_sampling(setup.suite), **extra}
     if spec.kind in (VLLM_OMNI, VLLM_OMNI_OFFLINE):
         from .vllm_omni import describe
 
@@ -223,6 +224,16 @@ def start_cpu_engines(defects: list[str | None], setup: Setup, stack: ExitStack)
             for d in defects}
 
 
+def _subtalker_sampling(suite) -> dict:
+    """The sub-talker's sampling for the suite: deploy-level in the CPU engine as in vLLM-Omni (one
+    setting per server, the first segment's; difftest.engines.vllm_omni.decode_settings warns)."""
+    d = suite.segments[0].decode if suite is not None and suite.segments else {}
+    sub = {"do_sample": bool(d.get("subtalker_dosample", False))}
+    if sub["do_sample"]:
+        sub.update({k: d[f"subtalker_{k}"] for k in ("temperature", "top_k", "top_p") if f"subtalker_{k}" in d})
+    return sub
+
+
 def _cpu_engines(setup: Setup, stack: ExitStack, ports: dict, *, python: str | None = None, engine_args=(),
                  name: str) -> tuple[dict, Path, ServerProcess]:
     """Start the CPU test engine (one defect: runners.cpu_engine; several: runners.cpu_engine.multi)
@@ -242,6 +253,7 @@ def _cpu_engines(setup: Setup, stack: ExitStack, ports: dict, *, python: str | N
         urls = {d: f"http://127.0.0.1:{port}" for d, port in ports.items()}
     for m in setup.models:
         argv += ["--model", m]
+    argv += ["--subtalker-sampling", json.dumps(_subtalker_sampling(setup.suite))]
     argv += [str(a) for a in engine_args]
     env = dict(os.environ, DIFFTEST_CAPTURE_DIR=str(capture), HF_HUB_OFFLINE="1")
     env.pop("PYTHONPATH", None)  # the engine's own environment and this checkout, nothing else

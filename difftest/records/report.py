@@ -17,15 +17,16 @@ from ..verdicts.where import donor_text, where
 FORMAT = "difftest.report/1"
 
 
-def overall(verdicts: list[SegmentVerdict], policy: Policy) -> tuple[str, int]:
+def overall(verdicts: list[SegmentVerdict], policy: Policy, run_findings: list | tuple = ()) -> tuple[str, int]:
     """`error` when infrastructure failed a segment (exit 3) or an input was unusable (exit 2);
-    else `fail` (exit 1) when the policy says so; else `pass` (exit 0)."""
+    else `fail` (exit 1) when the policy says so of a segment's verdict or a run-level finding
+    (`{"verdict": ...}`, e.g. the sampling test); else `pass` (exit 0)."""
     kinds = {v.error_kind for v in verdicts if v.verdict == "error"}
     if "infrastructure" in kinds:
         return "error", EXIT_INFRA
     if "bad_input" in kinds:
         return "error", EXIT_BAD_INPUT
-    if any(policy.fails(v.verdict) for v in verdicts):
+    if any(policy.fails(v.verdict) for v in verdicts) or any(policy.fails(f["verdict"]) for f in run_findings):
         return "fail", EXIT_FAIL
     return "pass", EXIT_PASS
 
@@ -33,8 +34,9 @@ def overall(verdicts: list[SegmentVerdict], policy: Policy) -> tuple[str, int]:
 def build_report(verdicts: list[SegmentVerdict], policy: Policy, *, suite: dict | None = None,
                  reference: dict | None = None, candidate: dict | None = None,
                  concurrency: int | None = None, provenance: dict | None = None,
-                 warnings: list[str] | None = None) -> dict:
-    verdict, code = overall(verdicts, policy)
+                 warnings: list[str] | None = None, sampling: dict | None = None) -> dict:
+    """`sampling`: the run-level sampling test (difftest/verdicts/sampling.py), None when nothing was sampled."""
+    verdict, code = overall(verdicts, policy, [sampling] if sampling else [])
     counts = Counter(v.verdict for v in verdicts)
     return {
         "format": FORMAT,
@@ -51,6 +53,7 @@ def build_report(verdicts: list[SegmentVerdict], policy: Policy, *, suite: dict 
         "counts": {k: counts[k] for k in VERDICTS if counts[k]},
         "failing": [v.id for v in verdicts if policy.fails(v.verdict)],
         "segments": [v.to_json() for v in verdicts],
+        "sampling": sampling,
         "warnings": list(warnings or []),
     }
 
@@ -61,7 +64,7 @@ _SEGMENT_FIELDS = {"id": (str,), "verdict": (str,), "summary": (str,), "first_di
                    "donor": (str, type(None)), "notes": (list,), "comparisons": (dict,), "artifacts": (dict,)}
 _TOP_FIELDS = {"verdict": (str,), "segments": (list,), "suite": (dict, type(None)), "candidate": (dict, type(None)),
                "reference": (dict, type(None)), "concurrency": (int, type(None)), "provenance": (dict,),
-               "counts": (dict,), "warnings": (list,)}
+               "counts": (dict,), "warnings": (list,), "sampling": (dict, type(None))}
 
 
 def check_report(report, where: str | Path) -> dict:
@@ -104,6 +107,9 @@ def summary_lines(report: dict, limit: int = 20) -> list[str]:
     segs = report["segments"]
     counts = ", ".join(f"{n} {k}" for k, n in report["counts"].items())
     lines = [f"{report['verdict'].upper()}: {len(segs)} segments ({counts})"]
+    sampling = report.get("sampling")
+    if sampling:
+        lines.append(f"  sampling: {sampling['verdict']}: {sampling['summary']}")
     shown = 0
     for s in segs:
         if s["verdict"] in ("identical", "numeric_drift"):

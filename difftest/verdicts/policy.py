@@ -19,6 +19,7 @@ TIERS = ("identical", "within_quantisation", "close", "diverged")
 VERDICTS = (
     "identical", "numeric_drift", "code_divergence", "audio_divergence", "length_mismatch",
     "concurrency_defect", "history_defect", "vocoder_defect", "talker_defect", "handoff_defect", "contamination", "error",
+    "sampling_defect",  # run-level only: report.json's `sampling` (difftest/verdicts/sampling.py)
 )
 RUN_VERDICTS = ("pass", "fail", "error")  # a report's overall verdict
 

@@ -72,6 +72,13 @@ reports what the request asked for, so only teacher forcing can see them:
   before the first frame, where streaming was asked, or the reverse). Voice
   clones (custom and designed voices lay the text out alike either way).
   Acts in: engine._generate_kwargs.
+- `temperature-ignored` (a request's sampling parameters dropped for the deploy's
+  defaults). A sampled request's talker draws at temperature 1.5, its top-k kept:
+  every token stays inside the support, only the suite's likelihood shows it.
+  Sampled requests only. Acts in: engine._generate_kwargs.
+- `top-k-narrowed` (sampling tighter than asked). A sampled request's talker
+  draws from its top 5 instead of the top-k asked. Sampled requests only.
+  Acts in: engine._generate_kwargs.
 
 Where each lives upstream: docs/cpu-engine.md.
 """
@@ -139,9 +146,21 @@ DEFECTS: dict[str, dict] = {
         "summary": "the prompt laid out in the other streaming mode than asked",
         "concurrency_only": False, "talker": True,
     },
+    "temperature-ignored": {
+        "family": ["per-request sampling parameters dropped"],
+        "summary": "a sampled request's talker draws at temperature 1.5 (top-k kept)",
+        "concurrency_only": False, "talker": True,
+    },
+    "top-k-narrowed": {
+        "family": ["sampling tighter than asked"],
+        "summary": "a sampled request's talker draws from its top 5",
+        "concurrency_only": False, "talker": True,
+    },
 }
 
 TRUNCATED_REF_FRAMES = 2
+HOT_TEMPERATURE = 1.5
+NARROW_TOP_K = 5
 PADDED_ROWS = 24
 
 # chunk-boundary: the vocoder's chunked decode, clean and defective.

@@ -148,6 +148,10 @@ class BatchEngine:
               "max_new_tokens": job.max_new_tokens, "non_streaming_mode": job.non_streaming_mode}
         if job.do_sample:
             kw.update(temperature=job.temperature, top_k=job.top_k, top_p=job.top_p)
+            if self.defect == "temperature-ignored":
+                kw["temperature"] = defects.HOT_TEMPERATURE
+            elif self.defect == "top-k-narrowed":
+                kw["top_k"] = defects.NARROW_TOP_K
         elif self.defect == "sampled-greedy":
             kw.update(do_sample=True, temperature=0.9, top_k=50, top_p=1.0)
         if self.defect == "streaming-layout":

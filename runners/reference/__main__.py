@@ -20,6 +20,7 @@ import sys
 from runners.protocol import serve
 from runners.reference.checkpoint import CheckpointError, open_checkpoints
 from runners.reference.engine import QwenTTSEngine
+from runners.reference.scoring import VERSION as SCORE_VERSION
 from runners.reference.environment import cuda_device_name, host, log, package_versions, repo_commit
 from runners.reference.service import LABEL, ReferenceService
 
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     log("serving " + ", ".join(f"{c.model_type} from {c.path}" for c in checkpoints.values())
         + f" on {args.device} in {args.dtype}")
     return serve({"generate": service.generate, "decode": service.decode, "score": service.score},
-                 {"label": LABEL, "fingerprint": fingerprint, "provenance": provenance})
+                 {"label": LABEL, "fingerprint": fingerprint, "provenance": provenance, "score_version": SCORE_VERSION})
 
 
 if __name__ == "__main__":

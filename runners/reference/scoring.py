@@ -35,6 +35,9 @@ import numpy as np
 
 from difftest.scores import DTYPES, FIELDS
 
+# Bump when scoring changes what it writes for the same inputs: cached scores are keyed by it.
+VERSION = 2  # 2: the sampling distribution's log-probability, expectation and variance
+
 
 class Captured(Exception):
     """Raised by the shadowed `talker.generate` once it has recorded its arguments."""
@@ -120,16 +123,31 @@ def _support(scores, do_sample, top_k, top_p, temperature, torch):
     return torch.log_softmax(scaled, dim=-1), keep
 
 
-def _rows(scores, logp, support, forced, torch) -> dict:
+OUTSIDE = -100.0  # sample_logprob of a token outside the support (it cannot be drawn: -inf, kept finite)
+
+
+def _rows(scores, logp, support, forced, sampling: bool, torch) -> dict:
     """Per-row statistics of the forced tokens; `scores`/`logp` are (N, V), `forced` (N,)."""
     idx = forced.view(-1, 1)
     lp_forced = logp.gather(-1, idx).squeeze(-1)
     s_forced = scores.gather(-1, idx)
     rank = (scores > s_forced).sum(dim=-1)
     top2 = torch.topk(logp, 2, dim=-1)
+    inside = support.gather(-1, idx).squeeze(-1)
+    zeros = torch.zeros_like(lp_forced)
+    if sampling:
+        lt = torch.log_softmax(logp.masked_fill(~support, -float("inf")), dim=-1)
+        pt = lt.exp()
+        lt0 = lt.masked_fill(~support, 0.0)
+        expected = (pt * lt0).sum(-1)
+        var = ((pt * lt0 * lt0).sum(-1) - expected * expected).clamp_min(0.0)
+        sample_lp = torch.where(inside, lt.gather(-1, idx).squeeze(-1), torch.full_like(zeros, OUTSIDE))
+    else:
+        expected = var = sample_lp = zeros
     return {"logprob": lp_forced.numpy(), "rank": rank.numpy(), "top1": top2.indices[:, 0].numpy(),
             "top1_logprob": top2.values[:, 0].numpy(), "margin": (top2.values[:, 0] - top2.values[:, 1]).numpy(),
-            "in_support": support.gather(-1, idx).squeeze(-1).numpy()}
+            "in_support": inside.numpy(), "sample_logprob": sample_lp.numpy(), "expected_logprob": expected.numpy(),
+            "logprob_var": var.numpy()}
 
 
 def score_stream(tts, kwargs: dict, codes: np.ndarray, ended_by_eos: bool) -> Scores:
@@ -176,11 +194,12 @@ def score_stream(tts, kwargs: dict, codes: np.ndarray, ended_by_eos: bool) -> Sc
                          for k in range(len(tokens0))])
     lp0, sup0 = _support(rows0, kwargs.get("do_sample"), kwargs.get("top_k"), kwargs.get("top_p"),
                          kwargs.get("temperature"), torch)
-    r0 = _rows(rows0, lp0, sup0, torch.tensor(tokens0), torch)
+    r0 = _rows(rows0, lp0, sup0, torch.tensor(tokens0), bool(kwargs.get("do_sample")), torch)
     flat = sub_logits.reshape(T * (n_groups - 1), -1)
     lp1, sup1 = _support(flat, kwargs.get("subtalker_dosample"), kwargs.get("subtalker_top_k"),
                          kwargs.get("subtalker_top_p"), kwargs.get("subtalker_temperature"), torch)
-    r1 = _rows(flat, lp1, sup1, torch.from_numpy(codes[:, 1:].reshape(-1)), torch)
+    r1 = _rows(flat, lp1, sup1, torch.from_numpy(codes[:, 1:].reshape(-1)), bool(kwargs.get("subtalker_dosample")),
+               torch)
     arrays = {}
     for f in FIELDS:
         a = np.empty((T, n_groups), dtype=DTYPES[f])

@@ -175,8 +175,11 @@ class ReferenceService:
                 return
             except CorruptResult as e:
                 log(f"rescoring: {e}")
-        utt, _ = self._utterance(seg)
-        codes, ref_codes = _load_codes(Path(src))
+        try:
+            utt, _ = self._utterance(seg)
+            codes, ref_codes = _load_codes(Path(src))
+        except BadInput as e:
+            raise BadInput(f"score item {name} (segment {sid}): {e}") from None
         condition = item.get("condition", "voice")
         if condition not in ("given", "voice"):
             raise BadInput(f"score item {name}: condition must be 'given' or 'voice', not {condition!r}")

@@ -1,0 +1,221 @@
+"""Verdicts from teacher-forced scores (difftest/compare/forced.py): a talker defect at any
+concurrency, a near-tie flip between concurrency 1 and N, sampled decoding's support.
+Score files are built by hand here; tests/test_reference_scoring.py checks the real scorer."""
+
+import numpy as np
+import pytest
+import yaml
+from toy import toy_codes, toy_result
+
+from difftest.compare import forced
+from difftest.errors import BadInput
+from difftest.scores import ScoreFile, read_scores, write_scores
+from difftest.results import CorruptResult
+from difftest.verdicts.classify import Evidence, classify
+from difftest.verdicts.policy import DEFAULT_POLICY, load_policy
+
+T = 30
+CODES = toy_codes(T, 1)
+REF = toy_codes(12, 2)
+GREEDY = {"do_sample": False, "subtalker_dosample": False}
+
+
+def scores(ranks=None, gaps=None, settings=GREEDY, support=None, eos=None, codes=CODES):
+    """A score file: rank 0 and gap 0 everywhere unless given (arrays or {(frame, codebook): value})."""
+    rank = np.zeros((len(codes), 16), np.int64)
+    gap = np.zeros((len(codes), 16), np.float32)
+    for arr, vals in ((rank, ranks), (gap, gaps)):
+        for pos, v in (vals or {}).items():
+            arr[pos] = v
+    top = np.full(rank.shape, -2.0, np.float32)
+    arrays = {"logprob": top - gap, "rank": rank, "top1": codes.copy(), "top1_logprob": top,
+              "margin": np.full(rank.shape, 0.01, np.float32),
+              "in_support": np.ones(rank.shape, bool) if support is None else support,
+              "sample_logprob": np.zeros(rank.shape, np.float32), "expected_logprob": np.zeros(rank.shape, np.float32),
+              "logprob_var": np.zeros(rank.shape, np.float32)}
+    return ScoreFile("a", "h" * 16, arrays, eos, dict(settings), {"ref_codes": "given", "frames": 12})
+
+
+def evidence(cand_codes=CODES, ctrl_codes=None, cand_scores=None, ctrl_scores=None, ref_codes=CODES):
+    ref = toy_result("a", ref_codes, REF)
+    cand = toy_result("a", cand_codes, REF)
+    ctrl = toy_result("a", ctrl_codes, REF) if ctrl_codes is not None else None
+    s = {k: v for k, v in (("candidate", cand_scores), ("control", ctrl_scores)) if v is not None}
+    return Evidence("a", ref, cand, ctrl, toy_result("a", cand_codes, REF), scores=s)
+
+
+def test_a_plausible_stream_keeps_its_code_divergence_and_says_why(policy):
+    other = CODES.copy()
+    other[5:, 0] += 1  # parts from the reference at frame 5 (a bf16 near-tie, say)
+    v = classify(evidence(other, cand_scores=scores({(5, 0): 1}, {(5, 0): 0.01})), policy)
+    assert v.verdict == "code_divergence" and not policy.fails(v.verdict)
+    assert v.comparisons["forced"]["worst_rank"] == 1 and v.comparisons["forced"]["top1_share"] == round(29 / 30, 4)
+    assert any("plausible" in n for n in v.notes)
+
+
+def test_a_token_far_down_qwen_tts_list_is_a_talker_defect_at_its_frame(policy):
+    other = CODES.copy()
+    other[7:, 0] += 1
+    v = classify(evidence(other, cand_scores=scores({(7, 0): 400}, {(7, 0): 2.5})), policy)
+    assert (v.verdict, v.stage, v.first_divergent_frame) == ("talker_defect", "talker", 7)
+    assert "frame 7 codebook 0: the token is qwen-tts's rank 400" in v.summary
+    assert policy.fails(v.verdict)
+
+
+def test_many_small_misses_are_a_talker_defect_by_share(policy):
+    # every other frame rank 1 within the gap: each alone a near-tie, together not the talker asked for
+    ranks = {(f, 0): 1 for f in range(0, T, 2)}
+    v = classify(evidence(cand_scores=scores(ranks, {k: 0.01 for k in ranks})), policy)
+    assert v.verdict == "talker_defect" and "only 50% of frames take qwen-tts's top-1" in v.summary
+
+
+def test_the_same_codes_with_another_prompt_behind_them_still_fail(policy):
+    # codes equal to the reference's do not excuse a stream the forced pass finds implausible
+    v = classify(evidence(cand_scores=scores({(0, 3): 50}, {(0, 3): 1.0})), policy)
+    assert v.verdict == "talker_defect"
+
+
+def test_sampled_decoding_fails_only_outside_the_support(policy):
+    sampled = {"do_sample": True, "subtalker_dosample": False, "top_k": 50}
+    inside = scores({(f, 0): 30 for f in range(T)}, {(f, 0): 1.5 for f in range(T)}, settings=sampled)
+    assert classify(evidence(cand_scores=inside), policy).verdict == "identical"
+    support = np.ones((T, 16), bool)
+    support[9, 0] = False
+    v = classify(evidence(cand_scores=scores({(9, 0): 60}, settings=sampled, support=support)), policy)
+    assert (v.verdict, v.first_divergent_frame) == ("talker_defect", 9)
+    assert "1 tokens outside qwen-tts's sampling support, the first at frame 9 codebook 0" in v.summary
+    # the greedy code predictor inside a sampled run is still judged greedily
+    v = classify(evidence(cand_scores=scores({(4, 2): 90}, {(4, 2): 3.0}, settings=sampled)), policy)
+    assert (v.verdict, v.first_divergent_frame) == ("talker_defect", 4)
+
+
+def test_a_concurrency_flip_on_a_near_tie_does_not_fail(policy):
+    at_n = CODES.copy()
+    at_n[10:, 0] += 1
+    ctrl_s = scores()  # the control's token is the top-1 at frame 10
+    cand_s = scores({(10, 0): 1}, {(10, 0): 0.004})  # the candidate at N took the runner-up, 0.004 nats below
+    v = classify(evidence(at_n, CODES, cand_s, ctrl_s), policy)
+    assert v.verdict == "code_divergence", v.summary
+    assert v.comparisons["near_tie"] == {"frame": 10, "codebook": 0, "ranks": [0, 1], "gaps": [0.0, 0.004],
+                                         "margin": 0.01, "near_tie": True}
+
+
+def test_a_concurrency_flip_that_is_no_near_tie_is_a_concurrency_defect(policy):
+    at_n = CODES.copy()
+    at_n[10:, 0] += 1
+    v = classify(evidence(at_n, CODES, scores({(10, 0): 2}, {(10, 0): 0.2}), scores()), policy)
+    assert (v.verdict, v.first_divergent_frame) == ("concurrency_defect", 10)
+    assert "not a near-tie" in v.summary and v.comparisons["near_tie"]["near_tie"] is False
+
+
+def test_a_near_tie_followed_by_an_implausible_stream_is_not_excused(policy):
+    at_n = CODES.copy()
+    at_n[10:, 0] += 1
+    cand_s = scores({(10, 0): 1, (20, 0): 300}, {(10, 0): 0.004, (20, 0): 3.0})
+    v = classify(evidence(at_n, CODES, cand_s, scores()), policy)
+    assert v.verdict == "talker_defect"
+    assert v.comparisons["near_tie"]["near_tie"] is False
+    assert "implausible after it" in v.comparisons["near_tie"]["why"]
+
+
+def test_without_scores_a_flip_stays_a_concurrency_defect_and_the_report_says_so(policy):
+    at_n = CODES.copy()
+    at_n[10:, 0] += 1
+    v = classify(evidence(at_n, CODES), policy)
+    assert v.verdict == "concurrency_defect"
+    assert "no teacher-forced scores: the talker stage not judged" in v.notes
+
+
+def test_a_stop_qwen_tts_would_not_make_fails(policy):
+    eos = {"rank": 40, "logprob": -6.0, "top1": 7, "top1_logprob": -2.0, "margin": 0.1, "in_support": False}
+    v = classify(evidence(cand_scores=scores(eos=eos)), policy)
+    assert v.verdict == "talker_defect" and f"stops after {T} frames where qwen-tts ranks the stop 40" in v.summary
+
+
+def test_policy_forced_section_is_validated(tmp_path):
+    base = yaml.safe_load(DEFAULT_POLICY.read_text())
+    assert load_policy().forced == forced.ForcedPolicy(**base["forced"])
+    for key, value, problem in (("max_rankk", 3, "unknown key"), ("max_rank", 2.5, "expected an integer"),
+                                ("min_top1_share", 1.5, "out of range"), ("max_gap", "big", "expected a number"),
+                                ("near_tie_top_k", 0, "out of range")):
+        p = tmp_path / f"{key}.yaml"
+        p.write_text(yaml.safe_dump({**base, "forced": {**base["forced"], key: value}}))
+        with pytest.raises(BadInput, match=f"forced.{key}: {problem}" if problem != "unknown key" else problem):
+            load_policy(p)
+    lax = tmp_path / "lax.yaml"
+    lax.write_text(yaml.safe_dump({**base, "forced": {"max_rank": 50}}))
+    assert load_policy(lax).forced.max_rank == 50 and load_policy(lax).forced.max_gap == base["forced"]["max_gap"]
+
+
+def test_score_files_round_trip_and_damage_is_refused(tmp_path):
+    sf = scores({(3, 4): 2}, {(3, 4): 0.1})
+    side = write_scores(tmp_path / "a.x", sf)
+    back = read_scores(side)
+    assert back.arrays["rank"][3, 4] == 2 and back.gap[3, 4] == pytest.approx(0.1)
+    npz = tmp_path / "a.x.npz"
+    npz.write_bytes(npz.read_bytes()[:-10])
+    with pytest.raises(CorruptResult, match="does not match its sidecar"):
+        read_scores(side)
+
+
+def _drawn(rng, logits, temperature, frames=40, settings=None):
+    """A score file for tokens drawn from softmax(logits / temperature), judged under temperature 1:
+    what the scorer writes for a candidate that samples at `temperature` where 1 was asked."""
+    V = len(logits)
+    p_true = np.exp(logits - logits.max())
+    p_true /= p_true.sum()
+    q = np.exp(logits / temperature - (logits / temperature).max())
+    q /= q.sum()
+    lp = np.log(p_true)
+    shape = (frames, 16)
+    tok = rng.choice(V, size=shape, p=q)
+    expected = float((p_true * lp).sum())
+    var = float((p_true * lp * lp).sum() - expected ** 2)
+    sf = scores(settings=settings or {"do_sample": True, "subtalker_dosample": True}, codes=np.zeros(shape, np.int64))
+    sf.arrays.update(sample_logprob=lp[tok].astype(np.float32),
+                     expected_logprob=np.full(shape, expected, np.float32), logprob_var=np.full(shape, var, np.float32))
+    return sf
+
+
+def test_the_sampling_test_is_calibrated_and_sees_too_hot_and_too_cold():
+    from difftest.verdicts import sampling
+
+    rng = np.random.default_rng(0)
+    logits = rng.normal(0, 1.0, 64)
+    stats = [sampling.statistic([_drawn(rng, logits, 1.0)]) for _ in range(200)]
+    for part in ("talker", "code_predictor"):
+        zs = [s["parts"][part]["z"] for s in stats]
+        assert abs(np.mean(zs)) < 0.25 and 0.8 < np.std(zs) < 1.2, part  # standard normal under the null
+    assert sum(abs(s["z"]) > 4 for s in stats) == 0  # the worse of the two parts
+    hot = sampling.statistic([_drawn(rng, logits, 1.6)])
+    cold = sampling.statistic([_drawn(rng, logits, 0.6)])
+    assert hot["z"] < -4 < 4 < cold["z"]
+    ref = {"a": _drawn(rng, logits, 1.0)}
+    verdict = sampling.judge({"candidate": {"a": _drawn(rng, logits, 1.6)}, "reference": ref}, 4.0)
+    assert verdict["verdict"] == "sampling_defect" and "less likely than qwen-tts's own sampling" in verdict["summary"]
+    assert sampling.judge({"candidate": {"a": _drawn(rng, logits, 1.0)}, "reference": ref}, 4.0)["verdict"] == "pass"
+
+
+def test_an_uncalibrated_sampling_test_fails_nothing_and_says_so():
+    from difftest.verdicts import sampling
+
+    rng = np.random.default_rng(1)
+    logits = rng.normal(0, 1.0, 64)
+    v = sampling.judge({"candidate": {"a": _drawn(rng, logits, 1.6)}, "reference": {"a": _drawn(rng, logits, 1.6)}}, 4.0)
+    assert v["verdict"] == "pass" and v["calibrated"] is False and "not calibrated" in v["summary"]
+
+
+def test_greedy_streams_give_no_sampling_test():
+    from difftest.verdicts import sampling
+
+    assert sampling.judge({"candidate": {"a": scores()}}, 4.0) is None
+
+
+def test_a_run_level_sampling_defect_fails_the_run(policy):
+    from difftest.records.report import build_report
+
+    v = classify(evidence(), policy)
+    ok = build_report([v], policy, sampling=None)
+    assert ok["verdict"] == "pass" and ok["sampling"] is None
+    bad = build_report([v], policy, sampling={"verdict": "sampling_defect", "summary": "z = -9"})
+    assert (bad["verdict"], bad["exit_code"]) == ("fail", 1)
