@@ -25,11 +25,13 @@ FORMAT = "difftest.score/1"
 # sample_logprob, expected_logprob, logprob_var: under the distribution decoding draws from (truncated to
 # the support, renormalised): the token's log-probability, its expectation (minus the entropy) and its
 # variance there; 0 at greedy positions. Their sums make the sampling test (difftest/verdicts/sampling.py).
+# support_gap: how far (nats) a sampled token outside the support lies below the support's least likely
+# token (0 inside, and at greedy positions): a bf16 engine's top-k boundary differs by near-ties.
 FIELDS = ("logprob", "rank", "top1", "top1_logprob", "margin", "in_support",
-          "sample_logprob", "expected_logprob", "logprob_var")
+          "sample_logprob", "expected_logprob", "logprob_var", "support_gap")
 DTYPES = {"logprob": np.float32, "rank": np.int64, "top1": np.int64, "top1_logprob": np.float32,
           "margin": np.float32, "in_support": np.bool_, "sample_logprob": np.float32,
-          "expected_logprob": np.float32, "logprob_var": np.float32}
+          "expected_logprob": np.float32, "logprob_var": np.float32, "support_gap": np.float32}
 
 
 @dataclass

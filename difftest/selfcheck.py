@@ -58,6 +58,7 @@ CHECKS = (
     # (temperature-ignored is not here: on the tiny checkpoint's flat logits it moves z to about -2.5 only;
     # docs/verdicts.md, blind spots.)
     Check("top-k-narrowed", "top-k-narrowed", "sampled", frozenset({"sampling_defect"}), False, True),
+    Check("top-k-ignored", "top-k-ignored", "sampled", frozenset({"talker_defect"}), False, True),
 )
 DEFECTS = tuple(c.defect for c in CHECKS if c.defect)
 

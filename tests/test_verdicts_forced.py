@@ -32,7 +32,8 @@ def scores(ranks=None, gaps=None, settings=GREEDY, support=None, eos=None, codes
               "margin": np.full(rank.shape, 0.01, np.float32),
               "in_support": np.ones(rank.shape, bool) if support is None else support,
               "sample_logprob": np.zeros(rank.shape, np.float32), "expected_logprob": np.zeros(rank.shape, np.float32),
-              "logprob_var": np.zeros(rank.shape, np.float32)}
+              "logprob_var": np.zeros(rank.shape, np.float32),
+              "support_gap": np.where(np.ones(rank.shape, bool) if support is None else support, 0.0, 1.0).astype(np.float32)}
     return ScoreFile("a", "h" * 16, arrays, eos, dict(settings), {"ref_codes": "given", "frames": 12})
 
 
@@ -84,6 +85,10 @@ def test_sampled_decoding_fails_only_outside_the_support(policy):
     v = classify(evidence(cand_scores=scores({(9, 0): 60}, settings=sampled, support=support)), policy)
     assert (v.verdict, v.first_divergent_frame) == ("talker_defect", 9)
     assert "1 tokens outside qwen-tts's sampling support, the first at frame 9 codebook 0" in v.summary
+    # just outside, by a boundary near-tie (a bf16 engine's k-th token): not a defect
+    near = scores({(9, 0): 50}, settings=sampled, support=support)
+    near.arrays["support_gap"][9, 0] = 0.05
+    assert classify(evidence(cand_scores=near), policy).verdict == "identical"
     # the greedy code predictor inside a sampled run is still judged greedily
     v = classify(evidence(cand_scores=scores({(4, 2): 90}, {(4, 2): 3.0}, settings=sampled)), policy)
     assert (v.verdict, v.first_divergent_frame) == ("talker_defect", 4)

@@ -76,6 +76,9 @@ reports what the request asked for, so only teacher forcing can see them:
   defaults). A sampled request's talker draws at temperature 1.5, its top-k kept:
   every token stays inside the support, only the suite's likelihood shows it.
   Sampled requests only. Acts in: engine._generate_kwargs.
+- `top-k-ignored` (sampling looser than asked). A sampled request's talker draws
+  from the whole codebook, not its top-k. Sampled requests only.
+  Acts in: engine._generate_kwargs.
 - `top-k-narrowed` (sampling tighter than asked). A sampled request's talker
   draws from its top 5 instead of the top-k asked. Sampled requests only.
   Acts in: engine._generate_kwargs.
@@ -149,6 +152,11 @@ DEFECTS: dict[str, dict] = {
     "temperature-ignored": {
         "family": ["per-request sampling parameters dropped"],
         "summary": "a sampled request's talker draws at temperature 1.5 (top-k kept)",
+        "concurrency_only": False, "talker": True,
+    },
+    "top-k-ignored": {
+        "family": ["per-request sampling parameters dropped"],
+        "summary": "a sampled request's talker draws from the whole codebook (no top-k)",
         "concurrency_only": False, "talker": True,
     },
     "top-k-narrowed": {

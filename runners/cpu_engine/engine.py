@@ -152,6 +152,8 @@ class BatchEngine:
                 kw["temperature"] = defects.HOT_TEMPERATURE
             elif self.defect == "top-k-narrowed":
                 kw["top_k"] = defects.NARROW_TOP_K
+            elif self.defect == "top-k-ignored":
+                kw["top_k"] = 0
         elif self.defect == "sampled-greedy":
             kw.update(do_sample=True, temperature=0.9, top_k=50, top_p=1.0)
         if self.defect == "streaming-layout":

@@ -36,7 +36,7 @@ import numpy as np
 from difftest.scores import DTYPES, FIELDS
 
 # Bump when scoring changes what it writes for the same inputs: cached scores are keyed by it.
-VERSION = 2  # 2: the sampling distribution's log-probability, expectation and variance
+VERSION = 3  # 2: the sampling distribution's log-probability, expectation and variance; 3: support_gap
 
 
 class Captured(Exception):
@@ -142,12 +142,14 @@ def _rows(scores, logp, support, forced, sampling: bool, torch) -> dict:
         expected = (pt * lt0).sum(-1)
         var = ((pt * lt0 * lt0).sum(-1) - expected * expected).clamp_min(0.0)
         sample_lp = torch.where(inside, lt.gather(-1, idx).squeeze(-1), torch.full_like(zeros, OUTSIDE))
+        boundary = logp.masked_fill(~support, float("inf")).min(dim=-1).values
+        support_gap = (boundary - lp_forced).clamp_min(0.0).masked_fill(inside, 0.0)
     else:
-        expected = var = sample_lp = zeros
+        expected = var = sample_lp = support_gap = zeros
     return {"logprob": lp_forced.numpy(), "rank": rank.numpy(), "top1": top2.indices[:, 0].numpy(),
             "top1_logprob": top2.values[:, 0].numpy(), "margin": (top2.values[:, 0] - top2.values[:, 1]).numpy(),
             "in_support": inside.numpy(), "sample_logprob": sample_lp.numpy(), "expected_logprob": expected.numpy(),
-            "logprob_var": var.numpy()}
+            "logprob_var": var.numpy(), "support_gap": support_gap.numpy()}
 
 
 def score_stream(tts, kwargs: dict, codes: np.ndarray, ended_by_eos: bool) -> Scores:
