@@ -434,6 +434,41 @@ def donor(run, seg: dict) -> dict:
     return out
 
 
+def forced_plot(seg: dict, max_gap: float | None) -> dict | None:
+    """The teacher-forced trace as a plot: per frame, how many nats the candidate's token lies below
+    qwen-tts's top-1 (codebook 0, and the worst of codebooks 1-15), the policy's line, the first
+    divergent frame marked. None when the segment was not scored."""
+    tr = ((seg.get("comparisons") or {}).get("forced") or {}).get("trace")
+    if not isinstance(tr, dict) or not tr.get("gap_codebook0"):
+        return None
+    g0, g1 = tr["gap_codebook0"], tr.get("gap_codebooks_1_15") or []
+    start, n = int(tr.get("start") or 0), len(g0)
+    left, top, height, step = 46, 12, 120, max(4.0, min(14.0, 560 / max(n, 1)))
+    width = int(left + step * n + 20)
+    top_value = max([*g0, *g1, max_gap or 0, 0.1]) * 1.1
+
+    def y(v):
+        return top + (1 - min(v, top_value) / top_value) * height
+
+    def x(i):
+        return left + step * i + step / 2
+
+    lines = [{"points": " ".join(f"{x(i):.1f},{y(v):.1f}" for i, v in enumerate(vals)), "colour": colour, "label": label}
+             for vals, colour, label in ((g0, "#6a1b9a", "codebook 0 (talker)"), (g1, "#ef6c00", "worst of codebooks 1-15"))
+             if vals]
+    frame = seg.get("first_divergent_frame")
+    mark = None
+    if frame is not None and start <= frame < start + n:
+        mark = {"x": f"{x(frame - start):.1f}", "label": f"frame {frame}"}
+    ticks = [{"x": f"{x(i):.1f}", "label": str(start + i)} for i in range(0, n, max(1, n // 8))]
+    ranks = tr.get("rank_codebook0") or []
+    return {"width": width, "height": top + height + 30, "label_y": top + height + 16, "lines": lines, "mark": mark,
+            "ticks": ticks, "threshold": None if max_gap is None else {"y": f"{y(max_gap):.1f}", "label": f"{max_gap:g}"},
+            "grid": [{"y": f"{y(v):.1f}", "label": f"{v:.2g}"} for v in (0, top_value / 1.1)],
+            "x1": left, "x2": width - 10, "worst_rank": max(ranks) if ranks else None,
+            "summary": (seg["comparisons"]["forced"].get("decoding"), seg["comparisons"]["forced"].get("top1_share"))}
+
+
 def segment_page(run, index: int, seg: dict, ctx: Context) -> str:
     root = "../../"
     media = run.media.get(seg["id"]) or {}
@@ -459,6 +494,7 @@ def segment_page(run, index: int, seg: dict, ctx: Context) -> str:
                    players=players, chunks=per_chunk(seg), close=model.close_logmel(run.report),
                    specdiff=href(*media["specdiff"].split("/")) if media.get("specdiff") else None,
                    codes=codes_at_divergence(seg), codes_note=codes_agree_note(seg), donor=donor(run, seg),
+                   forced=forced_plot(seg, ((run.report.get("policy") or {}).get("forced") or {}).get("max_gap")),
                    ml=mlflow_url(ctx, run.experiment_id, run.run_id),
                    ml_child=mlflow_url(ctx, run.experiment_id, run.children[seg["id"]])
                    if seg["id"] in run.children else None)

@@ -725,3 +725,32 @@ def test_candidate_lines_from_the_tags_difftest_logs():
                                         failing=[], line=controls["cpu-engine:ref-leak"], suite_hash="h")
     ch = model.changes([R("a", 1, "fail"), R("b", 2, "pass"), R("c", 3, "fail")])
     assert (ch["a"].kind, ch["b"].kind, ch["c"].kind) == (None, "regressed", "fixed")
+
+
+def test_the_segment_page_plots_the_teacher_forced_trace():
+    """The trace in report.json becomes a plot: one point per frame for codebook 0 and for the worst of
+    codebooks 1-15, the policy's max_gap as a dashed line, the first divergent frame marked."""
+    import re
+
+    from dashboards import pages
+    from dashboards.gather import Run
+
+    trace = {"start": 10, "end": 16, "rank_codebook0": [0, 0, 3, 400, 0, 1],
+             "gap_codebook0": [0, 0, 0.1, 2.5, 0, 0.01], "rank_codebooks_1_15": [0, 1, 0, 2, 0, 0],
+             "gap_codebooks_1_15": [0, 0.02, 0, 0.3, 0, 0]}
+    seg = {"id": "a", "verdict": "talker_defect", "stage": "talker", "first_divergent_chunk": 0,
+           "first_divergent_frame": 13, "notes": [], "summary": "teacher-forced ...",
+           "comparisons": {"forced": {"decoding": "greedy", "top1_share": 0.5, "trace": trace}}}
+    report = {"verdict": "fail", "segments": [seg], "failing": ["a"], "warnings": [],
+              "policy": {"forced": {"max_gap": 0.25}}}
+    run = Run("r1", "1", "difftest/toy", "n", 0, {"verdict": "fail"}, {}, report, "report.json", media={})
+    page = pages.segment_page(run, 0, seg, pages.Context(ui_url="http://x", uri="u", built="now"))
+    lines = re.findall(r'<polyline points="([^"]+)"', page)
+    assert len(lines) == 2 and all(len(p.split()) == 6 for p in lines)
+    ys = [float(pt.split(",")[1]) for pt in lines[0].split()]
+    assert ys.index(min(ys)) == 3  # the 2.5-nat frame is the highest point
+    assert 'class="threshold"' in page and "policy max_gap 0.25" in page
+    assert 'class="divergence"' in page and ">frame 13<" in page
+    assert "codebook-0 top-1 at 50% of frames; worst codebook-0 rank shown 400" in page
+    del seg["comparisons"]["forced"]
+    assert "Not scored" in pages.segment_page(run, 0, seg, pages.Context(ui_url="http://x", uri="u", built="now"))

@@ -224,3 +224,17 @@ def test_a_run_level_sampling_defect_fails_the_run(policy):
     assert ok["verdict"] == "pass" and ok["sampling"] is None
     bad = build_report([v], policy, sampling={"verdict": "sampling_defect", "summary": "z = -9"})
     assert (bad["verdict"], bad["exit_code"]) == ("fail", 1)
+
+
+def test_the_trace_reaches_the_report_and_mlflow_by_frame(policy):
+    from difftest.records.mlflow_records import segment_metrics
+
+    long_codes = toy_codes(200, 1)
+    sf = scores({(150, 0): 400}, {(150, 0): 2.5}, codes=long_codes)
+    v = classify(evidence(long_codes, cand_scores=sf, ref_codes=long_codes), policy)
+    tr = v.comparisons["forced"]["trace"]
+    assert (tr["start"], tr["end"]) == (130, 190)  # 20 frames before the first implausible one, 40 after
+    assert tr["rank_codebook0"][150 - 130] == 400 and tr["gap_codebook0"][20] == 2.5
+    metrics = {(n, step): x for n, x, step in segment_metrics(v.to_json())}
+    assert metrics[("forced.rank_codebook0", 150)] == 400 and metrics[("forced.gap_codebook0", 149)] == 0
+    assert ("forced.rank_codebook0", 129) not in metrics

@@ -125,3 +125,26 @@ def near_tie(sf_a: ScoreFile, sf_b: ScoreFile, at: tuple[int, int], p: ForcedPol
                   margin=round(float(sf_a.arrays["margin"][f, c]), 5))
     ok = max(ranks) < p.near_tie_top_k and max(gaps) <= p.near_tie_max_gap
     return ok, detail
+
+
+TRACE_BEFORE, TRACE_AFTER, TRACE_WHOLE = 20, 40, 80
+
+
+def trace(sf: ScoreFile, center: int | None) -> dict:
+    """Per-frame series for the report, MLflow (step = frame) and the segment page: the whole stream when
+    it is short, else a window around `center` (the first implausible or divergent frame)."""
+    T = sf.frames
+    if T <= TRACE_WHOLE or center is None:
+        start, end = 0, min(T, TRACE_WHOLE)
+    else:
+        start = max(0, min(center - TRACE_BEFORE, T - TRACE_BEFORE - TRACE_AFTER))
+        end = min(T, start + TRACE_BEFORE + TRACE_AFTER)
+    rank, gap = sf.arrays["rank"][start:end], sf.gap[start:end]
+    out = {"start": start, "end": end,
+           "rank_codebook0": [int(x) for x in rank[:, 0]],
+           "gap_codebook0": [round(float(x), 4) for x in gap[:, 0]],
+           "rank_codebooks_1_15": [int(x) for x in rank[:, 1:].max(axis=1)],
+           "gap_codebooks_1_15": [round(float(x), 4) for x in gap[:, 1:].max(axis=1)]}
+    if sampled(sf):
+        out["outside_support"] = [int(x) for x in (~sf.arrays["in_support"][start:end]).sum(axis=1)]
+    return out

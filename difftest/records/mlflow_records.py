@@ -221,7 +221,8 @@ def finite(name: str, value) -> float | None:
 def segment_metrics(seg: dict) -> list[tuple[str, float, int]]:
     """(name, value, step) with step = chunk index: `<comparison>.<metric>` for every per-chunk
     list in the segment's comparisons (max_abs, rms, snr_db, logmel, chunk_agreement), the tier
-    index per chunk as `<comparison>.tier`, and `bit_exact` (1 for an identical segment)."""
+    index per chunk as `<comparison>.tier`, and `bit_exact` (1 for an identical segment); and with
+    step = frame, the teacher-forced trace (`forced.rank_codebook0`, `forced.gap_codebook0`, ...)."""
     out = [("bit_exact", 1.0 if seg.get("verdict") == "identical" else 0.0, 0)]
     for comp, body in sorted((seg.get("comparisons") or {}).items()):
         if not isinstance(body, dict):
@@ -232,11 +233,15 @@ def segment_metrics(seg: dict) -> list[tuple[str, float, int]]:
             series["chunk_agreement"] = body["chunk_agreement"]
         if isinstance(body.get("tiers"), list):
             series["tier"] = [TIERS.index(t) if t in TIERS else None for t in body["tiers"]]
+        offset = 0
+        if comp == "forced" and isinstance(body.get("trace"), dict):  # per frame, not per chunk: step = frame
+            series = {k: v for k, v in body["trace"].items() if isinstance(v, list)}
+            offset = int(body["trace"].get("start") or 0)
         for metric, values in sorted(series.items()):
             if not isinstance(values, list):
                 continue
             name = _key(f"{comp}.{metric}")
-            for step, x in enumerate(values):
+            for step, x in enumerate(values, start=offset):
                 v = finite(name, x)
                 if v is not None:
                     out.append((name, v, step))

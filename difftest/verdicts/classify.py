@@ -464,6 +464,8 @@ def _forced_findings(ev: Evidence, policy: Policy, comps: dict) -> list[_Finding
         return []
     comps["forced"] = forced.summary(sf)
     bad = forced.implausible(sf, policy.forced)
+    at = forced.first_difference(ev.reference.codes, ev.candidate.codes) if ev.reference is not None else None
+    comps["forced"]["trace"] = forced.trace(sf, bad.frame if bad is not None else at[0] if at else None)
     if bad is None:
         return []
     return [_Finding("talker_defect", f"teacher-forced under qwen-tts, the candidate's codes are not what its talker "
