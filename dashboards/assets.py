@@ -10,7 +10,7 @@ from difftest.verdicts.policy import TIERS
 VERDICT_COLOURS = {
     "identical": "#2e7d32", "numeric_drift": "#7cb342", "code_divergence": "#f9a825",
     "audio_divergence": "#ffb300", "length_mismatch": "#ef6c00", "concurrency_defect": "#d84315",
-    "vocoder_defect": "#ad1457", "talker_defect": "#6a1b9a", "sampling_defect": "#4a148c", "history_defect": "#e65100", "handoff_defect": "#b71c1c", "contamination": "#c62828",
+    "vocoder_defect": "#ad1457", "talker_defect": "#6a1b9a", "sampling_defect": "#4a148c", "reference_encoder_defect": "#880e4f", "history_defect": "#e65100", "handoff_defect": "#b71c1c", "contamination": "#c62828",
     "error": "#37474f",
 }
 RUN_COLOURS = {"pass": "#2e7d32", "fail": "#c62828", "error": "#37474f"}

@@ -12,7 +12,7 @@ from difftest.verdicts.policy import TIERS
 
 CLEAN = ("identical", "numeric_drift")
 DEFAULT_FAIL_ON = ("concurrency_defect", "history_defect", "vocoder_defect", "contamination", "handoff_defect", "talker_defect",
-                   "sampling_defect", "length_mismatch", "error")
+                   "reference_encoder_defect", "sampling_defect", "length_mismatch", "error")
 # report.json `comparisons` with per-chunk audio tiers and metrics; with per-chunk code agreement
 AUDIO_COMPARISONS = ("audio", "concurrency", "vocoder")
 CODE_COMPARISONS = ("codes", "concurrency_codes")

@@ -28,7 +28,8 @@ SEGMENT_ROLES = (  # audio role -> (title, what it is)
     ("difference", "difference", "candidate minus reference, sample by sample"),
 )
 # where_groups: the most serious first
-SERIOUSNESS = ("error", "contamination", "handoff_defect", "talker_defect", "vocoder_defect", "concurrency_defect",
+SERIOUSNESS = ("error", "contamination", "handoff_defect", "talker_defect", "reference_encoder_defect", "vocoder_defect",
+               "concurrency_defect",
                "history_defect", "length_mismatch", "code_divergence", "audio_divergence")
 TIER_CELL_COLOURS = ("#c8e6c9", "#dcedc8", "#fff9c4", "#ffcdd2")  # the per-chunk table, by tier
 

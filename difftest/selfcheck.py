@@ -59,6 +59,8 @@ CHECKS = (
     # docs/verdicts.md, blind spots.)
     Check("top-k-narrowed", "top-k-narrowed", "sampled", frozenset({"sampling_defect"}), False, True),
     Check("top-k-ignored", "top-k-ignored", "sampled", frozenset({"talker_defect"}), False, True),
+    # a consistently wrong reference encoder: only qwen-tts's encoder of the same voice shows it
+    Check("ref-audio-rate", "ref-audio-rate", "greedy", frozenset({"reference_encoder_defect"}), False, True),
 )
 DEFECTS = tuple(c.defect for c in CHECKS if c.defect)
 

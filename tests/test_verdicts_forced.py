@@ -238,3 +238,34 @@ def test_the_trace_reaches_the_report_and_mlflow_by_frame(policy):
     metrics = {(n, step): x for n, x, step in segment_metrics(v.to_json())}
     assert metrics[("forced.rank_codebook0", 150)] == 400 and metrics[("forced.gap_codebook0", 149)] == 0
     assert ("forced.rank_codebook0", 129) not in metrics
+
+
+def test_reference_codes_far_from_qwen_tts_encoder_are_a_reference_encoder_defect(policy):
+    mine = REF.copy()
+    mine[:, 8:] += 1  # half the codebooks of every frame moved: 50% agree, the policy's floor
+    rng = np.random.default_rng(0)
+
+    def judged(ref_codes):
+        e = evidence()
+        e.candidate = toy_result("a", CODES, ref_codes)
+        e.cross_own = toy_result("a", CODES, ref_codes)
+        return classify(e, policy)
+
+    v = judged(mine)
+    assert v.verdict == "code_divergence" and v.comparisons["codes"]["ref_codes_agreement"] == 0.5
+    other_voice = rng.integers(0, 2048, REF.shape)
+    v = judged(other_voice)
+    assert (v.verdict, v.stage) == ("reference_encoder_defect", "reference_encoder") and policy.fails(v.verdict)
+    assert "of their entries agree with qwen-tts's (policy: 50%)" in v.summary
+    assert "the reference codes the vocoder got (no talker stage captured" in v.summary
+    v = judged(np.concatenate([REF, REF[:3]]))
+    assert v.verdict == "reference_encoder_defect" and "15 frames where qwen-tts's encoder makes 12" in v.summary
+
+
+def test_policy_reference_encoder_section_is_validated(tmp_path):
+    base = yaml.safe_load(DEFAULT_POLICY.read_text())
+    assert load_policy().encoder_min_agreement == base["reference_encoder"]["min_agreement"] == 0.5
+    p = tmp_path / "p.yaml"
+    p.write_text(yaml.safe_dump({**base, "reference_encoder": {"min_agreement": 2}}))
+    with pytest.raises(BadInput, match="reference_encoder.min_agreement: expected a number in"):
+        load_policy(p)

@@ -31,7 +31,8 @@ from ..results import Result
 from .policy import TIERS, Policy, chunk_tiers
 
 # Most serious first; the verdict is the finding of lowest rank.
-RANK = ("error", "contamination", "handoff_defect", "talker_defect", "vocoder_length", "vocoder_defect",
+RANK = ("error", "contamination", "handoff_defect", "talker_defect", "reference_encoder_defect", "vocoder_length",
+        "vocoder_defect",
         "concurrency_defect", "history_defect",
         "length_mismatch", "code_divergence", "audio_divergence", "numeric_drift", "identical")
 STAGES = ("talker", "reference_encoder", "handoff", "vocoder")
@@ -505,9 +506,7 @@ def _headline_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) ->
         encoded = talker["ref_codes"] if talker is not None else cand.ref_codes  # the encoder's, before the hand-off
         comps["codes"]["ref_codes_equal"] = _same(ref.ref_codes, encoded)
         if not _same(ref.ref_codes, encoded):
-            out.append(_Finding("code_divergence",
-                                f"reference codes differ from qwen-tts's ({len(encoded)} against "
-                                f"{len(ref.ref_codes)} frames)", frame=0, chunk=0, stage="reference_encoder"))
+            out.append(_encoder_finding(ref.ref_codes, encoded, policy, comps, talker is not None))
         if d.length_only:
             out.append(_Finding("length_mismatch",
                                 f"same codes for {min(d.len_a, d.len_b)} frames, then the candidate has "
@@ -548,6 +547,26 @@ def _headline_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) ->
                             f"{'same codes; ' if codes_known else ''}audio within tier {TIERS[audio.worst]} "
                             f"(max |diff| {audio.chunks.max_abs.max():.3g})"))
     return out
+
+
+def _encoder_finding(theirs: np.ndarray, mine: np.ndarray, policy: Policy, comps: dict, at_talker: bool) -> _Finding:
+    """The candidate's reference codes (what its talker was prompted with) against qwen-tts's encoder's
+    for the same voice: numerics move some entries (a bf16 encoder: 78-91% agree, measured), another
+    voice's or another length of audio moves them all."""
+    n = min(len(theirs), len(mine))
+    agree = float((theirs[:n] == mine[:n]).mean()) if n else 0.0
+    comps["codes"]["ref_codes_agreement"] = round(agree, 4)
+    if len(theirs) != len(mine) or agree < policy.encoder_min_agreement:
+        what = (f"{len(mine)} frames where qwen-tts's encoder makes {len(theirs)} of the same voice"
+                if len(theirs) != len(mine) else
+                f"only {agree:.0%} of their entries agree with qwen-tts's (policy: {policy.encoder_min_agreement:.0%})")
+        whose = ("the talker's reference codes" if at_talker else
+                 "the reference codes the vocoder got (no talker stage captured: the encoder or the hand-off)")
+        return _Finding("reference_encoder_defect", f"{whose} are not what the voice encodes to: {what}",
+                        frame=0, chunk=0, stage="reference_encoder")
+    return _Finding("code_divergence", f"reference codes differ from qwen-tts's ({len(mine)} against {len(theirs)} "
+                                       f"frames, {agree:.0%} of entries agree)", frame=0, chunk=0,
+                    stage="reference_encoder")
 
 
 def _ranges(idx) -> str:

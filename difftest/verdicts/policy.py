@@ -19,7 +19,7 @@ TIERS = ("identical", "within_quantisation", "close", "diverged")
 VERDICTS = (
     "identical", "numeric_drift", "code_divergence", "audio_divergence", "length_mismatch",
     "concurrency_defect", "history_defect", "vocoder_defect", "talker_defect", "handoff_defect", "contamination", "error",
-    "sampling_defect",  # run-level only: report.json's `sampling` (difftest/verdicts/sampling.py)
+    "reference_encoder_defect", "sampling_defect",  # run-level only: report.json's `sampling` (difftest/verdicts/sampling.py)
 )
 RUN_VERDICTS = ("pass", "fail", "error")  # a report's overall verdict
 
@@ -39,6 +39,8 @@ class Policy:
     baseline_verdicts: frozenset = frozenset({"pass", "fail"})
     known_failures_fail: bool = False
     forced: ForcedPolicy = ForcedPolicy()  # teacher-forced scoring thresholds
+    # the candidate's reference codes against qwen-tts's: the share of (frame, codebook) entries that must agree
+    encoder_min_agreement: float = 0.5
 
     def tier_index(self, comparison: str) -> int:
         return TIERS.index(self.require[comparison])
@@ -54,6 +56,7 @@ class Policy:
             "fail_on": sorted(self.fail_on),
             "baseline": {"verdicts": sorted(self.baseline_verdicts), "known_failures_fail": self.known_failures_fail},
             "forced": dict(self.forced.__dict__),
+            "reference_encoder": {"min_agreement": self.encoder_min_agreement},
             "source": self.source,
         }
 
@@ -66,6 +69,7 @@ SCHEMA = {
     "fail_on": None,
     "baseline": {"verdicts", "known_failures_fail"},
     "forced": set(ForcedPolicy.__dataclass_fields__),
+    "reference_encoder": {"min_agreement"},
 }
 
 
@@ -143,10 +147,13 @@ def load_policy(path: str | Path | None = None) -> Policy:
         if not math.isfinite(v) or v < 0 or (key.endswith("share") and v > 1) or (key == "near_tie_top_k" and v < 1):
             bad(f"forced.{key}", f"out of range: {v!r}")
         forced[key] = v
+    agreement = (raw.get("reference_encoder") or {}).get("min_agreement", Policy.encoder_min_agreement)
+    if isinstance(agreement, bool) or not isinstance(agreement, (int, float)) or not 0 <= agreement <= 1:
+        bad("reference_encoder.min_agreement", f"expected a number in [0, 1], got {agreement!r}")
     return Policy(vals["quantisation_max_abs"], vals["close_max_abs"], vals["close_snr_db"],
                   vals["close_logmel"], {c: require[c] for c in ("concurrency", "vocoder", "drift")},
                   float(ratio), frozenset(fail_on), str(path), frozenset(run_verdicts), known_fail,
-                  ForcedPolicy(**forced))
+                  ForcedPolicy(**forced), float(agreement))
 
 
 def chunk_tiers(m: ChunkMetrics, policy: Policy, quantised: bool = False) -> np.ndarray:

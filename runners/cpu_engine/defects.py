@@ -72,6 +72,12 @@ reports what the request asked for, so only teacher forcing can see them:
   before the first frame, where streaming was asked, or the reverse). Voice
   clones (custom and designed voices lay the text out alike either way).
   Acts in: engine._generate_kwargs.
+- `ref-audio-rate` (the reference audio's sample rate mistaken before the
+  encoder: 24 kHz samples read as 22.05 kHz, so qwen-tts resamples them and the
+  encoder sees the voice 9% slower). The talker, the capture and the hand-off
+  all carry the encoder's (wrong) codes consistently: only the comparison with
+  qwen-tts's encoder of the same voice sees it. In-context voice clones.
+  Acts in: engine._prompt.
 - `temperature-ignored` (a request's sampling parameters dropped for the deploy's
   defaults). A sampled request's talker draws at temperature 1.5, its top-k kept:
   every token stays inside the support, only the suite's likelihood shows it.
@@ -149,6 +155,11 @@ DEFECTS: dict[str, dict] = {
         "summary": "the prompt laid out in the other streaming mode than asked",
         "concurrency_only": False, "talker": True,
     },
+    "ref-audio-rate": {
+        "family": ["reference audio sample rate mistaken before the encoder"],
+        "summary": "the voice's 24 kHz samples encoded as if 22.05 kHz",
+        "concurrency_only": False, "talker": True,
+    },
     "temperature-ignored": {
         "family": ["per-request sampling parameters dropped"],
         "summary": "a sampled request's talker draws at temperature 1.5 (top-k kept)",
@@ -169,6 +180,7 @@ DEFECTS: dict[str, dict] = {
 TRUNCATED_REF_FRAMES = 2
 HOT_TEMPERATURE = 1.5
 NARROW_TOP_K = 5
+WRONG_RATE = 22050
 PADDED_ROWS = 24
 
 # chunk-boundary: the vocoder's chunked decode, clean and defective.

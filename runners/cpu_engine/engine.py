@@ -134,7 +134,13 @@ class BatchEngine:
         key = (job.voice_sha256, job.ref_text, job.xvector_only)
         item = self._prompts.get(key)
         if item is None:
-            item = tts.create_voice_clone_prompt(ref_audio=str(job.voice_wav), ref_text=job.ref_text,
+            audio = str(job.voice_wav)
+            if self.defect == "ref-audio-rate":
+                from difftest.suites import wavio
+
+                samples, _ = wavio.read(job.voice_wav)
+                audio = (np.asarray(samples, np.float32).reshape(-1), defects.WRONG_RATE)
+            item = tts.create_voice_clone_prompt(ref_audio=audio, ref_text=job.ref_text,
                                                  x_vector_only_mode=job.xvector_only)[0]
             self._prompts[key] = item
             while len(self._prompts) > PROMPT_CACHE_SIZE:
