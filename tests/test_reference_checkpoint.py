@@ -108,3 +108,32 @@ def test_two_builders_of_the_same_folder_take_turns(tiny, tmp_path):
         assert p.returncode == 0, err[-3000:]
     assert _files(tmp_path / "same") == _files(tiny / "base")
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no half build left behind
+
+
+def test_a_listening_build_scales_the_request_inputs_and_nothing_else(tiny, tmp_path):
+    """--listen F: text embeddings, the language and speaker rows, the x-vector projection and both
+    heads scaled by F, everything else the default build's, and the manifest says so (the default
+    manifest carries no such key, so its hash, and every cache keyed by it, stays)."""
+    r = build_checkpoints(tmp_path / "listen", "--type", "base", "--listen", "3")
+    assert r.returncode == 0, r.stderr[-3000:]
+    code = f"""
+import json, torch
+from safetensors.torch import load_file
+a = load_file({str(tiny / 'base' / 'model.safetensors')!r}); b = load_file({str(tmp_path / 'listen' / 'model.safetensors')!r})
+scaled = sorted(k for k in a if not torch.equal(a[k], b[k]))
+emb = 'talker.model.codec_embedding.weight'
+rows = [i for i in range(a[emb].shape[0]) if not torch.equal(a[emb][i], b[emb][i])]
+ok = all(torch.allclose(b[k], 3 * a[k]) for k in scaled if k != emb) and torch.allclose(b[emb][rows], 3 * a[emb][rows])
+print(json.dumps({{"scaled": scaled, "rows": rows, "ok": bool(ok)}}))
+"""
+    p = subprocess.run([str(reference_python()), "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    got = json.loads(p.stdout.strip().splitlines()[-1])
+    assert got["ok"]
+    assert got["rows"] == [2050, 2053, 2054, 2055, 2058, 2061, 2064, 2069, 2070, 2071, 3000, 3001]
+    assert "talker.model.text_embedding.weight" in got["scaled"] and "talker.codec_head.weight" in got["scaled"]
+    assert "speaker_encoder.fc.weight" in got["scaled"]
+    assert all(k.startswith(("talker.model.text_embedding", "talker.model.codec_embedding", "talker.codec_head",
+                             "talker.code_predictor.lm_head", "speaker_encoder.fc")) for k in got["scaled"])
+    assert json.loads((tmp_path / "listen" / "difftest-checkpoint.json").read_text())["listen"] == 3.0
+    assert "listen" not in json.loads((tiny / "base" / "difftest-checkpoint.json").read_text())

@@ -1,7 +1,7 @@
 """Build tiny, seeded, randomly initialised Qwen3-TTS 12 Hz checkpoints.
 
     python -m runners.reference.tiny_checkpoint OUT [--seed 0] [--type base|custom_voice|voice_design|all]
-                                                    [--eos-bias C] [--force]
+                                                    [--eos-bias C] [--listen F] [--force]
 
 `--type all` (the default) writes OUT/base, OUT/custom_voice and OUT/voice_design;
 a single type is written to OUT itself. Each folder loads through the official
@@ -228,7 +228,30 @@ def _write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
 
 
-def _build_into(out: Path, seed: int, model_type: str, eos_bias: float) -> None:
+def make_it_listen_(model, factor: float) -> None:
+    """Scale what carries a request's inputs into the talker by `factor` (text and instruction
+    embeddings, the language and speaker rows of the codec embedding, the x-vector's projection) and
+    sharpen both heads' logits by it. With unit-gain random weights the hidden state is dominated by
+    the codec frames, so changing the language, the speaker or the text's end barely moves the codes
+    (runners/reference/sensitivity.py measures it); here each input weighs as much as a frame.
+    A speaker (one prompt row of its own) is not helped: the per-position norms undo its scale."""
+    import torch
+
+    talker = model.talker
+    with torch.no_grad():
+        talker.model.text_embedding.weight.mul_(factor)
+        talker.model.codec_embedding.weight[sorted({*LANGUAGE_IDS.values(), *SPEAKERS.values()})] *= factor
+        talker.codec_head.weight.mul_(factor)
+        for head in talker.code_predictor.lm_head:
+            head.weight.mul_(factor)
+        encoder = getattr(model, "speaker_encoder", None)
+        if encoder is not None:
+            encoder.fc.weight.mul_(factor)
+            if encoder.fc.bias is not None:
+                encoder.fc.bias.mul_(factor)
+
+
+def _build_into(out: Path, seed: int, model_type: str, eos_bias: float, listen: float = 0.0) -> None:
     from runners.reference.environment import import_qwen_tts
 
     import_qwen_tts()
@@ -252,6 +275,8 @@ def _build_into(out: Path, seed: int, model_type: str, eos_bias: float) -> None:
         u = torch.randn(model.talker.codec_head.weight.shape[1], generator=torch.Generator().manual_seed(seed + 3))
         with torch.no_grad():
             model.talker.codec_head.weight[CODEC_SPECIAL_IDS["codec_eos_token_id"]] = eos_bias * u / u.norm()
+    if listen:
+        make_it_listen_(model, listen)
     model.save_pretrained(str(out))
     _write_json(out / "config.json", {**config, **stamp})
     _write_json(out / "generation_config.json", GENERATION_DEFAULTS)
@@ -275,42 +300,45 @@ def _make_readable(folder: Path) -> None:
             os.chmod(os.path.join(root, name), 0o644)
 
 
-def _parameters(seed: int, model_type: str, eos_bias: float) -> dict:
-    return {"format": MANIFEST_FORMAT, "builder": BUILDER, "builder_version": BUILDER_VERSION,
-            "seed": seed, "type": model_type, "eos_bias": float(eos_bias)}
+def _parameters(seed: int, model_type: str, eos_bias: float, listen: float = 0.0) -> dict:
+    params = {"format": MANIFEST_FORMAT, "builder": BUILDER, "builder_version": BUILDER_VERSION,
+              "seed": seed, "type": model_type, "eos_bias": float(eos_bias)}
+    if listen:  # recorded only when used: the default build's manifest (and so its hash) stays as it was
+        params["listen"] = float(listen)
+    return params
 
 
-def built_as(folder: Path, seed: int, model_type: str, eos_bias: float) -> bool:
+def built_as(folder: Path, seed: int, model_type: str, eos_bias: float, listen: float = 0.0) -> bool:
     """True when `folder` holds an intact build with exactly these parameters."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    params = _parameters(seed, model_type, eos_bias)
-    if any(manifest.get(k) != v for k, v in params.items()):
+    params = _parameters(seed, model_type, eos_bias, listen)
+    if any(manifest.get(k) != v for k, v in params.items()) or manifest.get("listen") != params.get("listen"):
         return False
     return manifest.get("files") == hash_files(folder)
 
 
 def build(out: str | Path, seed: int = 0, model_type: str = "base", eos_bias: float = 0.0,
-          force: bool = False) -> Path:
+          force: bool = False, listen: float = 0.0) -> Path:
     """Build one checkpoint into `out` (atomically: a crash leaves no half folder; concurrent
     builders of the same folder take turns under a lock file beside it)."""
     if model_type not in MODEL_TYPES:
         raise ValueError(f"unknown model type {model_type!r} (known: {', '.join(MODEL_TYPES)})")
     out = Path(out).resolve()
-    if built_as(out, seed, model_type, eos_bias):
+    if built_as(out, seed, model_type, eos_bias, listen):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     # Two runs starting on an empty store build the same folder: the second waits, then finds it built.
     with open(out.parent / f".{out.name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if built_as(out, seed, model_type, eos_bias):
+        if built_as(out, seed, model_type, eos_bias, listen):
             return out
-        return _build_locked(out, seed, model_type, eos_bias, force)
+        return _build_locked(out, seed, model_type, eos_bias, force, listen)
 
 
-def _build_locked(out: Path, seed: int, model_type: str, eos_bias: float, force: bool) -> Path:
+def _build_locked(out: Path, seed: int, model_type: str, eos_bias: float, force: bool, listen: float = 0.0) -> Path:
     import importlib.metadata as md
 
     if out.exists() and not force:
@@ -323,10 +351,10 @@ def _build_locked(out: Path, seed: int, model_type: str, eos_bias: float, force:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the gain calibration runs a forward pass: keep its float sums fixed
     try:
-        _build_into(tmp, seed, model_type, eos_bias)
+        _build_into(tmp, seed, model_type, eos_bias, listen)
         versions = {p: md.version(p) for p in ("qwen-tts", "transformers", "torch")}
         files = hash_files(tmp)
-        _write_json(tmp / MANIFEST, {**_parameters(seed, model_type, eos_bias), "built_with": versions,
+        _write_json(tmp / MANIFEST, {**_parameters(seed, model_type, eos_bias, listen), "built_with": versions,
                                      "files": files})
         _make_readable(tmp)
         if out.exists():
@@ -339,10 +367,10 @@ def _build_locked(out: Path, seed: int, model_type: str, eos_bias: float, force:
 
 
 def build_set(out: str | Path, seed: int = 0, types=MODEL_TYPES, eos_bias: float = 0.0,
-              force: bool = False) -> dict[str, Path]:
+              force: bool = False, listen: float = 0.0) -> dict[str, Path]:
     """One checkpoint per type in OUT/<type>."""
     out = Path(out)
-    return {t: build(out / t, seed, t, eos_bias, force) for t in types}
+    return {t: build(out / t, seed, t, eos_bias, force, listen) for t in types}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -353,13 +381,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--type", default="all", choices=(*MODEL_TYPES, "all"))
     ap.add_argument("--eos-bias", type=float, default=0.0,
                     help="norm of codec_head's EOS row (0: keep it random; ~3 makes utterances stop early)")
+    ap.add_argument("--listen", type=float, default=0.0,
+                    help="scale the inputs a request carries (text, language, speaker) and the heads' logits by F "
+                         "(0: off, the default build); runners.reference.sensitivity measures the effect")
     ap.add_argument("--force", action="store_true", help="replace an existing folder built differently")
     a = ap.parse_args(argv)
     try:
         if a.type == "all":
-            built = build_set(a.out, a.seed, MODEL_TYPES, a.eos_bias, a.force)
+            built = build_set(a.out, a.seed, MODEL_TYPES, a.eos_bias, a.force, a.listen)
         else:
-            built = {a.type: build(a.out, a.seed, a.type, a.eos_bias, a.force)}
+            built = {a.type: build(a.out, a.seed, a.type, a.eos_bias, a.force, a.listen)}
     except FileExistsError as e:
         print(f"tiny_checkpoint: {e}", file=sys.stderr)
         return 2
