@@ -9,8 +9,8 @@ from toy import toy_codes, toy_result
 
 from difftest.compare import forced
 from difftest.errors import BadInput
-from difftest.scores import ScoreFile, read_scores, write_scores
 from difftest.results import CorruptResult
+from difftest.scores import ScoreFile, read_scores, write_scores
 from difftest.verdicts.classify import Evidence, classify
 from difftest.verdicts.policy import DEFAULT_POLICY, load_policy
 

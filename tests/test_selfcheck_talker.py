@@ -1,0 +1,38 @@
+"""`difftest selfcheck` for the defects only teacher forcing and the encoder check can see: the CPU
+test engine's talker and encoder defects at concurrency 1, real qwen-tts (a file of its own, so a
+second test worker can take it while test_selfcheck.py runs)."""
+
+import json
+import subprocess
+import sys
+
+from reference_support import reference_python
+
+
+def test_selfcheck_catches_talker_defects_at_concurrency_1_by_teacher_forcing(tmp_path):
+    """Three talker defects and an encoder defect the capture cannot see (it reports what the request
+    asked for): a padded prompt (greedy: tokens far down qwen-tts's ranking), sampling from the whole
+    codebook (tokens outside the support), sampling from the top 5 of 50 (every token inside the
+    support; only the suite's likelihood shows it) and a voice encoded at the wrong sample rate. Each
+    must fail at concurrency 1 alone, the clean engines not at all."""
+    reference_python()
+    p = subprocess.run([sys.executable, "-m", "difftest", "selfcheck", "--defects",
+                        "prompt-padded,top-k-ignored,top-k-narrowed,ref-audio-rate",
+                        "--out", str(tmp_path / "sc"), "--store", str(tmp_path / "store")],
+                       capture_output=True, text=True, timeout=1500, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    rows = {r["check"]: r for r in json.loads((tmp_path / "sc" / "selfcheck.json").read_text())["checks"]}
+    assert list(rows) == ["clean", "clean, sampled", "prompt-padded", "top-k-narrowed", "top-k-ignored",
+                          "ref-audio-rate"]
+    for clean in ("clean", "clean, sampled"):
+        assert rows[clean]["ok"] and rows[clean]["verdict"] == "pass" and rows[clean]["at_concurrency_1"] == "pass"
+    for name, verdict, chunk in (("prompt-padded", "talker_defect", 0), ("top-k-ignored", "talker_defect", 0),
+                                 ("top-k-narrowed", "sampling_defect", None)):
+        r = rows[name]
+        assert r["ok"] and r["verdict"] == "fail" and r["at_concurrency_1"] == "fail", r
+        assert verdict in r["verdicts"] and r["stage"] == "talker" and r["chunk"] == chunk, r
+    enc = rows["ref-audio-rate"]  # the encoder consistently wrong: talker, capture and hand-off agree with it
+    assert enc["ok"] and enc["verdicts"] == ["reference_encoder_defect"] and enc["stage"] == "reference_encoder"
+    sampled = json.loads((tmp_path / "sc" / "top-k-narrowed" / "report.json").read_text())["sampling"]
+    assert sampled["verdict"] == "sampling_defect" and sampled["statistics"]["candidate"]["parts"]["talker"]["z"] > 4
+    assert abs(sampled["statistics"]["reference"]["parts"]["talker"]["z"]) <= 4  # the test itself calibrated
