@@ -195,7 +195,8 @@ def test_difftest_run_end_to_end_against_the_real_server(server, voice_clone_che
         assert s["comparisons"]["vocoder"]["worst_tier"] in ("identical", "within_quantisation", "close")
         # teacher forcing ran, in the candidate's own context, and found the bf16 talker's codes plausible
         f = s["comparisons"]["forced"]
-        assert (f["decoding"], f["conditioning"], f["frames"]) == ("greedy", "given", 31)
+        assert (f["decoding"], f["conditioning"]) == ("greedy", "given")
+        assert f["frames"] == s["comparisons"]["codes"]["frames"][1] > 0  # every frame the candidate made
         assert f["top1_share"] >= 0.8 and f["worst_rank"] <= 5 and f["worst_gap"] <= 0.25, f
 
 
@@ -212,6 +213,8 @@ def test_sampled_decoding_on_the_real_server_passes_the_sampling_test(server, vo
     raw = yaml.safe_load((REPO / "cases" / "suites" / "sampled.yaml").read_text())
     raw["decode"] = {k: v for k, v in raw["decode"].items() if not k.startswith("subtalker_")}
     raw["decode"]["subtalker_dosample"] = False
+    # the test server's checkpoint stops by EOS (vLLM-Omni answers a clone that reaches the cap with HTTP 500)
+    raw["decode"]["max_new_tokens"] = 200
     raw["voices"] = [{**v, "wav": str(REPO / "cases" / "voices" / Path(v["wav"]).name),
                       "transcript_file": str(REPO / "cases" / "voices" / Path(v["transcript_file"]).name)}
                      for v in raw["voices"]]
@@ -229,7 +232,7 @@ def test_sampled_decoding_on_the_real_server_passes_the_sampling_test(server, vo
     sampling = rep["sampling"]
     assert sampling["verdict"] == "pass" and sampling["calibrated"], sampling
     talker = sampling["statistics"]["candidate"]["parts"]["talker"]
-    assert talker["tokens"] == 31 * len(raw["segments"]) and abs(talker["z"]) <= 4.0
+    assert talker["tokens"] >= 2 * len(raw["segments"]) and abs(talker["z"]) <= 4.0
     assert "code_predictor" not in sampling["statistics"]["candidate"]["parts"]  # greedy: judged per position
     for s in rep["segments"]:
         assert s["verdict"] in ("code_divergence", "numeric_drift", "identical"), s["summary"]
