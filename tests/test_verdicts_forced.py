@@ -269,3 +269,43 @@ def test_policy_reference_encoder_section_is_validated(tmp_path):
     p.write_text(yaml.safe_dump({**base, "reference_encoder": {"min_agreement": 2}}))
     with pytest.raises(BadInput, match="reference_encoder.min_agreement: expected a number in"):
         load_policy(p)
+
+
+class _DyingRunner:
+    """A test double for the reference runner: answers the first score item, then dies."""
+
+    hello = {"fingerprint": {"engine": "double"}, "score_version": 99}
+
+    def __init__(self, answer_path):
+        self.answer_path = answer_path
+
+    def request(self, op, timeout, items):
+        from difftest.engines.runner_client import RunnerDied
+
+        yield {"event": "result", "item": items[0]["name"], "path": str(self.answer_path)}
+        raise RunnerDied("runner exited with status 9", tail="killed")
+
+
+def test_a_runner_dying_while_scoring_costs_the_unanswered_items_only(tmp_path):
+    from types import SimpleNamespace
+
+    from difftest.engines.scorer import Scorer, ScoreItem
+
+    answer = write_scores(tmp_path / "answer", scores())
+    scorer = Scorer(_DyingRunner(answer), tmp_path / "store", timeout=10)
+    seg = SimpleNamespace(id="a", hash="h" * 16, to_job=lambda: {"id": "a"})
+    got = scorer.score({n: ScoreItem(seg, toy_codes(5 + i, i), None, False) for i, n in enumerate(("x", "y", "z"))})
+    assert got["x"].frames == T
+    assert got["y"] == got["z"] == "reference runner died while scoring: runner exited with status 9"
+    # the store names inputs by content: a second scorer finds nothing cached for y and z
+    assert not list((tmp_path / "store").glob("scores-*/a.*.json"))
+
+
+def test_an_older_runner_without_the_score_job_is_an_infrastructure_error(tmp_path):
+    from difftest.engines.scorer import Scorer
+    from difftest.errors import InfraError
+
+    runner = _DyingRunner(None)
+    runner.hello = {"fingerprint": {}}
+    with pytest.raises(InfraError, match="no score job"):
+        Scorer(runner, tmp_path / "store", timeout=10)
