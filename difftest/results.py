@@ -145,8 +145,9 @@ def write_result(stem: str | Path, result: Result) -> Path:
     return side
 
 
-def read_result(sidecar: str | Path) -> Result:
-    """Read a result by its sidecar path; raises CorruptResult if anything is off."""
+def read_sidecar(sidecar: str | Path, fmt: str) -> tuple[dict, bytes]:
+    """A sidecar of format `fmt` and the npz it commits to, its sha256 checked: (meta, npz bytes).
+    CorruptResult names the file and the problem. Shared by result and score files."""
     side = Path(sidecar)
     try:
         meta = json.loads(side.read_text())
@@ -154,8 +155,8 @@ def read_result(sidecar: str | Path) -> Result:
         raise CorruptResult(f"{side}: missing") from None
     except (ValueError, UnicodeDecodeError) as e:
         raise CorruptResult(f"{side}: sidecar is not valid JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CorruptResult(f"{side}: not a {FORMAT} sidecar")
+    if not isinstance(meta, dict) or meta.get("format") != fmt:
+        raise CorruptResult(f"{side}: not a {fmt} sidecar")
     npz = side.with_name(meta.get("npz") or side.name[: -len(".json")] + ".npz")
     try:
         blob = npz.read_bytes()
@@ -163,7 +164,14 @@ def read_result(sidecar: str | Path) -> Result:
         raise CorruptResult(f"{npz}: missing (sidecar present)") from None
     if hashlib.sha256(blob).hexdigest() != meta.get("npz_sha256"):
         raise CorruptResult(f"{npz}: content does not match its sidecar's sha256 (truncated or changed)")
+    return meta, blob
 
+
+def read_result(sidecar: str | Path) -> Result:
+    """Read a result by its sidecar path; raises CorruptResult if anything is off."""
+    side = Path(sidecar)
+    meta, blob = read_sidecar(side, FORMAT)
+    npz = side.with_name(meta.get("npz") or side.name[: -len(".json")] + ".npz")
     try:
         with np.load(io.BytesIO(blob), allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .results import CorruptResult, _ext, atomic_write
+from .results import CorruptResult, _ext, atomic_write, read_sidecar
 
 FORMAT = "difftest.score/1"
 # logprob .. in_support: the forced token under the processed logits (with the temperature when sampling).
@@ -75,21 +75,8 @@ def write_scores(stem: str | Path, s: ScoreFile) -> Path:
 
 def read_scores(sidecar: str | Path) -> ScoreFile:
     side = Path(sidecar)
-    try:
-        meta = json.loads(side.read_text())
-    except FileNotFoundError:
-        raise CorruptResult(f"{side}: missing") from None
-    except (ValueError, UnicodeDecodeError) as e:
-        raise CorruptResult(f"{side}: sidecar is not valid JSON ({e})") from None
-    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
-        raise CorruptResult(f"{side}: not a {FORMAT} sidecar")
+    meta, blob = read_sidecar(side, FORMAT)
     npz = side.with_name(str(meta.get("npz")))
-    try:
-        blob = npz.read_bytes()
-    except FileNotFoundError:
-        raise CorruptResult(f"{npz}: missing (sidecar present)") from None
-    if hashlib.sha256(blob).hexdigest() != meta.get("npz_sha256"):
-        raise CorruptResult(f"{npz}: content does not match its sidecar's sha256 (truncated or changed)")
     try:
         with np.load(io.BytesIO(blob), allow_pickle=False) as z:
             arrays = {f: z[f] for f in FIELDS}
