@@ -29,7 +29,7 @@ from . import __version__
 from .engines import identity as ident
 from .engines.base import Engine
 from .engines.reference import REPO, ReferenceEngine, ReferenceOptions, reference_python, runner_argv, tiny_checkpoints
-from .engines.runner_client import RunnerDied, RunnerProcess
+from .engines.runner_client import RunnerDied, RunnerProcess, item_answers
 from .engines.scorer import Scorer, ScoreItem
 from .engines.start import (
     CPU_ENGINE,
@@ -87,7 +87,7 @@ class _Vocoder:
         Outputs are named by the content of their inputs, so a re-run reuses them
         and changed codes never reuse a stale decode."""
         done: dict[str, Result | str] = {}
-        todo, names = [], {}
+        todo = []
         for name, (sid, codes, ref) in items.items():
             stem = self.out / f"{name}.{_codes_key(codes, ref, self.salt)[:16]}"
             try:
@@ -100,27 +100,9 @@ class _Vocoder:
             np.savez(buf, codes=codes, ref_codes=ref)
             atomic_write(src, buf.getvalue())
             todo.append({"name": name, "input": str(src), "out": str(stem), "segment_id": sid})
-            names[name] = stem
         if not todo:
             return done
-        try:
-            for ev in self.runner.request("decode", timeout=self.timeout, items=todo):
-                name = ev.get("item") or ev.get("segment")
-                if name not in names:
-                    continue
-                if ev.get("event") == "result":
-                    try:
-                        done[name] = read_result(ev["path"])
-                    except CorruptResult as e:
-                        done[name] = str(e)
-                elif ev.get("event") == "error":
-                    done[name] = ev.get("message", "decode failed")
-        except RunnerDied as e:
-            for name in names:
-                done.setdefault(name, f"reference runner died during cross-decode: {str(e).splitlines()[0]}")
-        for name in names:
-            done.setdefault(name, "the reference runner did not answer this decode")
-        return done
+        return {**done, **item_answers(self.runner, "decode", todo, self.timeout, read_result, "during cross-decode")}
 
 
 def _codes_key(codes: np.ndarray, ref: np.ndarray, salt: str = "") -> str:

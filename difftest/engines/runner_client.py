@@ -185,3 +185,30 @@ class RunnerProcess:
             if msg.get("event") == "done":
                 return
             yield msg
+
+
+def item_answers(runner, op: str, items: list[dict], timeout: float, read, what: str) -> dict:
+    """Send an item job (`decode`, `score`: runner protocol) and collect name -> what `read(path)`
+    gives for each `result`, or the error message that stands for the item: its `error`, an
+    unreadable file (`read` raising ValueError, e.g. CorruptResult), the runner dying (`what` says
+    during what), or no answer at all. Nothing answered is lost when the runner dies later."""
+    names = {it["name"] for it in items}
+    done: dict = {}
+    try:
+        for ev in runner.request(op, timeout=timeout, items=items):
+            name = ev.get("item") or ev.get("segment")
+            if name not in names:
+                continue
+            if ev.get("event") == "result":
+                try:
+                    done[name] = read(ev["path"])
+                except ValueError as e:
+                    done[name] = str(e)
+            elif ev.get("event") == "error":
+                done[name] = ev.get("message", f"{op} failed")
+    except RunnerDied as e:
+        for name in names:
+            done.setdefault(name, f"reference runner died {what}: {str(e).splitlines()[0]}")
+    for name in names:
+        done.setdefault(name, f"the reference runner did not answer this {op} item")
+    return done

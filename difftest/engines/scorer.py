@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import InfraError
 from ..results import CorruptResult, ResultStore, _ext, atomic_write
 from ..scores import ScoreFile, read_scores
-from .runner_client import RunnerDied, RunnerProcess
+from .runner_client import RunnerProcess, item_answers
 
 
 @dataclass
@@ -53,7 +53,7 @@ class Scorer:
     def score(self, items: dict[str, ScoreItem]) -> dict[str, ScoreFile | str]:
         """name -> ScoreFile, or the error message that stands for it."""
         done: dict[str, ScoreFile | str] = {}
-        todo, names = [], set()
+        todo = []
         for name, it in items.items():
             stem = self.dir / f"{it.segment.id}.{self.key(it)[:16]}"
             try:
@@ -69,24 +69,6 @@ class Scorer:
             todo.append({"name": name, "segment": it.segment.to_job(), "input": str(src), "out": str(stem),
                          "condition": "voice" if it.ref_codes is None else "given",
                          "ended_by_eos": bool(it.ended_by_eos)})
-            names.add(name)
         if not todo:
             return done
-        try:
-            for ev in self.runner.request("score", timeout=self.timeout, items=todo):
-                name = ev.get("item")
-                if name not in names:
-                    continue
-                if ev.get("event") == "result":
-                    try:
-                        done[name] = read_scores(ev["path"])
-                    except CorruptResult as e:
-                        done[name] = str(e)
-                elif ev.get("event") == "error":
-                    done[name] = ev.get("message", "scoring failed")
-        except RunnerDied as e:
-            for name in names:
-                done.setdefault(name, f"reference runner died while scoring: {str(e).splitlines()[0]}")
-        for name in names:
-            done.setdefault(name, "the reference runner did not answer this score item")
-        return done
+        return {**done, **item_answers(self.runner, "score", todo, self.timeout, read_scores, "while scoring")}
