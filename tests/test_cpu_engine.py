@@ -583,3 +583,24 @@ def test_chunk_boundary_corrupts_audio_past_the_300_frame_chunk(world, baseline,
     short = one_at_a_time(world.defect_urls["chunk-boundary"], world.capture, defect_segments()[:2], "cb-short")
     for sid, s in short.items():
         assert same_as(s, baseline["greedy"][sid])
+
+
+def test_a_taken_port_stops_the_multi_engine_before_any_listener_serves(tiny, tmp_path):
+    """Every listener binds before any serves: one port already taken fails the process (exit 3,
+    naming the port) instead of leaving a half-started engine whose first health check passes."""
+    import socket
+    import subprocess
+
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        taken, free = held.getsockname()[1], free_port()
+        p = subprocess.run([str(reference_python()), "-m", "runners.cpu_engine.multi",
+                            "--serve", f"none={free}", "--serve", f"ref-leak={taken}",
+                            *[a for m in all_models(tiny) for a in ("--model", m)]],
+                           cwd=REPO, capture_output=True, text=True, timeout=600,
+                           env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    assert p.returncode == 3, p.stderr[-2000:]
+    assert f"cannot listen on 127.0.0.1:{taken} for ref-leak" in p.stderr
+    assert "listening on" not in p.stderr + p.stdout  # the first listener never served
+

@@ -73,3 +73,13 @@ def test_never_healthy(tmp_path):
         srv.start()
     assert time.monotonic() - t0 < 300  # gave up long before the process's own 600 s were over
     assert srv.proc.poll() is not None  # and it was stopped
+
+
+def test_free_ports_lie_below_the_kernels_ephemeral_range():
+    """Ports the kernel hands to outgoing connections are not offered to servers: on a busy machine
+    a client socket took one between free_port() and the server's bind (EADDRINUSE)."""
+    from difftest.engines.launcher import _ephemeral_range
+
+    lo, _ = _ephemeral_range()
+    ports = {free_port() for _ in range(20)}
+    assert all(10000 <= p < lo for p in ports) and len(ports) > 1

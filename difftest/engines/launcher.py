@@ -8,6 +8,7 @@ carries the tail of its log.
 from __future__ import annotations
 
 import os
+import random
 import re
 import signal
 import socket
@@ -30,7 +31,30 @@ def _last_line(path: Path, width: int = 100) -> str:
     return line[-width:] if line else "(no log yet)"
 
 
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        lo, hi = (int(x) for x in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port() -> int:
+    """A port free now, for a server started next, drawn below the ephemeral range: a port the
+    kernel picks (bind to 0) is one it also hands to outgoing connections, and on a busy machine one
+    of them can take it before the server binds (seen: a CPU engine dying with EADDRINUSE, its
+    health then answered by another test's server)."""
+    lo, _ = _ephemeral_range()
+    if lo > 12000:
+        rng = random.SystemRandom()
+        for _ in range(100):
+            port = rng.randrange(10000, lo)
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    continue
+                return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -64,11 +64,20 @@ def main(argv: list[str] | None = None) -> int:
     proto = os.fdopen(os.dup(1), "w", buffering=1)
     os.dup2(2, 1)  # library prints go to the log, the listener lines stay clean
     sys.stdout = sys.stderr
-    servers = []
+    # Every listener binds before any serves: a port taken meanwhile fails the whole process before
+    # its first health answer, never after a health check on another listener has passed.
+    built = []
     for defect, port in listeners:
-        server, _ = build_server(checkpoints, defect, host_name=args.host, port=port, max_batch=args.max_batch,
-                                 batch_window_ms=args.batch_window_ms, subtalker=subtalker, qwen=qwen,
-                                 capture_dir=capture_dir)
+        try:
+            built.append((defect, build_server(checkpoints, defect, host_name=args.host, port=port,
+                                               max_batch=args.max_batch, batch_window_ms=args.batch_window_ms,
+                                               subtalker=subtalker, qwen=qwen, capture_dir=capture_dir)[0]))
+        except OSError as e:
+            print(f"runners.cpu_engine.multi: cannot listen on {args.host}:{port} for {defect or 'none'}: {e}",
+                  file=sys.stderr)
+            return 3
+    servers = []
+    for defect, server in built:
         servers.append(server.start())
         log(f"listening on {server.url} (defect {defect or 'none'})")
         proto.write(json.dumps({"defect": defect, "url": server.url}) + "\n")
