@@ -136,3 +136,30 @@ def test_the_talker_stage_round_trips_and_is_checked(tmp_path):
         np.savez(tmp_path / "bad.npz", **arrays)
         with pytest.raises(capture.CaptureError, match=words):
             capture.load(tmp_path / "bad.npz")
+
+
+TOPK = {"talker_topk_ids": np.array([[5, 9], [6, 1], [7, 2], [2150, 3]]),
+        "talker_topk_logprobs": np.array([[-0.1, -2.0], [-0.2, -0.3], [-0.5, -0.5], [-0.01, -6.0]], np.float32)}
+
+
+def test_the_talker_own_top_k_round_trips_and_is_checked(tmp_path):
+    """Optional, with the talker's tokens: one row per token, ids >= 0, finite log-probabilities
+    <= 0, best first; zero rows (the plugin could not line them up) read as not captured."""
+    got = capture.load(capture.write(tmp_path / "k.npz", {**GOOD, **TALKER, **TOPK})).stage_arrays()
+    assert got["talker_topk_ids"].tolist()[1] == [6, 1] and got["talker_topk_logprobs"].dtype == np.float32
+    empty = {"talker_topk_ids": np.zeros((0, 5), np.int64), "talker_topk_logprobs": np.zeros((0, 5), np.float32)}
+    assert "talker_topk_ids" not in capture.load(capture.write(tmp_path / "e.npz", {**GOOD, **TALKER, **empty})).stage_arrays()
+    lp = TOPK["talker_topk_logprobs"]
+    for bad, words in (({"talker_topk_logprobs": None}, "come together"),
+                       ({"talker_topk_ids": TOPK["talker_topk_ids"][:3], "talker_topk_logprobs": lp[:3]},
+                        r"shape \(3, 2\), expected \(4, k >= 2\)"),
+                       ({"talker_topk_ids": TOPK["talker_topk_ids"].astype(float)}, "must be integer and float"),
+                       ({"talker_topk_logprobs": lp[:, ::-1].copy()}, "best first"),
+                       ({"talker_topk_logprobs": np.where(lp == -6.0, np.nan, lp)}, "finite"),
+                       ({"talker_topk_logprobs": lp + 1.0}, "<= 0"),
+                       ({"talker_tokens": None, "talker_ref_codes": None, "talker_prompt": None},
+                        "without the talker's tokens")):
+        arrays = {k: v for k, v in {**GOOD, **TALKER, **TOPK, **bad}.items() if v is not None}
+        np.savez(tmp_path / "bad.npz", **arrays)
+        with pytest.raises(capture.CaptureError, match=words):
+            capture.load(tmp_path / "bad.npz")

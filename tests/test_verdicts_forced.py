@@ -102,7 +102,75 @@ def test_a_concurrency_flip_on_a_near_tie_does_not_fail(policy):
     v = classify(evidence(at_n, CODES, cand_s, ctrl_s), policy)
     assert v.verdict == "code_divergence", v.summary
     assert v.comparisons["near_tie"] == {"frame": 10, "codebook": 0, "ranks": [0, 1], "gaps": [0.0, 0.004],
-                                         "margin": 0.01, "near_tie": True}
+                                         "margin": 0.01, "near_tie": True, "candidate_own": "not captured"}
+
+
+def own_topk(codes, runner_up_gap=0.01, other=None):
+    """A capture's own top-k for a greedy stream: each frame's codebook-0 code the top-1 at -1.0,
+    then `other` (default: code + 1) `runner_up_gap` nats below, then three far-off tokens; the
+    final token (EOS) closes it."""
+    tokens = np.append(codes[:, 0], 2150)
+    ids = np.stack([tokens, tokens + 1 if other is None else other, tokens + 2, tokens + 3, tokens + 4], axis=1)
+    lp = np.tile(np.array([-1.0, -1.0 - runner_up_gap, -4.0, -5.0, -6.0], np.float32), (len(tokens), 1))
+    return {"talker_tokens": tokens, "talker_topk_ids": ids.astype(np.int64), "talker_topk_logprobs": lp,
+            "talker_ref_codes": REF, "talker_prompt": np.array([0, 0, len(REF)], np.int64)}
+
+
+def with_own(ev, ctrl_extra, cand_extra):
+    ev.control.extra.update(ctrl_extra)
+    ev.candidate.extra.update(cand_extra)
+    return ev
+
+
+def test_a_near_tie_for_qwen_tts_and_for_the_candidate_own_logits_does_not_fail(policy):
+    """The candidate's own top-k at the flip (both runs) hold both tokens within epsilon: benign."""
+    at_n = CODES.copy()
+    at_n[10:, 0] += 1
+    ctrl_own = own_topk(CODES, 0.01)  # at 1: its token the top-1, the token N took 0.01 below
+    cand_own = own_topk(at_n, 0.02, other=np.append(at_n[:, 0] - 1, 2151))  # at N: the token 1 took 0.02 below
+    ev = with_own(evidence(at_n, CODES, scores({(10, 0): 1}, {(10, 0): 0.004}), scores()), ctrl_own, cand_own)
+    v = classify(ev, policy)
+    assert v.verdict == "code_divergence", v.summary
+    own = v.comparisons["near_tie"]["candidate_own"]
+    assert own["at_1"]["token_at_n"] == {"token": int(at_n[10, 0]), "rank": 1, "gap": 0.01}
+    assert own["at_n"]["token_at_1"] == {"token": int(CODES[10, 0]), "rank": 1, "gap": 0.02}
+
+
+def test_a_near_tie_for_qwen_tts_that_the_candidate_own_logits_do_not_share_is_a_concurrency_defect(policy):
+    """qwen-tts calls the flip a near-tie, but the candidate's own logits at 1 put N's token 0.4
+    nats down (its batch changed its numbers by more than a tie): a concurrency defect, saying why."""
+    at_n = CODES.copy()
+    at_n[10:, 0] += 1
+    ev = with_own(evidence(at_n, CODES, scores({(10, 0): 1}, {(10, 0): 0.004}), scores()),
+                  own_topk(CODES, 0.4), own_topk(at_n, 0.01, other=np.append(at_n[:, 0] - 1, 2151)))
+    v = classify(ev, policy)
+    assert (v.verdict, v.first_divergent_frame) == ("concurrency_defect", 10), v.summary
+    assert "not under the candidate's own logits" in v.summary
+    assert v.comparisons["near_tie"]["candidate_own"]["at_1"]["token_at_n"]["gap"] == 0.4
+
+
+def test_own_margins_that_do_not_match_the_codes_are_set_aside_with_a_reason(policy):
+    """Top-k rows whose top-1 is not the greedy token (a misaligned capture) are not used against
+    the candidate; the report says why."""
+    at_n = CODES.copy()
+    at_n[10:, 0] += 1
+    bad = own_topk(CODES, 0.4)
+    bad["talker_topk_ids"][5, 0] += 7
+    ev = with_own(evidence(at_n, CODES, scores({(10, 0): 1}, {(10, 0): 0.004}), scores()),
+                  bad, own_topk(at_n, 0.01, other=np.append(at_n[:, 0] - 1, 2151)))
+    v = classify(ev, policy)
+    assert v.verdict == "code_divergence"
+    assert v.comparisons["near_tie"]["candidate_own"] == ("unusable at 1: greedy, yet the talker's token at "
+                                                          "step 5 is not its own top-1")
+
+
+def test_the_candidate_own_logprobs_are_set_against_qwen_tts_forced_ones(policy):
+    """comparisons.forced.own_logprob_gap: the worst |own - qwen-tts| log-probability of the
+    candidate's token over its frames (here -1.0 against qwen-tts's -2.0)."""
+    v = classify(with_own(evidence(CODES, CODES, scores(), scores()), own_topk(CODES), own_topk(CODES)), policy)
+    assert v.comparisons["forced"]["own_logprob_gap"] == pytest.approx(1.0)
+    # and its own top-1/top-2 margin per frame rides in the trace (MLflow: step = frame)
+    assert v.comparisons["forced"]["trace"]["own_margin_codebook0"] == [0.01] * T
 
 
 def test_a_concurrency_flip_that_is_no_near_tie_is_a_concurrency_defect(policy):

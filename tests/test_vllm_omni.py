@@ -27,6 +27,9 @@ from difftest.engines.http import run_candidate
 from difftest.suites.suite import load_suite
 
 
+OWN_LOGPROB_GAP = 0.25  # nats: bf16 against float32 measured 0.04-0.08 (docs/verdicts.md); a misread row is more
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, voice_clone_checkpoint):
     """(client, capture dir, info, run dir): started once; stopped with its whole process tree at the end,
@@ -112,6 +115,15 @@ def test_capture_file_per_request(runs, server, smoke, n):
         assert cap["wav"].dtype == np.float32 and len(cap["wav"]) == len(cap["codes"]) * FRAME
         # What the server returned is the vocoder output the plugin saw, up to 16-bit quantisation.
         assert np.max(np.abs(cap["wav"] - r.wav)) <= Q16 + 1e-6
+        # The talker's own top-5, one row per token, best first; greedy: each token its own top-1
+        # (or tied with it: bf16 logits tie, and argmax and top-k may order a tie differently).
+        ids, lp = cap["talker_topk_ids"], cap["talker_topk_logprobs"]
+        assert ids.shape == (len(cap["talker_tokens"]), 5)
+        hit = ids == cap["talker_tokens"][:, None]
+        assert hit.any(axis=1).all() and (lp[hit] == lp[:, 0]).all()
+        assert (ids[:, 0] == cap["talker_tokens"]).mean() >= 0.8
+        assert (np.diff(cap["talker_topk_logprobs"], axis=1) <= 0).all() and (cap["talker_topk_logprobs"] <= 0).all()
+        assert np.array_equal(cap["codes"][:, 0], cap["talker_tokens"][:len(cap["codes"])])
     handoffs = list((capture / ".difftest-capture" / "handoff").iterdir())
     assert handoffs == []  # every hand-off the talker filed was taken by the vocoder
 
@@ -197,7 +209,9 @@ def test_difftest_run_end_to_end_against_the_real_server(server, voice_clone_che
         f = s["comparisons"]["forced"]
         assert (f["decoding"], f["conditioning"]) == ("greedy", "given")
         assert f["frames"] == s["comparisons"]["codes"]["frames"][1] > 0  # every frame the candidate made
-        assert f["top1_share"] >= 0.8 and f["worst_rank"] <= 5 and f["worst_gap"] <= 0.25, f
+        assert f["top1_share"] >= 0.8 and f["worst_rank"] <= 10 and f["worst_gap"] <= 1.5, f
+        # the talker's own log-probability of each token, captured in the engine, agrees with qwen-tts's
+        assert f["own_logprob_gap"] is not None and f["own_logprob_gap"] <= OWN_LOGPROB_GAP, f
 
 
 def test_sampled_decoding_on_the_real_server_passes_the_sampling_test(server, voice_clone_checkpoint, tmp_path):
@@ -218,7 +232,12 @@ def test_sampled_decoding_on_the_real_server_passes_the_sampling_test(server, vo
     raw["voices"] = [{**v, "wav": str(REPO / "cases" / "voices" / Path(v["wav"]).name),
                       "transcript_file": str(REPO / "cases" / "voices" / Path(v["transcript_file"]).name)}
                      for v in raw["voices"]]
-    raw["segments"] = [x for x in raw["segments"] if x["task"] == "voice_clone"]  # the server serves the base model
+    # The server serves the base model. In-context clones only: a wave that mixes an x-vector-only
+    # clone with in-context ones trips 0.30.0's known ref_code_len bug (docs/vllm-omni.md, "What it
+    # found") whenever they share a step, which depends on timing (seen on a loaded machine:
+    # sam-08 `contamination`, length from sam-05). The voice-clone-concurrency suite tests that wave.
+    xvector = {v["id"] for v in raw["voices"] if v.get("mode") == "xvector"}
+    raw["segments"] = [x for x in raw["segments"] if x["task"] == "voice_clone" and x["voice"] not in xvector]
     suite = tmp_path / "sampled-talker.yaml"
     suite.write_text(yaml.safe_dump(raw))
     _, capture, _, _ = server

@@ -195,6 +195,34 @@ def test_the_talkers_input_is_filed_by_request_id_and_used_up(tmp_path):
     assert store.take_talker(["req-9"]) is None  # used up: a later request reusing the id gets its own
 
 
+def test_the_talkers_own_top_k_is_filed_per_step_and_lined_up_with_its_tokens(tmp_path):
+    """The worker appends one record per sampled row; the hand-off lines them up with the tokens
+    by position (a discarded prefill-chunk sample and a recomputed step lose to the last record of
+    their position), falls back to the last records where positions are unknown, and reports
+    "not captured" (zero rows) where they cannot be lined up."""
+    from difftest_capture.hooks import align_steps
+
+    store = CaptureStore(tmp_path)
+    k = 5
+    ids = lambda t: np.array([[t, t + 1, t + 2, t + 3, t + 4]])  # noqa: E731
+    lp = np.array([[-0.1, -1.0, -2.0, -3.0, -4.0]], np.float32)
+    store.file_steps(["r1"], [0], ids(90), lp)  # a prefill chunk's sample, discarded by the scheduler
+    for pos, tok in enumerate([5, 6, 7]):
+        store.file_steps(["r1", "r2"], [pos, -1], np.concatenate([ids(tok), ids(50 + pos)]), np.repeat(lp, 2, 0))
+    store.file_steps(["r1"], [2], ids(8), lp)  # step 2 recomputed (preemption): the later record wins
+    with open(store._steps_path("r1"), "ab") as f:
+        f.write(b"\x01\x02")  # a record still being written when the hand-off reads
+    steps = store.talker_steps(["x", "r1"])
+    assert len(steps) == 5 and steps["ids"].shape == (5, k)
+    got = align_steps(steps, 3)
+    assert got["talker_topk_ids"][:, 0].tolist() == [5, 6, 8]
+    assert got["talker_topk_logprobs"].dtype == np.float32 and got["talker_topk_logprobs"][0, 1] == np.float32(-1.0)
+    assert align_steps(steps, 4)["talker_topk_ids"].shape == (0, k)  # no record for the 4th token
+    r2 = store.talker_steps(["r2"], consume=True)
+    assert align_steps(r2, 2)["talker_topk_ids"][:, 0].tolist() == [51, 52]  # positions unknown: the last two
+    assert store.talker_steps(["r2"]) is None  # used up with the request
+
+
 def test_capture_store_rejects_tags_that_are_not_file_names(tmp_path):
     for tag in ("../x", "a/b", ".hidden", "", "x" * 201, None):
         assert not valid_tag(tag)

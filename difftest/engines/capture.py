@@ -24,6 +24,9 @@ which lacks the talker's arrays):
 | `talker_tokens` | (T',) integers >= 0   | the talker's output: the codebook-0 tokens it sampled, |
 |                |                        | the final one (EOS, or the last under a length cap)   |
 |                |                        | never becomes a frame (v2)                            |
+| `talker_topk_ids`, | (T', k) integers,  | optional: the talker's own top-k tokens and their     |
+| `talker_topk_logprobs` | (T', k) floats | log-probabilities at each token's step, best first    |
+|                |                        | (k >= 2; 0 rows: not captured)                        |
 
 The three talker arrays come together or not at all: the stage before the
 hand-off, so the tester can tell what the hand-off changed (a reference prefix
@@ -59,7 +62,8 @@ MAX_LEAD_SAMPLES = 1
 SCHEMA_VERSION = 2
 READS = (1, 2)  # version 1: no talker arrays
 TALKER = ("talker_ref_codes", "talker_prompt", "talker_tokens")
-KNOWN = ("codes", "ref_codes", "wav", "sample_rate", "lead_samples", "schema_version", *TALKER)
+TOPK = ("talker_topk_ids", "talker_topk_logprobs")
+KNOWN = ("codes", "ref_codes", "wav", "sample_rate", "lead_samples", "schema_version", *TALKER, *TOPK)
 
 
 class CaptureError(ValueError):
@@ -81,13 +85,18 @@ class Capture:
     talker_ref_codes: np.ndarray | None = None  # (R', 16): what the talker was prompted with; None: not captured
     talker_prompt: np.ndarray | None = None  # [reserved, built, ref_code_len]
     talker_tokens: np.ndarray | None = None  # codebook-0 tokens the talker sampled
+    talker_topk_ids: np.ndarray | None = None  # (len(talker_tokens), k): the talker's own top-k; None: not captured
+    talker_topk_logprobs: np.ndarray | None = None
 
     def stage_arrays(self) -> dict[str, np.ndarray]:
         """The talker stage's arrays, for a result's extra arrays (empty when not captured)."""
         if self.talker_tokens is None:
             return {}
-        return {"talker_ref_codes": self.talker_ref_codes, "talker_prompt": self.talker_prompt,
-                "talker_tokens": self.talker_tokens}
+        out = {"talker_ref_codes": self.talker_ref_codes, "talker_prompt": self.talker_prompt,
+               "talker_tokens": self.talker_tokens}
+        if self.talker_topk_ids is not None:
+            out |= {"talker_topk_ids": self.talker_topk_ids, "talker_topk_logprobs": self.talker_topk_logprobs}
+        return out
 
 
 def _codes(arrays: dict, name: str, where: Path, required: bool) -> np.ndarray:
@@ -150,7 +159,9 @@ def _talker(arrays: dict, where: Path) -> tuple:
         raise CaptureError(f"{where}: the talker stage was not captured ({arrays['talker_missing']})")
     present = [n for n in TALKER if n in arrays]
     if not present:
-        return None, None, None
+        if any(n in arrays for n in TOPK):
+            raise CaptureError(f"{where}: talker_topk_* without the talker's tokens")
+        return None, None, None, None, None
     if len(present) != len(TALKER):
         missing = sorted(set(TALKER) - set(present))
         raise CaptureError(f"{where}: talker arrays come together; {', '.join(missing)} missing")
@@ -162,7 +173,29 @@ def _talker(arrays: dict, where: Path) -> tuple:
         raise CaptureError(f"{where}: talker_tokens must be a row of integers, got {tokens.dtype} of shape {tokens.shape}")
     if (tokens < 0).any() or (prompt[:2] < 0).any():
         raise CaptureError(f"{where}: talker_tokens / talker_prompt hold negative numbers")
-    return ref, prompt.astype(np.int64), tokens.astype(np.int64)
+    return (ref, prompt.astype(np.int64), tokens.astype(np.int64), *_topk(arrays, where, len(tokens)))
+
+
+def _topk(arrays: dict, where: Path, n_tokens: int) -> tuple:
+    """The talker's own top-k per token, checked: as many rows as tokens, ids >= 0, log-probabilities
+    finite, <= 0 and best first. Zero rows (the writer could not line them up) read as absent."""
+    present = [n for n in TOPK if n in arrays]
+    if not present:
+        return None, None
+    if len(present) != len(TOPK):
+        raise CaptureError(f"{where}: talker_topk_ids and talker_topk_logprobs come together")
+    ids, lp = arrays["talker_topk_ids"], arrays["talker_topk_logprobs"]
+    if ids.dtype.kind not in "iu" or lp.dtype.kind != "f" or ids.ndim != 2 or ids.shape != lp.shape:
+        raise CaptureError(f"{where}: talker_topk_ids ({ids.dtype} {ids.shape}) and talker_topk_logprobs "
+                           f"({lp.dtype} {lp.shape}) must be integer and float arrays of one (tokens, k) shape")
+    if ids.shape[0] == 0:
+        return None, None
+    if ids.shape[0] != n_tokens or ids.shape[1] < 2:
+        raise CaptureError(f"{where}: talker_topk_* have shape {ids.shape}, expected ({n_tokens}, k >= 2): "
+                           f"one row per talker token")
+    if (ids < 0).any() or not np.isfinite(lp).all() or (lp > 1e-4).any() or (np.diff(lp, axis=1) > 1e-6).any():
+        raise CaptureError(f"{where}: talker_topk_* must hold ids >= 0 and finite log-probabilities <= 0, best first")
+    return ids.astype(np.int64), lp.astype(np.float32)
 
 
 def load(path: Path) -> Capture:
@@ -214,6 +247,10 @@ def encode(arrays: dict) -> bytes:
     for name in ("talker_prompt", "talker_tokens"):
         if name in out:
             out[name] = out[name].astype(np.int64).reshape(-1)
+    if "talker_topk_ids" in out:
+        out["talker_topk_ids"] = out["talker_topk_ids"].astype(np.int64)
+    if "talker_topk_logprobs" in out:
+        out["talker_topk_logprobs"] = out["talker_topk_logprobs"].astype(np.float32)
     out["schema_version"] = np.int64(SCHEMA_VERSION)
     buf = io.BytesIO()
     np.savez(buf, **out)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from ..compare import align, forced
+from ..compare import align, forced, own_margins
 from ..compare.audio import ChunkMetrics, frame_metrics, log_mel, non_finite, reduce_frames
 from ..compare.codes import diff_codes
 from ..results import Result
@@ -450,11 +450,48 @@ def _near_tie(ev: Evidence, policy: Policy, comps: dict) -> str | None:
     else:
         detail.setdefault("why", f"ranks {detail.get('ranks')} and gaps {detail.get('gaps')} nats under qwen-tts "
                                  f"(policy: top-{policy.forced.near_tie_top_k}, gap <= {policy.forced.near_tie_max_gap})")
+    if ok:
+        ok = _own_near_tie(ev, policy, at, detail)
     comps["near_tie"] = {**detail, "near_tie": ok}
     if not ok:
         return None
     return (f"codebook {at[1]}: ranks {detail['ranks'][0]} and {detail['ranks'][1]}, "
             f"{max(detail['gaps']):.2g} nats from the top-1")
+
+
+def _own_near_tie(ev: Evidence, policy: Policy, at: tuple[int, int], detail: dict) -> bool:
+    """The flip under the candidate's own logits, where both runs captured them (codebook 0 only):
+    a near-tie for qwen-tts must be one for the candidate too. Recorded in detail["candidate_own"]."""
+    own_1, own_n = own_margins.of(ev.control.extra), own_margins.of(ev.candidate.extra)
+    if own_1 is None or own_n is None:
+        detail["candidate_own"] = "not captured"
+        return True
+    f, c = at
+    if c != 0:
+        detail["candidate_own"] = f"codebook {c}: the candidate's own margins are captured for codebook 0 only"
+        return True
+    for name, own, res in (("at 1", own_1, ev.control), ("at N", own_n, ev.candidate)):
+        why = own_margins.consistency(own, res.codes, greedy=True)
+        if why is not None:
+            detail["candidate_own"] = f"unusable {name}: {why}"
+            return True
+    if f >= min(len(own_1.ids), len(own_n.ids)):
+        detail["candidate_own"] = "a run ends there"
+        return True
+    p = policy.forced
+    ok, own = own_margins.near_tie(own_1, own_n, f, p.near_tie_top_k, p.near_tie_max_gap)
+    detail["candidate_own"] = own
+    if not ok:
+        detail["why"] = (f"a near-tie under qwen-tts, not under the candidate's own logits (ranks and gaps "
+                         f"{_own_brief(own)}; policy: top-{p.near_tie_top_k}, gap <= {p.near_tie_max_gap})")
+    return ok
+
+
+def _own_brief(own: dict) -> str:
+    def one(t: dict) -> str:
+        rank = ">k" if t["rank"] is None else t["rank"]
+        return f"{t['token']} rank {rank}" + ("" if t["gap"] is None else f" gap {t['gap']:.3g}")
+    return "; ".join(f"{run}: " + ", ".join(one(t) for t in toks.values()) for run, toks in own.items())
 
 
 def _forced_findings(ev: Evidence, policy: Policy, comps: dict) -> list[_Finding]:
@@ -467,6 +504,18 @@ def _forced_findings(ev: Evidence, policy: Policy, comps: dict) -> list[_Finding
     bad = forced.implausible(sf, policy.forced)
     at = forced.first_difference(ev.reference.codes, ev.candidate.codes) if ev.reference is not None else None
     comps["forced"]["trace"] = forced.trace(sf, bad.frame if bad is not None else at[0] if at else None)
+    own = own_margins.of(ev.candidate.extra)
+    if own is not None:  # how closely the candidate's own talker agrees with qwen-tts's, token by token
+        greedy = not sf.settings.get("do_sample")
+        why = own_margins.consistency(own, ev.candidate.codes, greedy=greedy)
+        # sampled: qwen-tts's forced log-probabilities include the temperature, the capture's do not
+        comps["forced"]["own_logprob_gap"] = (
+            None if why or not greedy else own_margins.logprob_agreement(own, sf.arrays["logprob"][:, 0]))
+        if why:
+            comps["forced"]["own_unusable"] = why
+        else:  # the candidate's own top-1/top-2 margin per frame, beside qwen-tts's trace (MLflow step = frame)
+            t = comps["forced"]["trace"]
+            comps["forced"]["trace"]["own_margin_codebook0"] = own_margins.margins(own, t["start"], t["end"])
     if bad is None:
         return []
     return [_Finding("talker_defect", f"teacher-forced under qwen-tts, the candidate's codes are not what its talker "

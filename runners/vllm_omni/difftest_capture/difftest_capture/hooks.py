@@ -15,6 +15,13 @@ What is written, per tagged request (`<dir>/<tag>.npz`, difftest/engines/capture
   `talker/<id>` and the hand-off, which knows the tag, takes them;
 - `talker_tokens`: the talker's output, the request's `output_token_ids`
   (codebook 0 of every frame, and the final token) as the hand-off saw them;
+- `talker_topk_ids`, `talker_topk_logprobs` (len(talker_tokens), k): the
+  talker's own top-k at each of those steps, from the logits vLLM's sampler
+  samples from (after the codec mask, penalties, min-tokens and the other
+  logits processors, before temperature), log-softmaxed. The worker files one
+  record per step (`Sampler.apply_logits_processors`, rows named by the ids
+  the runner hands the model in logits order); absent where they could not be
+  lined up with the tokens;
 - `codes` (T, 16) int64: the generated frames as handed to the vocoder
   (after vLLM-Omni's filtering and cropping, without the reference prefix);
 - `ref_codes` (R, 16) int64: the reference frames prepended for the vocoder
@@ -39,7 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from runners.vllm_omni.difftest_capture.difftest_capture import TAG_KEY, UNTAGGED_ENV, request_id_tag
-from runners.vllm_omni.difftest_capture.difftest_capture.store import CaptureStore, valid_tag
+from runners.vllm_omni.difftest_capture.difftest_capture.store import TOP_K, CaptureStore, valid_tag
 
 logger = logging.getLogger("vllm.difftest_capture")
 
@@ -48,6 +55,7 @@ OPEN_REQUESTS = 512  # per-request state kept at most (a request that never says
 MARK = "__difftest_capture__"
 PROC_MODULE = "vllm_omni.model_executor.stage_input_processors.qwen3_tts"
 CODE2WAV_MODULE = "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_code2wav"
+SAMPLER_MODULE = "vllm.v1.sample.sampler"
 TALKER_MODULE = "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker"
 
 _warned: set[str] = set()
@@ -117,6 +125,27 @@ def frames_of(flat: np.ndarray, groups: int = NUM_CODE_GROUPS) -> np.ndarray:
     return flat.reshape(groups, -1).T.copy()
 
 
+def align_steps(steps: np.ndarray | None, n_tokens: int) -> dict:
+    """The step records that sampled each of a request's n tokens, as capture arrays; empty (0, k)
+    arrays, meaning "not captured", when they cannot be lined up (a later chunk's update replaces
+    an earlier one's arrays, so a stale, shorter pair is never left beside the tokens). By position
+    where the worker knew it (a prefill chunk's discarded sample, a recomputed step: the last record
+    of each position wins), else the last n records."""
+    none = {"talker_topk_ids": np.zeros((0, TOP_K), np.int64),
+            "talker_topk_logprobs": np.zeros((0, TOP_K), np.float32)}
+    if steps is None or n_tokens == 0 or len(steps) < n_tokens:
+        return none
+    if (steps["pos"] >= 0).all():
+        last = {int(p): i for i, p in enumerate(steps["pos"])}
+        if any(j not in last for j in range(n_tokens)):
+            return none
+        picked = steps[[last[j] for j in range(n_tokens)]]
+    else:
+        picked = steps[-n_tokens:]
+    return {"talker_topk_ids": picked["ids"].astype(np.int64),
+            "talker_topk_logprobs": picked["logprobs"].astype(np.float32)}
+
+
 class Capture:
     """Per-process capture state; one instance per server process."""
 
@@ -125,6 +154,7 @@ class Capture:
         self.lock = threading.Lock()
         self.streams: OrderedDict[str, dict] = OrderedDict()  # async chunking: request id -> handed over so far
         self.wavs: OrderedDict[str, list[np.ndarray]] = OrderedDict()  # tag -> the vocoder's chunks so far
+        self.logit_rows: list[str] | None = None  # the talker worker: request ids of the logits about to be sampled
 
     @staticmethod
     def _bound(d: OrderedDict) -> None:
@@ -147,15 +177,44 @@ class Capture:
         prompt = [_int(info.get("_omni_prompt_len")), int(prefill.shape[0]), -1 if ref_len is None else _int(ref_len)]
         self.store.file_talker(str(rid), talker_ref_codes=ref, talker_prompt=np.array(prompt, np.int64))
 
-    def _talker_side(self, request) -> dict:
+    def _talker_side(self, request, finished: bool = True) -> dict:
         """The talker's side of a request for its capture file: its input (filed by the worker)
         and its output tokens; `talker_missing` says why when the input was never filed."""
         ids = request_ids(request)
         found = self.store.take_talker(ids)
         if found is None:
             return {"talker_missing": np.array(f"no talker input filed for request {' / '.join(ids) or '?'}")}
+        return {**found, **self._talker_output(request, finished)}
+
+    def _talker_output(self, request, finished: bool = True) -> dict:
+        """The talker's tokens so far and, where its worker filed them, its own top-k per token."""
         tokens = np.array(list(_get(request, "output_token_ids") or []), np.int64)
-        return {**found, "talker_tokens": tokens}
+        steps = self.store.talker_steps(request_ids(request), consume=finished)
+        return {"talker_tokens": tokens, **align_steps(steps, len(tokens))}
+
+    # --- the talker's own distribution (its worker) ---
+    def logits_rows(self, model, logits) -> None:
+        """After the talker's `compute_logits`: which request each row is (the runner hands the
+        model its batch's ids in logits order, without speculative decoding)."""
+        ids = list(getattr(model, "_batch_req_ids", None) or [])
+        self.logit_rows = ids if logits is not None and len(ids) == int(logits.shape[0]) else None
+
+    def sampled_from(self, logits, sampling_metadata) -> None:
+        """After the sampler's logits processors, on the rows the talker named: file each row's
+        top-k log-probabilities under its request id. Any other model's sampling (none named
+        its rows) is left alone."""
+        rows, self.logit_rows = self.logit_rows, None
+        if not rows or logits is None or int(logits.shape[0]) != len(rows):
+            return
+        import torch
+
+        with torch.no_grad():
+            lp = torch.log_softmax(logits.detach().float(), dim=-1)
+            values, ids = lp.topk(min(TOP_K, lp.shape[-1]), dim=-1)
+        outs = getattr(sampling_metadata, "output_token_ids", None)
+        positions = ([len(o) for o in outs] if isinstance(outs, list) and len(outs) == len(rows)
+                     else [-1] * len(rows))
+        self.store.file_steps(rows, positions, _numpy(ids, np.int64), _numpy(values, np.float32))
 
     # --- talker -> code2wav ---
     def full_payload(self, request, pooling_output, payload) -> None:
@@ -174,6 +233,7 @@ class Capture:
 
     def async_chunk(self, request, payload) -> None:
         rid = request_id(request)
+        finished = bool(_int(_get(payload, "meta", "finished")))
         with self.lock:
             state = self.streams.get(rid)
             if state is None:
@@ -181,10 +241,9 @@ class Capture:
                 if tag is None:
                     return
                 state = self.streams[rid] = {"tag": tag, "codes": [], "ref": None, "chunks": [],
-                                             "talker": self._talker_side(request)}
+                                             "talker": self._talker_side(request, finished)}
                 self._bound(self.streams)
         flat = _numpy(_get(payload, "codes", "audio"), np.int64).reshape(-1)
-        finished = bool(_int(_get(payload, "meta", "finished")))
         first = not state["chunks"]
         if flat.size:
             frames = frames_of(flat)
@@ -199,7 +258,7 @@ class Capture:
             ref = state["ref"] if state["ref"] is not None else np.zeros((0, NUM_CODE_GROUPS), np.int64)
             talker = dict(state["talker"])
             if "talker_tokens" in talker:  # the tokens so far: the last chunk's hand-off sees them all
-                talker["talker_tokens"] = np.array(list(_get(request, "output_token_ids") or []), np.int64)
+                talker.update(self._talker_output(request, finished=finished))
             self.store.update(state["tag"], replace=first, codes=codes, ref_codes=ref,
                               chunk_frames=np.array(state["chunks"], np.int64), handoff=np.array("async_chunk"),
                               **talker)
@@ -307,6 +366,35 @@ def _wrap_preprocess(original, capture: Capture):
     return preprocess
 
 
+def _wrap_compute_logits(original, capture: Capture):
+    @functools.wraps(original)
+    def compute_logits(self, *args, **kwargs):
+        logits = original(self, *args, **kwargs)
+        try:
+            capture.logits_rows(self, logits)
+        except Exception:
+            capture.logit_rows = None
+            _warn_once("logits", "could not name the talker's logits rows")
+        return logits
+
+    setattr(compute_logits, MARK, True)
+    return compute_logits
+
+
+def _wrap_logits_processors(original, capture: Capture):
+    @functools.wraps(original)
+    def apply_logits_processors(self, logits, sampling_metadata, *args, **kwargs):
+        out = original(self, logits, sampling_metadata, *args, **kwargs)
+        try:
+            capture.sampled_from(out, sampling_metadata)
+        except Exception:
+            _warn_once("topk", "could not capture the talker's top-k log-probabilities")
+        return out
+
+    setattr(apply_logits_processors, MARK, True)
+    return apply_logits_processors
+
+
 def wrap_stage_functions(module, capture: Capture) -> list[str]:
     """Wrap the hand-off functions in `module` (the real one, or a test's); returns what was wrapped."""
     done = []
@@ -341,6 +429,13 @@ def install(root: str | Path) -> Capture:
     if not getattr(talker.preprocess, MARK, False):
         talker.preprocess = _wrap_preprocess(talker.preprocess, _capture)
         wrapped.append("Qwen3TTSTalkerForConditionalGeneration.preprocess")
+    if not getattr(talker.compute_logits, MARK, False):
+        talker.compute_logits = _wrap_compute_logits(talker.compute_logits, _capture)
+        wrapped.append("Qwen3TTSTalkerForConditionalGeneration.compute_logits")
+    sampler = importlib.import_module(SAMPLER_MODULE).Sampler
+    if not getattr(sampler.apply_logits_processors, MARK, False):
+        sampler.apply_logits_processors = _wrap_logits_processors(sampler.apply_logits_processors, _capture)
+        wrapped.append("Sampler.apply_logits_processors")
     if wrapped:
         logger.info("difftest capture: writing to %s (wrapped %s)", root, ", ".join(wrapped))
     return _capture

@@ -6,6 +6,11 @@ codes) and the vocoder stage (waveform). Each update is a read-merge-write of
 and the write is a temporary file renamed over the old one, so a reader never
 sees a half file and neither writer loses the other's arrays.
 
+The talker's worker knows a request only by id. It files the talker's input
+(`talker/<h>.npz`) and, step by step, the talker's own top-k log-probabilities
+(`talker/<h>.steps`, fixed-size binary records appended in order) under a hash
+of the id; the hand-off, which knows the tag, takes them.
+
 The vocoder never sees the request's tag; it sees the codes. The talker side
 therefore files each payload it hands over under the sha256 of its codes
 (`handoff/<sha>`: the tag and request id), and the vocoder side looks its
@@ -27,6 +32,14 @@ from difftest.engines import capture  # installed beside this plugin by make_env
 
 _TAG = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,199}$")
 SIDE = ".difftest-capture"
+
+
+TOP_K = 5  # the talker's own candidates kept per step: enough for a near-tie's top-3 and its margin
+
+
+def step_dtype(k: int = TOP_K) -> np.dtype:
+    """One talker step: its output position (-1: unknown), the top-k token ids and their log-probabilities."""
+    return np.dtype([("pos", "<i4"), ("ids", "<i4", (k,)), ("logprobs", "<f4", (k,))])
 
 
 def valid_tag(tag) -> bool:
@@ -92,6 +105,33 @@ class CaptureStore:
                 continue
             path.unlink(missing_ok=True)
             return arrays
+        return None
+
+    def _steps_path(self, request_id: str) -> Path:
+        return self._talker_path(request_id).with_suffix(".steps")
+
+    def file_steps(self, request_ids, positions, ids: np.ndarray, logprobs: np.ndarray) -> None:
+        """Append one step's record per request (rows in `request_ids` order). One writer per file
+        (the talker's worker), appends of a few dozen bytes: a reader sees whole records or a
+        partial last one, which it drops."""
+        rec = np.zeros(len(request_ids), step_dtype(ids.shape[1]))
+        rec["pos"], rec["ids"], rec["logprobs"] = positions, ids, logprobs
+        for rid, row in zip(request_ids, rec):
+            with open(self._steps_path(str(rid)), "ab") as f:
+                f.write(row.tobytes())
+
+    def talker_steps(self, request_ids, consume: bool = False) -> np.ndarray | None:
+        """The step records filed under the first of these ids that has any; None when none has."""
+        dt = step_dtype()
+        for rid in request_ids:
+            path = self._steps_path(str(rid))
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            if consume:
+                path.unlink(missing_ok=True)
+            return np.frombuffer(data[:len(data) - len(data) % dt.itemsize], dt).copy()
         return None
 
     def file_handoff(self, flat_codes: np.ndarray, tag: str, request_id: str, chunk: int = 0,
