@@ -46,7 +46,7 @@ def tiny(tmp_path_factory) -> Path:
     Imported by several test modules; the builder keeps an intact build, so a
     second module's call costs a hash check, not a build.
     """
-    out = tmp_path_factory.getbasetemp() / "tiny-seed0"
+    out = tmp_path_factory.getbasetemp() / "tiny-seed0-listen3"
     r = build_checkpoints(out)
     assert r.returncode == 0, r.stderr[-3000:]
     return out

@@ -110,16 +110,17 @@ def test_two_builders_of_the_same_folder_take_turns(tiny, tmp_path):
     assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]  # no half build left behind
 
 
-def test_a_listening_build_scales_the_request_inputs_and_nothing_else(tiny, tmp_path):
-    """--listen F: text embeddings, the language and speaker rows, the x-vector projection and both
-    heads scaled by F, everything else the default build's, and the manifest says so (the default
-    manifest carries no such key, so its hash, and every cache keyed by it, stays)."""
-    r = build_checkpoints(tmp_path / "listen", "--type", "base", "--listen", "3")
+def test_the_default_build_listens_it_scales_the_request_inputs_and_nothing_else(tiny, tmp_path):
+    """The default build (--listen 3) against plain random weights (--listen 0): text embeddings,
+    the language and speaker rows, the x-vector projection and both heads scaled by 3, everything
+    else equal, and the manifests say which is which (the plain one carries no such key, so its
+    hash is what the builder gave before listening became the default)."""
+    r = build_checkpoints(tmp_path / "plain", "--type", "base", "--listen", "0")
     assert r.returncode == 0, r.stderr[-3000:]
     code = f"""
 import json, torch
 from safetensors.torch import load_file
-a = load_file({str(tiny / 'base' / 'model.safetensors')!r}); b = load_file({str(tmp_path / 'listen' / 'model.safetensors')!r})
+a = load_file({str(tmp_path / 'plain' / 'model.safetensors')!r}); b = load_file({str(tiny / 'base' / 'model.safetensors')!r})
 scaled = sorted(k for k in a if not torch.equal(a[k], b[k]))
 emb = 'talker.model.codec_embedding.weight'
 rows = [i for i in range(a[emb].shape[0]) if not torch.equal(a[emb][i], b[emb][i])]
@@ -135,5 +136,5 @@ print(json.dumps({{"scaled": scaled, "rows": rows, "ok": bool(ok)}}))
     assert "speaker_encoder.fc.weight" in got["scaled"]
     assert all(k.startswith(("talker.model.text_embedding", "talker.model.codec_embedding", "talker.codec_head",
                              "talker.code_predictor.lm_head", "speaker_encoder.fc")) for k in got["scaled"])
-    assert json.loads((tmp_path / "listen" / "difftest-checkpoint.json").read_text())["listen"] == 3.0
-    assert "listen" not in json.loads((tiny / "base" / "difftest-checkpoint.json").read_text())
+    assert json.loads((tiny / "base" / "difftest-checkpoint.json").read_text())["listen"] == 3.0
+    assert "listen" not in json.loads((tmp_path / "plain" / "difftest-checkpoint.json").read_text())

@@ -104,7 +104,7 @@ def test_dies_mid_suite_then_resumes_then_serves_from_the_store(tiny, suite, tmp
 
     # 3. Everything cached, through the command line, with the suite's own `model: tiny`
     #    (the store's tiny set is already there: the builder keeps an intact build).
-    shutil.copytree(tiny, store / "checkpoints" / "tiny-seed0")
+    shutil.copytree(tiny, store / "checkpoints" / reference.tiny_folder())
     capsys.readouterr()
     code = difftest_main(["reference", str(suite.path), "--store", str(store), "--python", str(reference_python())])
     out, err = capsys.readouterr()

@@ -32,7 +32,9 @@ def test_selfcheck_catches_talker_defects_at_concurrency_1_by_teacher_forcing(tm
         assert r["ok"] and r["verdict"] == "fail" and r["at_concurrency_1"] == "fail", r
         assert verdict in r["verdicts"] and r["stage"] == "talker" and r["chunk"] == chunk, r
     enc = rows["ref-audio-rate"]  # the encoder consistently wrong: talker, capture and hand-off agree with it
-    assert enc["ok"] and enc["verdicts"] == ["reference_encoder_defect"] and enc["stage"] == "reference_encoder"
+    # (the x-vector from the mis-sampled voice may move the talker too: then it is a talker_defect as well)
+    assert enc["ok"] and enc["stage"] == "reference_encoder" and "reference_encoder_defect" in enc["verdicts"]
+    assert set(enc["verdicts"]) <= {"reference_encoder_defect", "talker_defect"}, enc
     sampled = json.loads((tmp_path / "sc" / "top-k-narrowed" / "report.json").read_text())["sampling"]
     assert sampled["verdict"] == "sampling_defect" and sampled["statistics"]["candidate"]["parts"]["talker"]["z"] > 4
     assert abs(sampled["statistics"]["reference"]["parts"]["talker"]["z"]) <= 4  # the test itself calibrated

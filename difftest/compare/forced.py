@@ -29,8 +29,8 @@ class ForcedPolicy:
     support_max_gap: float = 0.15
     min_top1_share: float = 0.8
     min_sub_top1_share: float = 0.9
-    max_rank: int = 5
-    max_gap: float = 0.25
+    max_rank: int = 10
+    max_gap: float = 1.5
 
 
 def sampled(sf: ScoreFile) -> bool:

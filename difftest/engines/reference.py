@@ -30,6 +30,9 @@ PYTHON_ENV_VAR = "DIFFTEST_REFERENCE_PYTHON"
 LABEL = "qwen-tts"
 TINY = "tiny"  # a suite's `model: tiny` means the seeded tiny checkpoints built by the runner's builder
 TINY_SEED = 0
+# The builder's listening scale (runners/reference/tiny_checkpoint.py LISTEN), passed explicitly and
+# part of the folder name: a store holding an earlier build keeps it, the new one goes beside it.
+TINY_LISTEN = 3
 
 
 @dataclass
@@ -62,10 +65,15 @@ def reference_python(explicit: str | None = None) -> Path:
     return path
 
 
+def tiny_folder(seed: int = TINY_SEED) -> str:
+    return f"tiny-seed{seed}-listen{TINY_LISTEN}"
+
+
 def tiny_checkpoints(store_root: Path, python: Path, seed: int = TINY_SEED) -> list[str]:
     """Build (once) the tiny checkpoint set under the store; returns its three folders."""
-    out = Path(store_root).resolve() / "checkpoints" / f"tiny-seed{seed}"
-    cmd = [str(python), "-m", "runners.reference.tiny_checkpoint", str(out), "--seed", str(seed)]
+    out = Path(store_root).resolve() / "checkpoints" / tiny_folder(seed)
+    cmd = [str(python), "-m", "runners.reference.tiny_checkpoint", str(out), "--seed", str(seed),
+           "--listen", str(TINY_LISTEN)]
     r = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if r.returncode != 0:
         raise InfraError(f"building the tiny checkpoint failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")

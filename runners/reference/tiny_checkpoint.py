@@ -38,6 +38,10 @@ BUILDER_VERSION = 1
 MODEL_TYPES = ("base", "custom_voice", "voice_design")
 MANIFEST_FORMAT = "difftest.checkpoint/1"
 BUILDER = "runners.reference.tiny_checkpoint"
+# The request's inputs (text, language, speaker, instructions) and the heads' logits are scaled by
+# this: with plain unit-gain weights a wrong language or a cut text barely moves the codes, so
+# teacher forcing could not see it (docs/verdicts.md, "the tiny checkpoint listens").
+LISTEN = 3.0
 
 TALKER_HIDDEN = 32
 TALKER_HEAD_DIM = 32  # vLLM's CPU attention: 32 is the smallest supported head size
@@ -251,7 +255,7 @@ def make_it_listen_(model, factor: float) -> None:
                 encoder.fc.bias.mul_(factor)
 
 
-def _build_into(out: Path, seed: int, model_type: str, eos_bias: float, listen: float = 0.0) -> None:
+def _build_into(out: Path, seed: int, model_type: str, eos_bias: float, listen: float = LISTEN) -> None:
     from runners.reference.environment import import_qwen_tts
 
     import_qwen_tts()
@@ -300,15 +304,15 @@ def _make_readable(folder: Path) -> None:
             os.chmod(os.path.join(root, name), 0o644)
 
 
-def _parameters(seed: int, model_type: str, eos_bias: float, listen: float = 0.0) -> dict:
+def _parameters(seed: int, model_type: str, eos_bias: float, listen: float = LISTEN) -> dict:
     params = {"format": MANIFEST_FORMAT, "builder": BUILDER, "builder_version": BUILDER_VERSION,
               "seed": seed, "type": model_type, "eos_bias": float(eos_bias)}
-    if listen:  # recorded only when used: the default build's manifest (and so its hash) stays as it was
+    if listen:  # absent for --listen 0: that build's manifest (and so its hash) stays what it was before
         params["listen"] = float(listen)
     return params
 
 
-def built_as(folder: Path, seed: int, model_type: str, eos_bias: float, listen: float = 0.0) -> bool:
+def built_as(folder: Path, seed: int, model_type: str, eos_bias: float, listen: float = LISTEN) -> bool:
     """True when `folder` holds an intact build with exactly these parameters."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
@@ -321,7 +325,7 @@ def built_as(folder: Path, seed: int, model_type: str, eos_bias: float, listen: 
 
 
 def build(out: str | Path, seed: int = 0, model_type: str = "base", eos_bias: float = 0.0,
-          force: bool = False, listen: float = 0.0) -> Path:
+          force: bool = False, listen: float = LISTEN) -> Path:
     """Build one checkpoint into `out` (atomically: a crash leaves no half folder; concurrent
     builders of the same folder take turns under a lock file beside it)."""
     if model_type not in MODEL_TYPES:
@@ -338,7 +342,7 @@ def build(out: str | Path, seed: int = 0, model_type: str = "base", eos_bias: fl
         return _build_locked(out, seed, model_type, eos_bias, force, listen)
 
 
-def _build_locked(out: Path, seed: int, model_type: str, eos_bias: float, force: bool, listen: float = 0.0) -> Path:
+def _build_locked(out: Path, seed: int, model_type: str, eos_bias: float, force: bool, listen: float = LISTEN) -> Path:
     import importlib.metadata as md
 
     if out.exists() and not force:
@@ -367,7 +371,7 @@ def _build_locked(out: Path, seed: int, model_type: str, eos_bias: float, force:
 
 
 def build_set(out: str | Path, seed: int = 0, types=MODEL_TYPES, eos_bias: float = 0.0,
-              force: bool = False, listen: float = 0.0) -> dict[str, Path]:
+              force: bool = False, listen: float = LISTEN) -> dict[str, Path]:
     """One checkpoint per type in OUT/<type>."""
     out = Path(out)
     return {t: build(out / t, seed, t, eos_bias, force, listen) for t in types}
@@ -381,9 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--type", default="all", choices=(*MODEL_TYPES, "all"))
     ap.add_argument("--eos-bias", type=float, default=0.0,
                     help="norm of codec_head's EOS row (0: keep it random; ~3 makes utterances stop early)")
-    ap.add_argument("--listen", type=float, default=0.0,
-                    help="scale the inputs a request carries (text, language, speaker) and the heads' logits by F "
-                         "(0: off, the default build); runners.reference.sensitivity measures the effect")
+    ap.add_argument("--listen", type=float, default=LISTEN,
+                    help=f"scale the inputs a request carries (text, language, speaker) and the heads' logits by F "
+                         f"(default {LISTEN:g}; 0: plain random weights); runners.reference.sensitivity measures it")
     ap.add_argument("--force", action="store_true", help="replace an existing folder built differently")
     a = ap.parse_args(argv)
     try:
