@@ -352,47 +352,33 @@ def _wrap_forward(original, capture: Capture):
     return forward
 
 
-def _wrap_preprocess(original, capture: Capture):
+def _observe_method(original, observe, kind: str, what: str):
+    """`original` (a method), then `observe(self, args, kwargs, result)` on its result; a failure to
+    observe is logged once per kind and never reaches the engine."""
     @functools.wraps(original)
-    def preprocess(self, *args, **kwargs):
+    def method(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         try:
-            capture.talker_input(kwargs, result)
+            observe(self, args, kwargs, result)
         except Exception:
-            _warn_once("talker", "could not capture the talker's input")
+            _warn_once(kind, what)
         return result
 
-    setattr(preprocess, MARK, True)
-    return preprocess
+    setattr(method, MARK, True)
+    return method
 
 
-def _wrap_compute_logits(original, capture: Capture):
-    @functools.wraps(original)
-    def compute_logits(self, *args, **kwargs):
-        logits = original(self, *args, **kwargs)
-        try:
-            capture.logits_rows(self, logits)
-        except Exception:
-            capture.logit_rows = None
-            _warn_once("logits", "could not name the talker's logits rows")
-        return logits
-
-    setattr(compute_logits, MARK, True)
-    return compute_logits
+def _name_rows(capture: Capture):
+    def observe(model, args, kwargs, logits):
+        capture.logit_rows = None  # stays None if naming fails: no row is filed under a wrong id
+        capture.logits_rows(model, logits)
+    return observe
 
 
-def _wrap_logits_processors(original, capture: Capture):
-    @functools.wraps(original)
-    def apply_logits_processors(self, logits, sampling_metadata, *args, **kwargs):
-        out = original(self, logits, sampling_metadata, *args, **kwargs)
-        try:
-            capture.sampled_from(out, sampling_metadata)
-        except Exception:
-            _warn_once("topk", "could not capture the talker's top-k log-probabilities")
-        return out
-
-    setattr(apply_logits_processors, MARK, True)
-    return apply_logits_processors
+def _sampled(capture: Capture):
+    def observe(sampler, args, kwargs, out):
+        capture.sampled_from(out, args[1] if len(args) > 1 else kwargs.get("sampling_metadata"))
+    return observe
 
 
 def wrap_stage_functions(module, capture: Capture) -> list[str]:
@@ -427,14 +413,17 @@ def install(root: str | Path) -> Capture:
         wrapped.append("Qwen3TTSCode2Wav.forward")
     talker = importlib.import_module(TALKER_MODULE).Qwen3TTSTalkerForConditionalGeneration
     if not getattr(talker.preprocess, MARK, False):
-        talker.preprocess = _wrap_preprocess(talker.preprocess, _capture)
+        talker.preprocess = _observe_method(talker.preprocess, lambda m, a, kw, r: _capture.talker_input(kw, r),
+                                            "talker", "could not capture the talker's input")
         wrapped.append("Qwen3TTSTalkerForConditionalGeneration.preprocess")
     if not getattr(talker.compute_logits, MARK, False):
-        talker.compute_logits = _wrap_compute_logits(talker.compute_logits, _capture)
+        talker.compute_logits = _observe_method(talker.compute_logits, _name_rows(_capture), "logits",
+                                                "could not name the talker's logits rows")
         wrapped.append("Qwen3TTSTalkerForConditionalGeneration.compute_logits")
     sampler = importlib.import_module(SAMPLER_MODULE).Sampler
     if not getattr(sampler.apply_logits_processors, MARK, False):
-        sampler.apply_logits_processors = _wrap_logits_processors(sampler.apply_logits_processors, _capture)
+        sampler.apply_logits_processors = _observe_method(sampler.apply_logits_processors, _sampled(_capture), "topk",
+                                                          "could not capture the talker's top-k log-probabilities")
         wrapped.append("Sampler.apply_logits_processors")
     if wrapped:
         logger.info("difftest capture: writing to %s (wrapped %s)", root, ", ".join(wrapped))
