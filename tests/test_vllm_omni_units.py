@@ -60,13 +60,55 @@ def test_overlay_options_async_chunk_binding_and_overrides(tmp_path):
     assert yaml.safe_load(path.read_text()) == ov
 
 
-def test_gpu_overlay_keeps_the_engine_defaults():
-    ov = vo.deploy_overlay("/x/qwen3_tts.yaml", vo.VllmOmniOptions(device="cuda"))
-    assert "model_runner" not in ov
-    talker = ov["stages"][0]
-    for key in ("enforce_eager", "kv_cache_memory_bytes", "dtype", "env"):
+def test_gpu_overlay_sets_both_dtypes_the_devices_and_keeps_the_capture_out_of_cuda_graphs():
+    ov = vo.deploy_overlay("/x/qwen3_tts.yaml", vo.VllmOmniOptions(device="cuda", vocoder_dtype="float32"))
+    assert "model_runner" not in ov  # the deploy's own (MRV2 on CUDA)
+    talker, vocoder = ov["stages"]
+    assert (talker["dtype"], vocoder["dtype"]) == ("bfloat16", "float32")  # was unset on CUDA
+    assert (talker["devices"], vocoder["devices"]) == ("0", "0")
+    assert talker["gpu_memory_utilization"] == vocoder["gpu_memory_utilization"] == 0.425
+    assert "enforce_eager" not in talker  # the talker keeps its CUDA graphs unless asked
+    assert vocoder["enforce_eager"] is True  # the capture hook copies to the host inside forward
+    for key in ("kv_cache_memory_bytes", "env"):
         assert key not in talker
     assert talker["subtalker_sampling_params"]["do_sample"] is False
+
+    eager = vo.deploy_overlay("/x/a.yaml", vo.VllmOmniOptions(device="cuda", enforce_eager=True, capture=False))
+    assert [s["enforce_eager"] for s in eager["stages"]] == [True, True]
+    plain = vo.deploy_overlay("/x/a.yaml", vo.VllmOmniOptions(device="cuda", capture=False))
+    assert plain["stages"][1]["enforce_eager"] is False  # nothing hooks the vocoder: its CUDA graph may run
+
+    split = vo.deploy_overlay("/x/a.yaml", vo.VllmOmniOptions(device="cuda", gpus=(1, 2),
+                                                              memory_fractions=(0.6, 0.85)))
+    assert [(s["devices"], s["gpu_memory_utilization"]) for s in split["stages"]] == [("0", 0.6), ("1", 0.85)]
+
+
+def test_capture_refuses_a_vocoder_under_cuda_graphs():
+    opts = vo.VllmOmniOptions(device="cuda", stage_overrides={1: {"enforce_eager": False}})
+    with pytest.raises(BadInput, match="vocoder.enforce_eager=false.*capture"):
+        vo.deploy_overlay("/x/qwen3_tts.yaml", opts)
+    ov = vo.deploy_overlay("/x/a.yaml", vo.VllmOmniOptions(device="cuda", capture=False,
+                                                           stage_overrides={1: {"enforce_eager": False}}))
+    assert ov["stages"][1]["enforce_eager"] is False
+
+
+def test_gpu_server_env_confines_the_server_and_says_batch_invariance(monkeypatch, tmp_path):
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")  # inherited from the shell: not what this run asked
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2,3")
+    env = vo.server_env(vo.VllmOmniOptions(device="cuda", gpus=(1, 2)), None, tmp_path)
+    assert env["CUDA_VISIBLE_DEVICES"] == "1,2" and "VLLM_BATCH_INVARIANT" not in env
+    env = vo.server_env(vo.VllmOmniOptions(device="cuda", batch_invariant=True), None, tmp_path)
+    assert env["CUDA_VISIBLE_DEVICES"] == "0" and env["VLLM_BATCH_INVARIANT"] == "1"
+
+
+def test_gpu_provenance_records_dtypes_eagerness_and_gpus(tmp_path):
+    opts = vo.VllmOmniOptions(device="cuda", gpus=(3,), vocoder_dtype="bfloat16", batch_invariant=True)
+    path = vo.write_overlay(tmp_path / "overlay.yaml", vo.deploy_overlay("/x/a.yaml", opts))
+    env_info = {"vllm_omni": "0.30.0", "vllm": "0.30.0"}
+    info = vo._provenance(env_info, opts, path, tmp_path)
+    assert (info["talker_dtype"], info["vocoder_dtype"]) == ("bfloat16", "bfloat16")  # was None on CUDA
+    assert info["gpus"] == [3] and info["batch_invariant"] is True
+    assert info["enforce_eager"] == {0: None, 1: True}  # talker: the deploy's default (CUDA graphs)
 
 
 @pytest.mark.parametrize("opts, words", [
@@ -318,3 +360,38 @@ def test_untagged_requests_are_named_by_request_id_only_when_asked(monkeypatch):
     assert request_tag(worker_state) == "rid-0_ab_c_d" == request_id_tag("0_ab/c d")
     assert request_tag(tagged) == "t1"  # a tag still wins
     assert request_id_tag("") is None and valid_tag(request_id_tag("é" * 300))
+
+
+CAPTURE_UNDER_COMPILE = r"""
+import json, sys, torch
+from runners.vllm_omni.difftest_capture.difftest_capture import hooks
+
+class Vocoder:
+    def forward(self, codes):
+        return codes * 2
+
+calls = []
+class Recorder:  # stands in for hooks.Capture: records what the wrapper hands it
+    def vocoder(self, model, bound, output):
+        calls.append(bound.arguments["codes"].shape[0])
+
+Vocoder.forward = hooks._wrap_forward(Vocoder.forward, Recorder())
+v = Vocoder()
+eager = v.forward(torch.ones(3))
+compiled = torch.compile(lambda x: v.forward(x), backend="eager")(torch.ones(5))
+print(json.dumps({"calls": calls, "eager": eager.tolist(), "compiled": compiled.tolist()}))
+"""
+
+
+def test_the_vocoder_capture_stays_out_of_compiled_graphs(tmp_path):
+    """Under torch.compile the wrapper must neither copy to the host nor change the output: it
+    returns the result untouched and captures nothing (difftest keeps the vocoder eager)."""
+    from reference_support import reference_python
+
+    r = __import__("subprocess").run([str(reference_python()), "-c", CAPTURE_UNDER_COMPILE], cwd=REPO,
+                                     capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["calls"] == [3]  # the eager call only
+    assert got["eager"] == [2.0] * 3 and got["compiled"] == [2.0] * 5
+    assert "torch.compile" in r.stderr  # said once, in the engine's log

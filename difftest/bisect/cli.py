@@ -16,6 +16,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from ..engines.placement import device_arg
 from ..errors import BadInput, DifftestError
 
 PROBE_ABORT = 128  # `git bisect run` stops on it: bad input or a failure that is no commit's fault
@@ -69,7 +70,8 @@ def _common(p: argparse.ArgumentParser) -> None:
     r.add_argument("--policy", help="policy YAML (default: the built-in one)")
     r.add_argument("--reference-model", action="append", default=[])
     r.add_argument("--reference-python")
-    r.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="reference runner device")
+    r.add_argument("--reference-device", "--device", dest="device", type=device_arg, default="cpu",
+                   metavar="cpu|cuda|cuda:N", help="reference runner device (cuda:N: the host's GPU N)")
     r.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="reference runner dtype")
     d = p.add_argument_group("deciding")
     d.add_argument("--repeats", type=int, default=1, help="runs per commit at most (flaky candidates), default 1")

@@ -20,8 +20,10 @@ from pathlib import Path
 from ..errors import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_PASS, BadInput, InfraError
 from ..progress import Progress
 from ..results import CorruptResult, Result, ResultStore, read_result
+from ..suites.checkpoints import check_suite
 from ..suites.suite import Suite, load_suite
 from .base import Outcome
+from .placement import device_arg, gpu_env, parse_device
 from .runner_client import RunnerDied, RunnerProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -80,12 +82,45 @@ def tiny_checkpoints(store_root: Path, python: Path, seed: int = TINY_SEED) -> l
     return [str(out / t) for t in ("base", "custom_voice", "voice_design")]
 
 
+TINY_MANIFEST = "difftest-checkpoint.json"  # runners/reference/tiny_checkpoint.py MANIFEST
+TINY_FORMAT = "difftest.checkpoint/1"
+
+
+def tiny_build(model: str) -> dict | None:
+    """The builder's manifest when `model` is a folder holding a difftest tiny checkpoint, else None."""
+    try:
+        manifest = json.loads((Path(model) / TINY_MANIFEST).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and manifest.get("format") == TINY_FORMAT else None
+
+
+def never_stops(models: list[str]) -> bool:
+    """True when the voice-clone checkpoint among `models` is a tiny build without an EOS bias: its
+    random talker never emits codec EOS, so every request runs to max_new_tokens."""
+    for m in models:
+        manifest = tiny_build(m)
+        if manifest is not None and manifest.get("type") == "base":
+            return not manifest.get("eos_bias")
+    return False
+
+
 def runner_argv(python: Path, models: list[str], options: ReferenceOptions) -> list[str]:
     """The runner's command line. It runs in the repository root: local paths are made absolute."""
     argv = [str(python), "-m", "runners.reference"]
     for m in models:
         argv += ["--model", str(Path(m).resolve()) if Path(m).exists() else m]
-    return argv + ["--device", options.device, "--dtype", options.dtype, "--threads", str(options.threads)]
+    device = parse_device(options.device, "reference device")  # cuda:N: the runner sees only GPU N, as cuda
+    return argv + ["--device", device.kind, "--dtype", options.dtype, "--threads", str(options.threads)]
+
+
+def runner_env(options: ReferenceOptions, base: dict | None = None) -> dict:
+    """The runner's environment: offline, and on a GPU host confined to its own GPU."""
+    env = dict(os.environ if base is None else base, HF_HUB_OFFLINE="1")
+    device = parse_device(options.device, "reference device")
+    if device.kind == "cuda":
+        env.update(gpu_env([device.index]))
+    return env
 
 
 def start_runner(runner: RunnerProcess) -> dict:
@@ -209,9 +244,10 @@ def run_reference(suite: Suite, store_root: str | Path, options: ReferenceOption
         python = reference_python(options.python)
         models = list(options.models) or (
             tiny_checkpoints(store_root, python) if suite.model == TINY else [suite.model])
+        check_suite(suite, models)
         log_path = options.log_path or store_root / "logs" / f"{LABEL}-runner.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        runner = RunnerProcess(runner_argv(python, models, options), env=dict(os.environ, HF_HUB_OFFLINE="1"),
+        runner = RunnerProcess(runner_argv(python, models, options), env=runner_env(options),
                                log_path=log_path, cwd=REPO)
     try:
         return ReferenceEngine(runner, store_root, options.timeout).generate(suite.segments, progress=progress)
@@ -247,7 +283,7 @@ def add_reference_parser(subparsers) -> argparse.ArgumentParser:
                     help="checkpoint folder or cached Hugging Face id, one per model type "
                          "(default: the suite's model; 'tiny' builds the seeded tiny set in the store)")
     ap.add_argument("--python", help=f"reference environment interpreter (default {DEFAULT_PYTHON}, or ${PYTHON_ENV_VAR})")
-    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--device", type=device_arg, default="cpu", metavar="cpu|cuda|cuda:N")
     ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (the waveform's last bits depend on it)")
     ap.add_argument("--log", type=Path, help="runner log file (default <store>/logs/qwen-tts-runner.log)")

@@ -126,11 +126,15 @@ def _vllm_omni_options(spec: CandidateSpec, setup: Setup):
     vLLM-Omni alike (the vocoder's dtype and the request timeout included)."""
     from .vllm_omni import VllmOmniOptions, decode_settings
 
+    from .reference import never_stops
+
     opts = setup.opts
     decode, warnings = decode_settings(setup.suite.segments)
     settings = {"request_timeout": opts.request_timeout, "vocoder_dtype": opts.reference.dtype,
-                # the seeded tiny checkpoints never emit EOS: let a length-capped voice clone answer
-                "accept_length_finish": setup.suite.model == "tiny", **opts.vllm_omni, **spec.options}
+                # a seeded tiny checkpoint that never emits EOS: let a length-capped voice clone answer
+                "accept_length_finish": never_stops(setup.models), **opts.vllm_omni, **spec.options}
+    if settings.get("device") == "cuda":
+        settings.update(_gpu_placement(settings, setup))
     if spec.python:
         settings["python"] = spec.python
     if spec.engine_args:
@@ -146,6 +150,26 @@ def _vllm_omni_options(spec: CandidateSpec, setup: Setup):
 
         check(omni_python(vo.python), vo.deploy_overrides, vo.stage_overrides)
     return vo, warnings
+
+
+def _gpu_placement(settings: dict, setup: Setup) -> dict:
+    """The candidate's GPUs (default: the reference's) and each stage's memory fraction, leaving
+    room for the reference models where they share a GPU (difftest.engines.placement)."""
+    from . import placement
+    from .vllm_omni import CHECKPOINT_TYPE, models_for_tasks
+
+    ref = placement.parse_device(setup.opts.reference.device, "reference device")
+    gpus = placement.candidate_gpus(tuple(settings.get("gpus") or ()), ref)
+    out = {"gpus": gpus}
+    if settings.get("memory_fractions"):
+        return out
+    servers = len(models_for_tasks(setup.models, {s.task for s in setup.suite.segments} or set(CHECKPOINT_TYPE)))
+    ref_gpu = ref.index if ref.kind == "cuda" else None
+    shared = ref_gpu is not None and ref_gpu in gpus
+    need = placement.reference_bytes(setup.models) if shared else 0
+    total = placement.gpu_total_bytes(ref_gpu) if shared else None
+    out["memory_fractions"] = placement.stage_memory_fractions(gpus, servers, ref_gpu, need, total)
+    return out
 
 
 def engine_identity(spec: CandidateSpec, setup: Setup) -> dict:

@@ -39,6 +39,7 @@ from pathlib import Path
 import yaml
 
 from ..errors import BadInput, InfraError
+from ..suites.checkpoints import checkpoint_type
 from .launcher import ServerProcess, free_port
 from .runner_client import RunnerDied, RunnerProcess
 from .speech_client import SpeechAnswer, SpeechClient
@@ -86,6 +87,13 @@ class VllmOmniOptions:
     # Answer a voice clone that reached max_new_tokens with its audio instead of HTTP 500 (vLLM-Omni 0.30's
     # Qwen3TTSCodecLimitError). Needed for the seeded tiny checkpoints, which never emit EOS; recorded in provenance.
     accept_length_finish: bool = False
+    # A GPU host (difftest.engines.placement): the server's GPUs (one for both stages, or talker,vocoder),
+    # each stage's gpu_memory_utilization (room left for a reference sharing the GPU), and what makes
+    # greedy decoding comparable across batch sizes: eager stages, vLLM's batch-invariant kernels.
+    gpus: tuple = (0,)
+    memory_fractions: tuple | None = None  # (talker, vocoder); None: 0.85 split evenly over the stages
+    enforce_eager: bool = False  # both stages eager (no CUDA graphs, no torch.compile); the CPU is always eager
+    batch_invariant: bool = False  # VLLM_BATCH_INVARIANT=1 in the server
 
     @classmethod
     def for_decode(cls, decode: dict, concurrency: int, **overrides) -> VllmOmniOptions:
@@ -190,21 +198,6 @@ def environment_info(python: Path) -> dict:
     return info
 
 
-# The released checkpoints say their type in their name (Qwen/Qwen3-TTS-12Hz-1.7B-Base, ...-CustomVoice, ...).
-_NAME_SUFFIX = {"-base": "base", "-customvoice": "custom_voice", "-voicedesign": "voice_design"}
-
-
-def checkpoint_type(model: str) -> str | None:
-    """A checkpoint's tts_model_type (base, custom_voice, voice_design): from a local folder's
-    config.json, else from a released checkpoint's name; None when unknown."""
-    try:
-        return json.loads((Path(model) / "config.json").read_text(encoding="utf-8")).get("tts_model_type")
-    except (OSError, ValueError):
-        pass
-    name = model.rstrip("/").lower()
-    return next((t for suffix, t in _NAME_SUFFIX.items() if name.endswith(suffix)), None)
-
-
 def models_for_tasks(models: list[str], tasks) -> dict[str, str]:
     """checkpoint type -> model, one per type the tasks need. vLLM-Omni serves one checkpoint per server."""
     if not models:
@@ -260,9 +253,20 @@ def deploy_overlay(base_config: str | Path, opts: VllmOmniOptions, servers: int 
                        max_num_batched_tokens=opts.vocoder_max_model_len,
                        kv_cache_memory_bytes=int(opts.vocoder_kv_cache_bytes))
     elif opts.device == "cuda":
-        if servers > 1:
-            for stage in (talker, vocoder):
-                stage["gpu_memory_utilization"] = round(0.85 / (2 * servers), 3)
+        from .placement import CEILING, stage_devices
+
+        gpus = tuple(opts.gpus) or (0,)
+        shared = len(gpus) == 1
+        fractions = opts.memory_fractions or (round(CEILING / ((2 if shared else 1) * servers), 3),) * 2
+        for stage, devices, fraction in zip((talker, vocoder), stage_devices(gpus), fractions):
+            stage.update(devices=devices, gpu_memory_utilization=fraction)
+        if opts.enforce_eager:
+            talker["enforce_eager"] = True
+        # The capture plugin copies the vocoder's output to the host inside its forward: that
+        # cannot run inside vLLM's CUDA graph of the Code2Wav model, or under torch.compile.
+        vocoder["enforce_eager"] = bool(opts.enforce_eager or opts.capture or opts.accept_length_finish)
+        talker["dtype"] = "bfloat16"
+        vocoder["dtype"] = opts.vocoder_dtype
     else:
         raise BadInput(f"device {opts.device!r}: expected cpu or cuda")
     if runner is not None:
@@ -272,6 +276,10 @@ def deploy_overlay(base_config: str | Path, opts: VllmOmniOptions, servers: int 
         stage.update(opts.stage_overrides.get(stage["stage_id"], opts.stage_overrides.get(str(stage["stage_id"]), {})))
     overlay["stages"] = stages
     overlay.update(opts.deploy_overrides)
+    if (opts.capture or opts.accept_length_finish) and stages[1].get("enforce_eager") is False:
+        raise BadInput("vocoder.enforce_eager=false: difftest's capture reads the vocoder's output inside its "
+                       "forward, which vLLM's CUDA graph (and torch.compile) would skip; keep the vocoder eager, "
+                       "or run without capture")
     return overlay
 
 
@@ -303,8 +311,15 @@ def server_env(opts: VllmOmniOptions, capture_dir: Path | None, speakers_dir: Pa
         env["DIFFTEST_CAPTURE_DIR"] = str(capture_dir)
     if opts.accept_length_finish:
         env["DIFFTEST_ACCEPT_LENGTH_FINISH"] = "1"
+    env.pop("VLLM_BATCH_INVARIANT", None)
+    if opts.batch_invariant:
+        env["VLLM_BATCH_INVARIANT"] = "1"
     if opts.device == "cpu":
         env.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind" if "|" in opts.threads_bind else opts.threads_bind)
+    else:
+        from .placement import gpu_env
+
+        env.update(gpu_env(opts.gpus or (0,)))
     return env
 
 
@@ -353,6 +368,12 @@ def _prepare(out_dir: Path, models: list[str], opts: VllmOmniOptions, tasks) -> 
     return python, env_info, to_serve, overlay_path, capture, env
 
 
+def _eager_stages(overlay_path: Path) -> dict:
+    """{stage_id: enforce_eager} as the overlay sets it (unset: the deploy's own, CUDA graphs on a GPU)."""
+    overlay = yaml.safe_load(Path(overlay_path).read_text(encoding="utf-8")) or {}
+    return {s.get("stage_id"): s.get("enforce_eager") for s in overlay.get("stages") or []}
+
+
 def _provenance(env_info: dict, opts: VllmOmniOptions, overlay_path: Path, capture: Path | None) -> dict:
     platform = "difftest CPU platform (vllm-cpu)" if opts.device == "cpu" else opts.device
     commit = f" (commit {env_info['vllm_omni_commit'][:12]})" if env_info.get("vllm_omni_commit") else ""
@@ -365,8 +386,11 @@ def _provenance(env_info: dict, opts: VllmOmniOptions, overlay_path: Path, captu
                                                   "vllm_distribution", "torch", "transformers", "difftest_capture",
                                                   "difftest_cpu_platform", "python")},
         "device": opts.device,
-        "talker_dtype": "bfloat16" if opts.device == "cpu" else None,
-        "vocoder_dtype": opts.vocoder_dtype if opts.device == "cpu" else None,
+        "talker_dtype": "bfloat16",  # vLLM-Omni 0.30's talker is bf16-only; the overlay says so on every device
+        "vocoder_dtype": opts.vocoder_dtype,
+        "gpus": list(opts.gpus) if opts.device == "cuda" else None,
+        "enforce_eager": _eager_stages(overlay_path),
+        "batch_invariant": bool(opts.batch_invariant),
         "async_chunk": bool(opts.async_chunk),
         "max_num_seqs": opts.max_num_seqs,
         "repetition_penalty": opts.repetition_penalty,
@@ -375,6 +399,15 @@ def _provenance(env_info: dict, opts: VllmOmniOptions, overlay_path: Path, captu
         "capture": capture is not None,
         "accept_length_finish": bool(opts.accept_length_finish),
     }
+
+
+def _gpu_names(opts: VllmOmniOptions) -> list | None:
+    """The candidate's GPU models (results from one GPU model are not another's); None on the CPU."""
+    if opts.device != "cuda":
+        return None
+    from .placement import nvidia_smi
+
+    return [nvidia_smi("name", g) for g in (opts.gpus or (0,))]
 
 
 def describe(models: list[str], opts: VllmOmniOptions, tasks, api: str) -> dict:
@@ -393,9 +426,9 @@ def describe(models: list[str], opts: VllmOmniOptions, tasks, api: str) -> dict:
                                                       "vllm_distribution", "torch", "transformers",
                                                       "difftest_capture", "difftest_cpu_platform")},
             "deploy_base_sha256": hashlib.sha256(base.read_bytes()).hexdigest(), "overlay": overlay,
-            "extra_args": [str(a) for a in opts.extra_args], "device": opts.device,
+            "extra_args": [str(a) for a in opts.extra_args], "device": opts.device, "gpu": _gpu_names(opts),
             "accept_length_finish": bool(opts.accept_length_finish), "capture": bool(opts.capture),
-            "served": sorted(to_serve)}
+            "batch_invariant": bool(opts.batch_invariant), "served": sorted(to_serve)}
 
 
 def start_vllm_omni(out_dir: str | Path, models: list[str], opts: VllmOmniOptions, stack: ExitStack,

@@ -21,7 +21,7 @@ from runners.protocol import serve
 from runners.reference.checkpoint import CheckpointError, open_checkpoints
 from runners.reference.engine import QwenTTSEngine
 from runners.reference.scoring import VERSION as SCORE_VERSION
-from runners.reference.environment import cuda_device_name, host, log, package_versions, repo_commit
+from runners.reference.environment import cuda_device_name, host, log, package_versions, repo_commit, visible_gpu
 from runners.reference.service import LABEL, ReferenceService
 
 # Bump when the runner's own behaviour changes what it writes for the same inputs.
@@ -79,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"runners.reference: {e}", file=sys.stderr)
         return 2
+    if args.device == "cuda" and cuda_device_name() is None:
+        # Before any model loads: a GPU host whose GPU is not visible here would otherwise fail at the
+        # first segment, minutes later, with torch's message.
+        print(f"runners.reference: --device cuda but no NVIDIA GPU is visible (nvidia-smi -i {visible_gpu()}; "
+              f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')})", file=sys.stderr)
+        return 3
     fingerprint, provenance = describe(checkpoints, args.device, args.dtype, args.threads)
     engine = QwenTTSEngine(checkpoints, device=args.device, dtype=args.dtype, threads=args.threads)
     service = ReferenceService(checkpoints, engine, provenance)

@@ -98,6 +98,7 @@ class QwenTTSEngine:
 
             ckpt = self.checkpoints[task]
             t0 = time.perf_counter()
+            # cuda:0 is the runner's own GPU: difftest confines it with CUDA_VISIBLE_DEVICES (placement.py)
             device_map = "cuda:0" if self.device == "cuda" else self.device
             tts = Qwen3TTSModel.from_pretrained(str(ckpt.path), dtype=getattr(torch, self.dtype), device_map=device_map)
             self._models[task] = (tts, _Capture(tts))

@@ -32,10 +32,17 @@ def repo_commit() -> str | None:
     return (r.stdout.strip() or None) if r.returncode == 0 else None
 
 
+def visible_gpu() -> str:
+    """The host's index (or UUID) of the GPU this process calls cuda:0: the first entry of
+    CUDA_VISIBLE_DEVICES, which nvidia-smi ignores (its -i is the host's numbering)."""
+    first = os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",")[0].strip()
+    return first or "0"
+
+
 def cuda_device_name() -> str | None:
-    """The first GPU's name without importing torch (nvidia-smi), or None."""
+    """The name of the GPU this process uses, without importing torch (nvidia-smi), or None."""
     try:
-        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", "0"],
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader", "-i", visible_gpu()],
                            capture_output=True, text=True, timeout=20)
     except (OSError, subprocess.TimeoutExpired):
         return None

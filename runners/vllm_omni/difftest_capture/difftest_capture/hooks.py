@@ -310,6 +310,16 @@ class Capture:
             self.store.update(tag, wav=whole, sample_rate=np.array(int(getattr(model, "_output_sample_rate", 24000))))
 
 
+def _in_graph() -> bool:
+    """True while torch records a CUDA graph or traces for torch.compile."""
+    import torch
+
+    compiling = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if compiling is not None and compiling():
+        return True
+    return bool(torch.cuda.is_available() and torch.cuda.is_current_stream_capturing())
+
+
 def _long():
     import torch
 
@@ -342,6 +352,13 @@ def _wrap_forward(original, capture: Capture):
     @functools.wraps(original)
     def forward(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
+        if _in_graph():
+            # Copying to the host is not allowed while a CUDA graph records, and a replay or a compiled
+            # graph never runs this Python: capturing here would be wrong or silently absent. difftest
+            # keeps the vocoder stage eager (enforce_eager) so this is never reached; say so if it is.
+            _warn_once("vocoder-graph", "vocoder output not captured: the vocoder runs under a CUDA graph or "
+                       "torch.compile (set the vocoder stage's enforce_eager: true)")
+            return result
         try:
             capture.vocoder(self, sig.bind(self, *args, **kwargs), result)
         except Exception:

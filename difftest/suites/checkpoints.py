@@ -1,0 +1,94 @@
+"""A suite checked against the checkpoints that will serve it, before any model work.
+
+The reference runner refuses a segment whose task has no checkpoint, whose language
+the checkpoint does not know or whose speaker it lacks, but only when it reaches
+that segment, after every segment before it has been generated. This reads the
+checkpoints' config.json here instead and names every such segment at once (exit 2).
+A checkpoint not on this disk (a Hugging Face id) is typed by its released name
+(...-Base, ...-CustomVoice, ...-VoiceDesign); its languages and speakers are then
+left to the runner.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import BadInput
+
+TYPE_OF_TASK = {"voice_clone": "base", "custom_voice": "custom_voice", "voice_design": "voice_design"}
+_NAME_SUFFIX = {"-base": "base", "-customvoice": "custom_voice", "-voicedesign": "voice_design"}
+SHOWN = 8  # problems listed before "and N more"
+
+
+@dataclass(frozen=True)
+class CheckpointFacts:
+    model: str
+    type: str | None
+    languages: frozenset | None  # lower-case; None: unknown (no local config.json)
+    speakers: frozenset | None
+
+
+def _config(model: str) -> dict | None:
+    try:
+        cfg = json.loads((Path(model) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def checkpoint_type(model: str) -> str | None:
+    """base, custom_voice or voice_design: from a local folder's config.json, else from a released
+    checkpoint's name (Qwen/Qwen3-TTS-12Hz-1.7B-Base, ...); None when unknown."""
+    cfg = _config(model)
+    if cfg is not None:
+        return cfg.get("tts_model_type")
+    name = model.rstrip("/").lower()
+    return next((t for suffix, t in _NAME_SUFFIX.items() if name.endswith(suffix)), None)
+
+
+def facts(model: str) -> CheckpointFacts:
+    cfg = _config(model)
+    if cfg is None:
+        return CheckpointFacts(model, checkpoint_type(model), None, None)
+    talker = cfg.get("talker_config") if isinstance(cfg.get("talker_config"), dict) else {}
+    # as qwen-tts 0.1.1 accepts them: "auto" and every non-dialect codec_language_id key
+    languages = {"auto"} | {k.lower() for k in (talker.get("codec_language_id") or {}) if "dialect" not in k}
+    speakers = {k.lower() for k in (talker.get("spk_id") or {})}
+    return CheckpointFacts(model, cfg.get("tts_model_type"), frozenset(languages), frozenset(speakers))
+
+
+def problems(suite, models: list[str]) -> list[str]:
+    """What the checkpoints cannot serve: one line per segment and field."""
+    by_type: dict[str, CheckpointFacts] = {}
+    for m in models:
+        f = facts(m)
+        if f.type is not None:
+            by_type.setdefault(f.type, f)
+    untyped = [m for m in models if facts(m).type is None]
+    if untyped and len(models) == 1:  # one unnamed hub id: the runner will say what it is
+        return []
+    out = []
+    for seg in suite.segments:
+        where = f"{suite.path.name}: segment {seg.id}"
+        ckpt = by_type.get(TYPE_OF_TASK[seg.task])
+        if ckpt is None:
+            have = ", ".join(f"{t} ({f.model})" for t, f in sorted(by_type.items())) or "none typed"
+            out.append(f"{where}: task {seg.task} needs a {TYPE_OF_TASK[seg.task]} checkpoint (have: {have})")
+            continue
+        if ckpt.languages is not None and (seg.language or "Auto").lower() not in ckpt.languages:
+            out.append(f"{where}: language {seg.language!r} is not one the {ckpt.type} checkpoint knows "
+                       f"({', '.join(sorted(ckpt.languages))})")
+        if seg.task == "custom_voice" and ckpt.speakers is not None and (seg.speaker or "").lower() not in ckpt.speakers:
+            out.append(f"{where}: speaker {seg.speaker!r} is not in the custom_voice checkpoint {ckpt.model} "
+                       f"(it has: {', '.join(sorted(ckpt.speakers)) or 'none'})")
+    return out
+
+
+def check_suite(suite, models: list[str]) -> None:
+    """BadInput naming every segment the checkpoints cannot serve (before any model is loaded)."""
+    found = problems(suite, models)
+    if found:
+        more = f"\n  ... and {len(found) - SHOWN} more" if len(found) > SHOWN else ""
+        raise BadInput("the suite does not fit its checkpoints:\n  " + "\n  ".join(found[:SHOWN]) + more)
