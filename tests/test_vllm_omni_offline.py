@@ -206,6 +206,27 @@ def test_difftest_run_with_the_offline_candidate(tmp_path):
         # float32 on both sides: the reference vocoder on vLLM-Omni's codes matches its audio closely,
         # with no 16-bit allowance
         assert voc["quantised"] is False and voc["worst_tier"] in ("identical", "close")
+    # the GPU host check's summary (scripts/gpu-check.sh) of this real run, read on the CPU
+    from difftest.gpucheck import summary
+
+    got = summary(tmp_path / "run", gpu_list=[])
+    assert got["ok"] and got["versions"]["vllm_omni"] == "0.30.0" and got["versions"]["qwen_tts"] == "0.1.1"
+    assert got["verdicts"] == {"c1": {"verdict": "pass", "counts": _counts(rep["at_concurrency_1"]["segments"])},
+                               "c4": {"verdict": "pass", "counts": rep["counts"]}}
+    assert got["devices"]["reference"] == "cpu" and got["settings"]["talker_dtype"] == "bfloat16"
+    assert got["timings_s"]["total_s"] == rep["provenance"]["timings"]["total_s"] > 0
+    # every request's codes, audio and the talker's own input and top-k were captured (CPU: model runner v1)
+    per_run = len(rep["segments"])
+    assert got["capture"]["files"] >= per_run
+    for field in ("codes", "wav", "talker_prompt", "talker_topk_ids"):
+        assert got["capture"]["fields"].get(field, 0) >= per_run, got["capture"]
+
+
+def _counts(segments) -> dict:
+    out: dict = {}
+    for s in segments:
+        out[s["verdict"]] = out.get(s["verdict"], 0) + 1
+    return dict(sorted(out.items()))
 
 
 def test_offline_refuses_server_only_options(tmp_path):
