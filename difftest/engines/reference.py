@@ -20,7 +20,6 @@ from pathlib import Path
 from ..errors import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_PASS, BadInput, InfraError
 from ..progress import Progress
 from ..results import CorruptResult, Result, ResultStore, read_result
-from ..suites.checkpoints import check_suite
 from ..suites.suite import Suite, load_suite
 from .base import Outcome
 from .placement import device_arg, gpu_env, parse_device
@@ -244,7 +243,6 @@ def run_reference(suite: Suite, store_root: str | Path, options: ReferenceOption
         python = reference_python(options.python)
         models = list(options.models) or (
             tiny_checkpoints(store_root, python) if suite.model == TINY else [suite.model])
-        check_suite(suite, models)
         log_path = options.log_path or store_root / "logs" / f"{LABEL}-runner.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         runner = RunnerProcess(runner_argv(python, models, options), env=runner_env(options),

@@ -3,7 +3,9 @@
 The reference runner refuses a segment whose task has no checkpoint, whose language
 the checkpoint does not know or whose speaker it lacks, but only when it reaches
 that segment, after every segment before it has been generated. This reads the
-checkpoints' config.json here instead and names every such segment at once (exit 2).
+checkpoints' config.json here instead and names every such segment at once (exit 2):
+`difftest run` refuses such a suite before any model work. (`difftest reference`, which
+fills a store, computes what it can and lists the rest as bad_input, as before.)
 A checkpoint not on this disk (a Hugging Face id) is typed by its released name
 (...-Base, ...-CustomVoice, ...-VoiceDesign); its languages and speakers are then
 left to the runner.
