@@ -76,6 +76,7 @@ class RunOptions:
     vllm_omni: dict = field(default_factory=dict)  # difftest.engines.vllm_omni.VllmOmniOptions fields (python, device, ...)
     replace: bool = False  # discard a run folder's results that another candidate or configuration produced
     repeat: bool = True  # serve every segment once more at concurrency 1, after the others (history check)
+    ray: dict | None = None  # {"address": ..., "workers": N}: the reference side on Ray (difftest.scale)
 
 
 def _segments_with_codes(results: dict) -> dict:
@@ -134,6 +135,18 @@ def start_reference_runner(python: Path, models: list[str], ref_opts: ReferenceO
     return runner
 
 
+def start_ray_pool(python: Path, models: list[str], ref_opts: ReferenceOptions, ray: dict):
+    """Reference runners as Ray actors (difftest.scale.ray_pool), behind the RunnerProcess surface."""
+    from .scale.ray_pool import RayRunnerPool
+
+    options = {k: v for k, v in ref_opts.__dict__.items() if k in ("device", "dtype", "threads")}
+    pool = RayRunnerPool(python, models, options, workers=int(ray.get("workers") or 2), address=ray.get("address"))
+    print(f"reference: {pool.workers} qwen-tts runners on Ray ({ray.get('address') or 'a local cluster'})",
+          file=sys.stderr, flush=True)
+    pool.start()
+    return pool
+
+
 def resolve_models(suite: Suite, opts: RunOptions, python: Path) -> list[str]:
     return list(opts.reference.models) or (
         tiny_checkpoints(ResultStore(opts.store).root, python) if suite.model == "tiny" else [suite.model])
@@ -186,6 +199,8 @@ def _candidate_at(n, engine, suite: Suite, folder: Path, key: str):
                               progress=progress)
     for sid, err in outcome.errors.items():
         progress.segment(sid, error=err["message"])
+    for sid in sorted(outcome.cached):  # reused from the run folder: engines report only what they compute
+        progress.segment(sid, cached=True)
     progress.close()
     return outcome
 
@@ -312,7 +327,8 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
     with ExitStack() as stack:
         if runner is None:
             with timings("runner_start_s"):
-                runner = start_reference_runner(python, models, ref_opts, out / "logs" / "reference-runner.log")
+                runner = (start_ray_pool(python, models, ref_opts, opts.ray) if opts.ray is not None else
+                          start_reference_runner(python, models, ref_opts, out / "logs" / "reference-runner.log"))
             stack.push(lambda *exc: runner.kill() if exc[0] else runner.close())  # interrupted: no grace
         # What the candidate is, before any model work: a run folder holding another's results is refused.
         setup = Setup(out, models, python, suite, opts, runner.hello.get("fingerprint") or {})
@@ -468,7 +484,8 @@ def cmd_run(args) -> int:
                       reference=ReferenceOptions(models=args.reference_model, python=args.reference_python,
                                                  device=args.device, dtype=args.dtype),
                       vllm_omni=vllm_omni_settings(args),
-                      replace=args.replace, repeat=args.repeat)
+                      replace=args.replace, repeat=args.repeat,
+                      ray=None if args.ray is None else {"address": args.ray, "workers": args.ray_workers})
     if args.matrix:
         from .matrix import run_matrix
 
@@ -534,6 +551,12 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--reference-device", "--device", dest="device", type=device_arg, default="cpu",
                    metavar="cpu|cuda|cuda:N", help="where the reference runner runs (cuda:N: the host's GPU N)")
     r.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32", help="reference runner dtype")
+    r.add_argument("--ray", nargs="?", const="local", metavar="ADDRESS",
+                   help="shard the reference side (generation, teacher forcing, cross-decodes) over qwen-tts "
+                        "runners on a Ray cluster: ADDRESS of its head (host:6379, auto), or none for a local "
+                        "one (pip install 'difftest[ray]'; docs/scale-out.md)")
+    r.add_argument("--ray-workers", type=int, default=2, metavar="N",
+                   help="--ray: reference runners to start, one CPU each (default 2)")
     r.add_argument("--tracking-uri", help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else "
                                           "sqlite:///./mlflow.db in the working folder)")
     r.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")

@@ -1,0 +1,1 @@
+"""Scaling out: the reference side on a Ray cluster (`difftest run --ray`). Ray is imported only here."""

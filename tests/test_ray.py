@@ -1,0 +1,198 @@
+"""The reference side on a real local multi-node Ray cluster (`ray.cluster_utils.Cluster`: a head
+without CPUs and raylets of one CPU each, on this machine), against the local single-runner path.
+
+Each raylet's reference runner works in its own temporary folder: the files a chunk needs travel
+with it, and the files the runner writes come back through Ray."""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from difftest.engines import reference
+from difftest.errors import InfraError
+from difftest.progress import Progress
+from difftest.results import read_result
+from difftest.scale.ray_pool import RayRunnerPool, _Paths, inputs_of, localise
+from difftest.suites.suite import load_suite
+from reference_support import all_models, reference_python, tiny  # noqa: F401  (tiny: a fixture)
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = REPO / "cases" / "suites" / "smoke.yaml"
+try:
+    import ray
+except ImportError:  # a missing dependency fails, it is not skipped
+    pytest.fail("ray is missing: pip install -e '.[test]' (the test extra holds difftest[ray])", pytrace=False)
+
+
+def _cluster(nodes: int = 2):
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 0})
+    for _ in range(nodes):
+        c.add_node(num_cpus=1)
+    c.wait_for_nodes()
+    return c
+
+
+@pytest.fixture
+def cluster():
+    c = _cluster()
+    ray.init(address=c.address, log_to_driver=False, include_dashboard=False)
+    try:
+        yield c
+    finally:
+        ray.shutdown()
+        c.shutdown()
+
+
+# --- the paths a chunk carries (no Ray) ---
+
+def test_a_job_is_moved_to_node_local_paths_and_its_files_back(tmp_path):
+    wav, src = tmp_path / "voices" / "a.wav", tmp_path / "store" / "cross" / "s1.abc.in.npz"
+    seg = {"id": "s1", "voice": {"wav": str(wav), "id": "a"}}
+    job = {"items": [{"name": "s1", "segment": seg, "input": str(src), "out": str(tmp_path / "store" / "cross" / "s1.abc")}]}
+    assert inputs_of("score", job) == sorted([str(wav), str(src)])
+    paths = _Paths(tmp_path / "node")
+    local = localise("score", job, {str(wav): b"RIFF", str(src): b"NPZ"}, paths)
+    it = local["items"][0]
+    assert Path(it["segment"]["voice"]["wav"]).read_bytes() == b"RIFF" and Path(it["input"]).read_bytes() == b"NPZ"
+    assert str(tmp_path / "node") in it["out"] and job["items"][0]["input"] == str(src)  # the caller's job untouched
+    side = json.dumps({"voice": it["segment"]["voice"]["wav"], "out": it["out"]}, indent=1, sort_keys=True)
+    assert json.loads(paths.back(side)) == {"voice": str(wav), "out": str(tmp_path / "store" / "cross" / "s1.abc")}
+    assert paths.driver_of(it["out"] + ".json") == str(tmp_path / "store" / "cross" / "s1.abc.json")
+    with pytest.raises(InfraError, match="outside the folders"):
+        paths.driver_of("/elsewhere/x.json")
+
+
+def test_without_the_flag_ray_is_not_imported():
+    code = "import sys, difftest.cli, difftest.run; assert 'ray' not in sys.modules, 'ray imported'"
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
+
+
+# --- the whole run, local and on the cluster ---
+
+def _run(out: Path, store: Path, *extra) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "difftest", "run", str(SMOKE), "--candidate", "cpu-engine:ref-leak",
+                           "-n", "4", "--out", str(out), "--store", str(store), "--no-mlflow", "--no-repeat", *extra],
+                          capture_output=True, text=True, timeout=1800, cwd=out.parent)
+
+
+def _files(root: Path) -> dict[str, Path]:
+    return {str(p.relative_to(root)): p for p in sorted(root.rglob("*")) if p.is_file() and "checkpoints" not in p.parts}
+
+
+def _same_result_file(a: Path, b: Path, folders: tuple[str, str] = ("", "")) -> None:
+    """Byte for byte, but for a sidecar's wall-clock timings (and `folders`: b's run folder named as a's)."""
+    if a.suffix == ".json":
+        ja, jb = json.loads(a.read_text()), json.loads(b.read_text().replace(folders[1], folders[0]))
+        ja.pop("timings", None), jb.pop("timings", None)
+        assert ja == jb, a
+    else:
+        assert a.read_bytes() == b.read_bytes(), a
+
+
+def test_a_run_on_ray_gives_the_local_report_and_result_files(cluster, tmp_path):
+    """The seed's leak planted in the CPU test engine: the same verdicts, donors and first divergent
+    frames from a run whose reference side (generation, teacher forcing, cross-decodes) ran on two
+    raylets, and the same store files. The planted leak's donor is whichever request arrives first
+    (a race, as in the real bug), so both runs judge one set of candidate results: the Ray run
+    reuses the local run's candidate folders (same engine, same identity) and recomputes the rest."""
+    work = tmp_path / "w"
+    work.mkdir()
+    local = _run(work / "local", work / "store")
+    assert local.returncode == 1, local.stderr[-3000:]
+    (work / "store").rename(work / "store-local")
+    shutil.copytree(work / "local" / "results", work / "ray" / "results",
+                    ignore=lambda d, names: ["cross"] if Path(d).name == "results" else [])
+    on_ray = _run(work / "ray", work / "store", "--ray", cluster.address, "--ray-workers", "2")
+    assert on_ray.returncode == 1, on_ray.stderr[-3000:]
+    assert "2 qwen-tts runners on Ray" in on_ray.stderr and "candidate c=4: 4/4 segments, 4 cached" in on_ray.stderr
+
+    a, b = _files(work / "store-local"), _files(work / "store")
+    assert sorted(a) == sorted(b) and any(k.startswith("qwen-tts-") for k in a) and any(k.startswith("scores-") for k in a)
+    for k in a:
+        _same_result_file(a[k], b[k])
+    cross_a, cross_b = _files(work / "local" / "results" / "cross"), _files(work / "ray" / "results" / "cross")
+    assert sorted(cross_a) == sorted(cross_b) and cross_a
+    for k in cross_a:  # in each run's own folder
+        _same_result_file(cross_a[k], cross_b[k], (str(work / "local"), str(work / "ray")))
+
+    ra, rb = (json.loads((work / d / "report.json").read_text()) for d in ("local", "ray"))
+    view = lambda r: [(s["id"], s["verdict"], s["stage"], s["donor"], s["first_divergent_frame"]) for s in r["segments"]]  # noqa: E731
+    assert view(ra) == view(rb) and any(s["donor"] for s in ra["segments"])
+    assert (ra["verdict"], ra["counts"]) == (rb["verdict"], rb["counts"])
+    assert rb["reference"]["fingerprint"] == ra["reference"]["fingerprint"]
+    assert len(rb["reference"]["provenance"]["ray"]["nodes"]) == 2  # both raylets served
+
+
+# --- faults ---
+
+class KillANodeMidChunk(Progress):
+    """After the first result, remove the raylet of a worker that is in the middle of a chunk."""
+
+    def __init__(self, total, pool, cluster):
+        super().__init__(total, label="reference", stream=io.StringIO())
+        self.pool, self.cluster, self.killed = pool, cluster, None
+
+    def segment(self, segment_id, **kw):
+        super().segment(segment_id, **kw)
+        if self.killed is None and self.pool.running:
+            actor = next(iter(self.pool.running.values()))[0]
+            node_id = self.pool.node_of[actor]
+            node = next(n for n in self.cluster.worker_nodes if n.node_id == node_id)
+            self.cluster.remove_node(node)
+            self.killed = node_id
+
+
+def test_a_lost_node_costs_only_its_chunk(cluster, tiny, tmp_path):
+    suite = load_suite(REPO / "cases" / "suites" / "voice-clone-concurrency.yaml")
+    segments = [s for s in suite.segments if s.task == "voice_clone"][:6]
+    pool = RayRunnerPool(reference_python(), all_models(tiny), {"device": "cpu", "dtype": "float32", "threads": 1},
+                         workers=2)
+    try:
+        engine = reference.ReferenceEngine(pool, tmp_path / "store")
+        progress = KillANodeMidChunk(len(segments), pool, cluster)
+        run = engine.generate(segments, progress=progress)
+    finally:
+        pool.close()
+    assert progress.killed is not None
+    assert run.errors == {} and sorted(run.results) == sorted(s.id for s in segments)  # nothing lost
+    assert pool.stats["lost_actors"] == 1 and pool.stats["resent"] == 1
+    assert pool.stats["chunks"] == len(segments) + 1  # the lost chunk once more, nothing else twice
+    for s in segments:  # what the survivor wrote reads back whole
+        r = read_result(_sidecar(run.config_dir, s))
+        assert r.segment_hash == s.hash and len(r.codes) > 0 and np.isfinite(r.wav).all()
+
+
+def _sidecar(config_dir: Path, seg) -> Path:
+    stem = reference.ResultStore.stem(config_dir, seg.id, seg.hash)
+    return stem.with_name(stem.name + ".json")
+
+
+def test_a_worker_without_the_runner_environment_is_named(cluster, tiny):
+    pool = RayRunnerPool(Path("/nonexistent/venv/bin/python"), all_models(tiny), {}, workers=1)
+    with pytest.raises(InfraError, match="no reference environment at /nonexistent/venv/bin/python"):
+        pool.start()
+
+
+def test_a_cluster_without_room_is_refused_in_bounded_time(cluster, tiny):
+    pool = RayRunnerPool(reference_python(), all_models(tiny), {}, workers=1, cpus_per_worker=4, start_timeout=10)
+    with pytest.raises(InfraError, match=r"did not start in 10 s \(each needs 4 CPU"):
+        pool.start()
+
+
+def test_an_unreachable_head_is_an_infrastructure_error(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "difftest", "run", str(SMOKE), "--candidate", "cpu-engine",
+                        "--ray", "127.0.0.1:9", "--out", str(tmp_path / "o"), "--store", str(tmp_path / "s"),
+                        "--no-mlflow"], capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert r.returncode == 3, r.stderr[-2000:]
+    assert "--ray 127.0.0.1:9: no Ray head answers there" in r.stderr and "Traceback" not in r.stderr
+    shutil.rmtree(tmp_path / "o", ignore_errors=True)
