@@ -218,3 +218,23 @@ def test_probe_exit_codes_without_an_engine(world, tmp_path):
     assert p.returncode == 128 and "is not a commit" in p.stderr  # aborts git bisect run, never reads as bad
     p = subprocess.run([*BISECT, "probe", "--suite", "x.yaml"], cwd=tmp_path, capture_output=True, text=True)
     assert p.returncode == 128 and "required: --out" in p.stderr
+
+
+def test_side_by_side_bisect_names_the_same_commit_in_fewer_rounds(bisected, world):
+    """`--workers 2` from the last good commit before K: each round's probes are `difftest probe`
+    processes at once (real engines, the shared store and builds), and it names the commit the serial
+    bisect named, in 2 rounds (both ends; then c6 and c8 together) where the serial one took 6."""
+    shas, root = world["shas"], world["root"]
+    out = root / "out-side-by-side"
+    p = subprocess.run([*BISECT, "bisect", "--good", shas[K - 1], "--bad", shas[-1], *world["common"],
+                        "--out", str(out), "--workers", "2", "--tracking-uri", world["uri"]],
+                       cwd=root, env=world["env"], capture_output=True, text=True, timeout=1800)
+    assert p.returncode == 0, p.stdout + p.stderr[-4000:]
+    result = json.loads((out / "bisect.json").read_text())["result"]
+    assert result["first_bad"] == bisected["state"]["result"]["first_bad"] == shas[K]
+    assert result["rounds"] == 2 < len(bisected["state"]["result"]["steps"])
+    assert [(s["round"], shas.index(s["commit"])) for s in result["steps"]] == [(1, K - 1), (1, 9), (2, K), (2, 8)]
+    for sha in (shas[K], shas[8]):  # each probe ran in a process and folder of its own
+        assert (out / "parallel" / sha[:12] / "probes.json").is_file()
+    assert "round 2: 2 probe(s) side by side" in p.stderr and "over 2 rounds of up to 2" in p.stdout
+    assert not engines_of(root)  # every probe process stopped its engine

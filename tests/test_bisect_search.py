@@ -234,3 +234,74 @@ def test_any_skips_never_hide_the_culprit_outside_the_suspects(case):
     assert idx == list(range(idx[0], idx[-1] + 1))  # a contiguous run ending at a known bad commit
     assert all(i in skips for i in idx[:-1])
     assert len(o.asked) == len(set(o.asked)) <= max_probes(n) + len(skips)
+
+
+# --- side by side: kary_bisect ---
+
+def _many(oracle):
+    return lambda commits: {c: oracle(c) for c in commits}
+
+
+def test_one_probe_a_round_asks_what_the_binary_search_asks():
+    serial, side = Oracle(6), Oracle(6)
+    a, b = bisect(line(10), serial), search.kary_bisect(line(10), _many(side), 1)
+    assert side.asked == serial.asked and (a.first_bad, a.probes) == (b.first_bad, b.probes)
+    assert b.rounds == 5  # the ends are two rounds of one
+
+
+def test_exact_rounds_of_three_ten_commits():
+    o = Oracle(6)
+    out = search.kary_bisect(line(10), _many(o), 3)
+    # round 1: both ends; round 2: (0, 9) cut at 9/4, 9/2, 27/4 -> c2, c4, c7; round 3: (4, 7) -> c5, c6
+    assert o.asked == ["c0", "c9", "c2", "c4", "c7", "c5", "c6"]
+    assert [s.round for s in out.steps] == [1, 1, 2, 2, 2, 3, 3]
+    assert (out.status, out.first_bad, out.last_good, out.rounds) == (FOUND, "c6", "c5", 3)
+
+
+@pytest.mark.parametrize("width", [2, 3, 4, 7])
+@pytest.mark.parametrize("n", [2, 3, 10, 17, 65, 100])
+def test_side_by_side_names_the_serial_culprit_in_fewer_rounds(n, width):
+    for k in range(1, n):
+        serial = bisect(line(n), Oracle(k))
+        side = search.kary_bisect(line(n), _many(Oracle(k)), width)
+        assert side.first_bad == serial.first_bad == f"c{k}"
+        assert side.rounds <= search.max_rounds(n, width) and side.rounds <= serial.rounds
+        if n >= 10:
+            assert side.rounds < serial.rounds
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(3, 40), data=st.data())
+def test_side_by_side_with_skips_never_hides_the_culprit(n, data):
+    k = data.draw(st.integers(1, n - 1))
+    skips = data.draw(st.sets(st.integers(1, n - 2), max_size=n // 2)) - {k}
+    width = data.draw(st.integers(1, 5))
+    out = search.kary_bisect(line(n), _many(Oracle(k, skips)), width)
+    assert out.status in (FOUND, AMBIGUOUS)
+    assert f"c{k}" in out.suspects and (out.status != FOUND or out.first_bad == f"c{k}")
+
+
+def test_side_by_side_resumes_without_probing_a_decided_commit():
+    first = Oracle(6)
+    interrupted = []
+
+    def stop_in_round_3(commits):
+        if "c5" in commits:
+            raise KeyboardInterrupt
+        got = _many(first)(commits)
+        interrupted.extend(got)
+        return got
+
+    with pytest.raises(KeyboardInterrupt):
+        search.kary_bisect(line(10), stop_in_round_3, 3)
+    known = {c: Vote(first(c)) for c in interrupted}
+    second = Oracle(6)
+    out = search.kary_bisect(line(10), _many(second), 3, known=known)
+    assert second.asked == ["c5", "c6"] and out.first_bad == "c6" and out.rounds == 1
+
+
+def test_side_by_side_bad_input():
+    with pytest.raises(ValueError, match="width"):
+        search.kary_bisect(line(4), _many(Oracle(1)), 0)
+    with pytest.raises(ValueError, match="did not decide c"):
+        search.kary_bisect(line(4), lambda commits: {}, 2)

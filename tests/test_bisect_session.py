@@ -206,3 +206,60 @@ def test_an_upload_that_broke_off_is_replaced_not_duplicated(history, tmp_path, 
     children = [r for r in runs_of(sqlite_uri) if r.data.tags["difftest.kind"] == "bisect-probe"]
     assert sorted(r.data.tags["candidate.commit"] for r in children) == sorted(
         shas[i] for i in (0, 9, 4, 5, 7, 6))
+
+
+class StandInSideBySide(StandIn):
+    """The stand-in with `probe_many` (as difftest.bisect.parallel.ProcessProber): each round's
+    records reported as they finish, the last asked first."""
+
+    def __init__(self, shas, **kw):
+        super().__init__(shas, **kw)
+        self.rounds = []
+
+    def probe_many(self, shas, on_done=None):
+        self.rounds.append([self.index[s] for s in shas])
+        recs = {s: self.probe(s) for s in shas}
+        for s in reversed(shas):
+            on_done(recs[s])
+        return recs
+
+
+def test_side_by_side_rounds_are_recorded_and_logged(history, tmp_path, sqlite_uri):
+    _, shas = history
+    prober = StandInSideBySide(shas)
+    code, out, err = bisect(history, tmp_path / "out", prober, sqlite_uri, workers=3)
+    assert code == 0, err
+    # c4 does not install (skip): round 3 cuts (2, 7) without it; 3 rounds where the serial search takes 6
+    assert prober.rounds == [[0, 9], [2, 4, 7], [3, 5, 6]]
+    assert f"first bad commit: {shas[K]}" in out and "over 3 rounds of up to 3" in out
+    assert "round 2: 3 probe(s) side by side" in err
+    state = json.loads((tmp_path / "out" / "bisect.json").read_text())
+    assert state["result"]["rounds"] == 3 and state["result"]["workers"] == 3 and state["result"]["probes"] == 8
+    assert {shas[i]: state["decisions"][shas[i]]["round"] for i in (0, 9, 2, 4, 7, 3, 5, 6)} == {
+        shas[0]: 1, shas[9]: 1, shas[2]: 2, shas[4]: 2, shas[7]: 2, shas[3]: 3, shas[5]: 3, shas[6]: 3}
+    children = [r for r in runs_of(sqlite_uri) if r.data.tags["difftest.kind"] == "bisect-probe"]
+    assert sorted((r.data.tags["bisect.round"], r.data.tags["candidate.commit"]) for r in children) == sorted(
+        (str(state["decisions"][c]["round"]), c) for c in state["order"])
+
+
+def test_a_probe_process_gets_the_bisects_own_arguments():
+    from difftest.bisect.cli import add_bisect_parser
+    from difftest.bisect.parallel import common_argv
+
+    import argparse
+    p = argparse.ArgumentParser()
+    add_bisect_parser(p.add_subparsers())
+    args = p.parse_args(["bisect", "--good", "a", "--bad", "b", "--suite", "s.yaml", "--out", "o", "--workers", "3",
+                         "--recipe", "cpu-engine", "-n", "2", "--cpu-engine-arg=--max-batch=2",
+                         "--omni-option", "accept_length_finish=true", "--no-mlflow", "--repeats", "3"])
+    got = common_argv(args)
+    assert got == ["--suite=s.yaml", "--recipe=cpu-engine", "--cpu-engine-arg=--max-batch=2",
+                   "--omni-option=accept_length_finish=true", "--concurrency=2", "--repeats=3"]
+    # what the probe's own parser reads back is what the bisect was given
+    from difftest.bisect.cli import add_probe_parser
+
+    q = argparse.ArgumentParser()
+    add_probe_parser(q.add_subparsers())
+    back = q.parse_args(["probe", "--out", "x", *got])
+    for k in ("suite", "recipe", "cpu_engine_arg", "omni_option", "concurrency", "repeats"):
+        assert getattr(back, k) == getattr(args, k), k

@@ -41,6 +41,8 @@ Recipes (`RECIPES`):
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
 import shutil
@@ -142,11 +144,17 @@ class Worktrees:
             git(self.repo, "worktree", "remove", "--force", str(src), check=False)
             shutil.rmtree(src, ignore_errors=True)
         src.parent.mkdir(parents=True, exist_ok=True)
-        git(self.repo, "worktree", "prune")
-        try:
-            git(self.repo, "worktree", "add", "--detach", "--force", str(src), sha)
-        except GitError as e:
-            raise BuildFailed(f"cannot check out {sha[:12]}: {e}") from None
+        # One git worktree operation at a time per repository: parallel probes (bisect --workers) are
+        # separate processes, and one's `prune` must not see another's half-added worktree.
+        lock = self.cache.root / KIND / f".{hashlib.sha256(str(self.repo).encode()).hexdigest()[:16]}.git.lock"
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        with open(lock, "a") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            git(self.repo, "worktree", "prune")
+            try:
+                git(self.repo, "worktree", "add", "--detach", "--force", str(src), sha)
+            except GitError as e:
+                raise BuildFailed(f"cannot check out {sha[:12]}: {e}") from None
         return src
 
 

@@ -141,7 +141,15 @@ def _setup(args):
 def cmd_bisect(args) -> int:
     from .session import run_bisect
 
+    if args.workers < 1:
+        raise BadInput("--workers must be at least 1")
     prober, identity, suite, tracking = _setup(args)
+    if args.workers > 1:  # each probe its own `difftest probe` process (difftest.bisect.parallel)
+        from .parallel import ProcessProber, common_argv
+
+        prober = ProcessProber(common_argv(args), args.out)
+        return run_bisect(args.repo, args.good, args.bad, prober, args.out, identity=identity, suite_name=suite.name,
+                          tracking=tracking, workers=args.workers)
     with prober:
         return run_bisect(args.repo, args.good, args.bad, prober, args.out, identity=identity, suite_name=suite.name,
                           tracking=tracking)
@@ -173,6 +181,9 @@ def add_bisect_parser(subparsers) -> argparse.ArgumentParser:
                     "named; 2: the ends do not behave as stated; 3: skipped commits leave it ambiguous.")
     p.add_argument("--good", required=True, help="a commit whose candidate passes")
     p.add_argument("--bad", required=True, help="a later commit whose candidate fails")
+    p.add_argument("--workers", type=int, default=1, metavar="K",
+                   help="probe up to K commits per round side by side, each in its own `difftest probe` process "
+                        "(a (K+1)-ary search: fewer rounds, more probes); default 1, the binary search")
     _common(p)
     p.set_defaults(func=cmd_bisect)
     return p

@@ -128,6 +128,8 @@ class Recorder:
                     "bisect.repeat": str(r["repeat"] + 1), "bisect.outcome": r["outcome"],
                     "bisect.role": entry.get("role", ""), "bisect.reason": str(r.get("reason") or "")[:4000],
                     "verdict": str(r.get("verdict") or ""), CULPRIT: "false"}
+            if entry.get("round") is not None:
+                tags["bisect.round"] = str(entry["round"])
             for k in ("suite.name", "suite.hash", "concurrency", "bisect.recipe"):
                 if k in self.parent_tags:
                     tags[k] = self.parent_tags[k]

@@ -111,6 +111,7 @@ class Step:
     role: str  # good end | bad end | step
     vote: Vote
     probed: bool  # False: decided in an earlier session (`known`)
+    round: int = 0  # the round it was asked in (kary_bisect: the commits of a round are probed together)
 
 
 @dataclass
@@ -126,10 +127,24 @@ class Outcome:
         """Commits probed in this session (decisions reused from `known` excluded)."""
         return sum(s.probed for s in self.steps)
 
+    @property
+    def rounds(self) -> int:
+        """Rounds that probed something: the wall-clock cost when each round's probes run side by side."""
+        return len({s.round for s in self.steps if s.probed})
+
 
 def max_probes(commits: int) -> int:
     """The most probes a search over `commits` (ends included) makes without skips."""
     return math.ceil(math.log2(max(commits - 1, 1))) + 2
+
+
+def max_rounds(commits: int, width: int) -> int:
+    """The most rounds kary_bisect makes over `commits` (ends included, one round) without skips."""
+    n, rounds = max(commits - 1, 1), 1
+    while n > 1:
+        n = math.ceil(n / (width + 1))
+        rounds += 1
+    return rounds
 
 
 def _as_vote(answer) -> Vote:
@@ -157,7 +172,7 @@ def bisect(commits: Sequence[str], probe: Callable[[str], Vote | str], known: Ma
         else:
             v, probed = _as_vote(probe(c)), True
             known[c] = v
-        steps.append(Step(c, role, v, probed))
+        steps.append(Step(c, role, v, probed, len(steps) + 1))  # serial: every question a round of its own
         return v.decision
 
     n = len(commits)
@@ -183,6 +198,84 @@ def bisect(commits: Sequence[str], probe: Callable[[str], Vote | str], known: Ma
             hi = i
         else:
             skipped.add(i)
+    suspects = commits[lo + 1:hi + 1]
+    if len(suspects) == 1:
+        return Outcome(FOUND, suspects[0], commits[lo], suspects, steps)
+    return Outcome(AMBIGUOUS, None, commits[lo], suspects, steps)
+
+
+def spread(lo: int, hi: int, skipped: set[int], width: int) -> list[int]:
+    """Up to `width` untested indices strictly between lo and hi, evenly spaced: each cuts the
+    interval at its j/(width+1) point, moved to the nearest index not yet taken or skipped."""
+    free = [i for i in range(lo + 1, hi) if i not in skipped]
+    picked: list[int] = []
+    for j in range(1, width + 1):
+        left = [i for i in free if i not in picked]
+        if not left:
+            break
+        target = lo + (hi - lo) * j / (width + 1)
+        picked.append(min(left, key=lambda i: (abs(i - target), i)))
+    return sorted(picked)
+
+
+def kary_bisect(commits: Sequence[str], probe_many: Callable[[list[str]], Mapping[str, Vote | str]],
+                width: int, known: Mapping[str, Vote] | None = None, check_ends: bool = True) -> Outcome:
+    """The first bad commit, probing up to `width` commits per round side by side (a (width+1)-ary search).
+
+    `probe_many(commits)` decides a round's commits together (in parallel) and returns each one's
+    vote. A round cuts the open interval between the last known good and the first known bad at
+    `width` evenly spaced commits; the new interval runs from the latest good below the first bad
+    of the round to that bad. Skipped commits are set aside, as in `bisect`. width=1 asks the same
+    commits as `bisect`, one per round; the ends are one round of two. Deterministic, so a resumed
+    search (`known`) walks the same rounds and probes only what is undecided."""
+    commits = list(commits)
+    if width < 1:
+        raise ValueError("width must be at least 1")
+    if len(commits) < 2:
+        raise ValueError("a bisect needs a good and a bad commit")
+    if len(set(commits)) != len(commits):
+        raise ValueError("commits must be distinct")
+    known = dict(known or {})
+    steps: list[Step] = []
+    rounds = [0]
+
+    def ask(indices: list[int], roles: list[str]) -> dict[int, str]:
+        rounds[0] += 1
+        todo = [commits[i] for i in indices if commits[i] not in known]
+        got = {c: _as_vote(v) for c, v in (probe_many(todo) if todo else {}).items()}
+        missing = [c for c in todo if c not in got]
+        if missing:
+            raise ValueError(f"probe_many did not decide {', '.join(missing)}")
+        out = {}
+        for i, role in zip(indices, roles):
+            c = commits[i]
+            probed = c in got
+            v = got[c] if probed else known[c]
+            known[c] = v
+            steps.append(Step(c, role, v, probed, rounds[0]))
+            out[i] = v.decision
+        return out
+
+    n = len(commits)
+    if check_ends:
+        ends = ask([0, n - 1], [GOOD_END, BAD_END]) if width > 1 else {**ask([0], [GOOD_END])}
+        if ends[0] != GOOD:
+            return Outcome(GOOD_END_IS_BAD if ends[0] == BAD else END_SKIPPED, None, None, [], steps)
+        if n - 1 not in ends:
+            ends.update(ask([n - 1], [BAD_END]))
+        if ends[n - 1] != BAD:
+            return Outcome(BAD_END_IS_GOOD if ends[n - 1] == GOOD else END_SKIPPED, None, commits[0], [], steps)
+    lo, hi = 0, n - 1
+    skipped: set[int] = set()
+    while True:
+        picked = spread(lo, hi, skipped, width)
+        if not picked:
+            break
+        decided = ask(picked, [STEP] * len(picked))
+        bads = [i for i, d in decided.items() if d == BAD]
+        hi = min(bads, default=hi)
+        lo = max([i for i, d in decided.items() if d == GOOD and i < hi], default=lo)
+        skipped |= {i for i, d in decided.items() if d == SKIP}
     suspects = commits[lo + 1:hi + 1]
     if len(suspects) == 1:
         return Outcome(FOUND, suspects[0], commits[lo], suspects, steps)

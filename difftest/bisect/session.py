@@ -65,7 +65,10 @@ def text_log(state: BisectState, commits: list[str], result: dict | None) -> str
 
 
 def run_bisect(repo: str | Path, good: str, bad: str, prober, out: str | Path, *, identity: dict,
-               suite_name: str = "adhoc", tracking: Tracking | None = None, stdout=None, stderr=None) -> int:
+               suite_name: str = "adhoc", tracking: Tracking | None = None, stdout=None, stderr=None,
+               workers: int = 1) -> int:
+    """`workers` > 1: up to that many commits per round, decided side by side by `prober.probe_many`
+    (difftest.bisect.parallel), in search.kary_bisect's rounds; 1: the serial binary search."""
     stdout, stderr = stdout or sys.stdout, stderr or sys.stderr
     tracking = tracking or Tracking()
     out = Path(out).resolve()
@@ -78,7 +81,8 @@ def run_bisect(repo: str | Path, good: str, bad: str, prober, out: str | Path, *
     state.save()
     known = state.known()
     print(f"difftest bisect: {len(commits)} commits, {good_sha[:12]} (good) .. {bad_sha[:12]} (bad); at most "
-          f"{search.max_probes(len(commits))} probes without skips"
+          + (f"{search.max_probes(len(commits))} probes without skips" if workers == 1 else
+             f"{search.max_rounds(len(commits), workers)} rounds of up to {workers} probes side by side, without skips")
           + (f"; {len(known)} decided earlier (reused)" if known else ""), file=stderr)
     parent_tags = {"bisect.repo": str(repo), "bisect.good": good_sha, "bisect.bad": bad_sha,
                    "bisect.commits": len(commits), "suite.name": suite_name, "bisect.mode": "bisect",
@@ -101,8 +105,24 @@ def run_bisect(repo: str | Path, good: str, bad: str, prober, out: str | Path, *
         recorder.sync()
         return rec.vote
 
+    rounds = {"n": 0}
+
+    def decided(rec) -> None:
+        role = _role(rec.commit, commits)
+        state.record(rec, role, round=rounds["n"])
+        print(f"  round {rounds['n']}: {rec.commit[:12]} ({role}) -> {one_line(rec)}", file=stderr, flush=True)
+        recorder.sync()
+
+    def probe_many(shas: list[str]) -> dict:
+        rounds["n"] += 1
+        count["n"] += len(shas)
+        print(f"round {rounds['n']}: {len(shas)} probe(s) side by side: "
+              + ", ".join(f"{sha[:12]} {commit_info(repo, sha)['subject']}" for sha in shas), file=stderr, flush=True)
+        return {sha: rec.vote for sha, rec in prober.probe_many(shas, on_done=decided).items()}
+
     try:
-        outcome = search.bisect(commits, probe, known)
+        outcome = (search.bisect(commits, probe, known) if workers == 1 else
+                   search.kary_bisect(commits, probe_many, workers, known))
     except BaseException:
         recorder.interrupted()
         raise
@@ -110,8 +130,9 @@ def run_bisect(repo: str | Path, good: str, bad: str, prober, out: str | Path, *
     result = {"status": outcome.status, "first_bad": outcome.first_bad, "last_good": outcome.last_good,
               "suspects": outcome.suspects, "probes": outcome.probes, "runs": runs,
               "skipped": sum(s.vote.decision == search.SKIP for s in outcome.steps),
-              "steps": [{"commit": s.commit, "role": s.role, "decision": s.vote.decision, "reused": not s.probed}
-                        for s in outcome.steps],
+              "steps": [{"commit": s.commit, "role": s.role, "decision": s.vote.decision, "reused": not s.probed,
+                         "round": s.round} for s in outcome.steps],
+              "rounds": outcome.rounds, "workers": workers,
               "seconds": round(time.perf_counter() - t0, 1)}
     state.data["result"] = result
     state.save()
@@ -163,7 +184,8 @@ def summary(state: BisectState, result: dict) -> list[str]:
         rec = ProbeRecord.from_json(d) if d else None
         for line in (rec.condemned_by() if rec else []):
             lines.append(f"  condemned by {line}")
-    lines.append(f"probes: {result['probes']} ({result['runs']} runs, {result['skipped']} skipped) in "
+    side = f" over {result['rounds']} rounds of up to {result['workers']}" if result.get("workers", 1) > 1 else ""
+    lines.append(f"probes: {result['probes']} ({result['runs']} runs, {result['skipped']} skipped){side} in "
                  f"{result['seconds']:.0f} s; decisions: {state.path}")
     return lines
 

@@ -74,8 +74,10 @@ class BisectState:
     def known(self) -> dict[str, Vote]:
         return {sha: ProbeRecord.from_json(d).vote for sha, d in self.decisions.items()}
 
-    def record(self, rec: ProbeRecord, role: str) -> dict:
+    def record(self, rec: ProbeRecord, role: str, round: int | None = None) -> dict:
         entry = {**rec.to_json(), "role": role, "mlflow": self.decisions.get(rec.commit, {}).get("mlflow", {})}
+        if round is not None:
+            entry["round"] = round
         self.decisions[rec.commit] = entry
         if rec.commit not in self.data["order"]:
             self.data["order"].append(rec.commit)
