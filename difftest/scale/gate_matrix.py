@@ -1,0 +1,343 @@
+"""`difftest matrix FILE --out OUT`: a release gate over candidates x suites x concurrency x configurations.
+
+    # gate.yaml (paths relative to it)
+    suites: [../cases/suites/smoke.yaml, ../cases/suites/handoff-mix.yaml]
+    candidates:
+      - vllm-omni                                          # a --candidate value, or a mapping:
+      - {candidate: vllm-omni, label: main, vllm_omni_python: ../.venv-omni-main/bin/python}
+      - {candidate: "cpu-engine:ref-leak", label: control}  # the negative control
+    concurrency: [4, 16]
+    configs: {default: [], async: [async_chunk=true]}      # optional: name -> --engine-arg list
+    store: ../difftest-store                               # optional (default: difftest run's)
+
+Every cell of the product is one whole `difftest run`, its own process, into `OUT/cells/<cell>/`
+(its log beside it); `--workers K` runs K cells at once (each starts its own candidate: size K to
+what the machine or its GPUs can serve), and `--ray ADDRESS` puts every cell's reference side on
+that cluster (`difftest run --ray`). As each cell finishes it is gated (difftest.records.gate,
+the policy's fail_on) and logged to MLflow (tags `difftest.matrix`, `difftest.matrix.cell`).
+
+OUT/matrix.json (stable JSON, rewritten after each cell: a stopped matrix keeps what it ran), OUT/junit.xml
+(a testsuite per cell, a testcase per segment), OUT/summary.md (a table a release manager reads).
+Exit 1 when a cell fails (a judged divergence), else 3 when a cell could not be judged, else 0; a
+broken matrix file exits 2 before any cell runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import re
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from ..errors import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput
+from ..results import atomic_write
+
+FORMAT = "difftest.gate-matrix/1"
+MAX_CELLS = 64
+KEYS = {"suites", "candidates", "concurrency", "configs", "store", "name"}
+CANDIDATE_KEYS = {"candidate", "label", "vllm_omni_python", "engine_args"}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    spec: str
+    label: str
+    python: str | None = None
+    engine_args: tuple = ()
+
+
+@dataclass
+class Matrix:
+    path: Path
+    name: str
+    suites: list[Path]
+    candidates: list[Candidate]
+    concurrency: list[int]
+    configs: dict[str, list[str]]
+    store: str | None = None
+    cells: list[dict] = field(default_factory=list)
+
+
+def _fail(path: Path, where: str, problem: str):
+    raise BadInput(f"{path}: {where}: {problem}")
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text).strip("-") or "x"
+
+
+def load_matrix(path: str | Path) -> Matrix:
+    """Read and check a matrix file; BadInput names the file, the field and the problem."""
+    path = Path(path).resolve()
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise BadInput(f"{path}: cannot read: {e.strerror or e}") from None
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise BadInput(f"{path}: not a YAML mapping: {str(e).splitlines()[0]}") from None
+    if not isinstance(raw, dict):
+        _fail(path, "(top level)", "expected a mapping")
+    unknown = sorted(set(raw) - KEYS)
+    if unknown:
+        _fail(path, unknown[0], f"unknown key (known: {', '.join(sorted(KEYS))})")
+    base = path.parent
+
+    def listed(key: str) -> list:
+        v = raw.get(key)
+        if not isinstance(v, list) or not v:
+            _fail(path, key, "expected a non-empty list")
+        return v
+
+    suites = []
+    for i, s in enumerate(listed("suites")):
+        if not isinstance(s, str) or not (base / s).is_file():
+            _fail(path, f"suites[{i}]", f"no suite file {s!r}")
+        suites.append((base / s).resolve())
+    candidates = []
+    for i, c in enumerate(listed("candidates")):
+        if isinstance(c, str):
+            c = {"candidate": c}
+        if not isinstance(c, dict) or not isinstance(c.get("candidate"), str) or not c["candidate"].strip():
+            _fail(path, f"candidates[{i}]", "expected a --candidate value or a mapping with `candidate`")
+        bad = sorted(set(c) - CANDIDATE_KEYS)
+        if bad:
+            _fail(path, f"candidates[{i}].{bad[0]}", f"unknown key (known: {', '.join(sorted(CANDIDATE_KEYS))})")
+        args = c.get("engine_args") or []
+        if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+            _fail(path, f"candidates[{i}].engine_args", "expected a list of KEY=VALUE texts")
+        py = c.get("vllm_omni_python")
+        candidates.append(Candidate(c["candidate"], str(c.get("label") or c["candidate"]),
+                                    str((base / py).resolve()) if py else None, tuple(args)))
+    labels = [c.label for c in candidates]
+    if len(set(labels)) != len(labels):
+        _fail(path, "candidates", f"two candidates share the label {next(x for x in labels if labels.count(x) > 1)!r} "
+                                  f"(give each a `label`)")
+    conc = listed("concurrency")
+    for i, n in enumerate(conc):
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            _fail(path, f"concurrency[{i}]", f"expected a positive integer, got {n!r}")
+    configs = raw.get("configs", {"default": []})
+    if not isinstance(configs, dict) or not configs:
+        _fail(path, "configs", "expected a mapping of name -> list of engine args")
+    for k, v in configs.items():
+        if not isinstance(v, list) or not all(isinstance(a, str) for a in v):
+            _fail(path, f"configs.{k}", "expected a list of KEY=VALUE texts")
+    store = raw.get("store")
+    if store is not None and not isinstance(store, str):
+        _fail(path, "store", "expected a path")
+    m = Matrix(path, str(raw.get("name") or path.stem), suites, candidates, [int(n) for n in conc],
+               {str(k): list(v) for k, v in configs.items()}, str((base / store).resolve()) if store else None)
+    for suite, cand, n, (cfg, args) in itertools.product(suites, candidates, m.concurrency, m.configs.items()):
+        name = "__".join(_slug(x) for x in (suite.stem, cand.label, f"c{n}", cfg))
+        m.cells.append({"cell": name, "suite": str(suite), "candidate": cand.spec, "label": cand.label, "concurrency": n,
+                        "config": cfg, "engine_args": [*cand.engine_args, *args], "python": cand.python})
+    if len(m.cells) > MAX_CELLS:
+        _fail(path, "(product)", f"{len(m.cells)} cells, at most {MAX_CELLS}")
+    return m
+
+
+def cell_argv(cell: dict, out: Path, store: str | None, ray: str | None, policy: str | None = None) -> list[str]:
+    argv = [sys.executable, "-m", "difftest", "run", cell["suite"], "--candidate", cell["candidate"],
+            "--concurrency", str(cell["concurrency"]), "--out", str(out), "--no-mlflow"]
+    argv += [f"--engine-arg={a}" for a in cell["engine_args"]]
+    if cell["python"]:
+        argv += ["--vllm-omni-python", cell["python"]]
+    if store:
+        argv += ["--store", store]
+    if ray:
+        argv += ["--ray", ray]
+    if policy:
+        argv += ["--policy", policy]
+    return argv
+
+
+def _judge(cell: dict, folder: Path, code: int, policy) -> dict:
+    """The cell's row: its gate decision (the policy's fail_on, no baseline) from its report."""
+    from ..records.gate import decide
+    from ..records.report import check_report
+
+    row = {**{k: cell[k] for k in ("cell", "suite", "candidate", "label", "concurrency", "config", "engine_args")},
+           "exit_code": code, "folder": str(folder)}
+    try:
+        report = check_report(json.loads((folder / "report.json").read_text(encoding="utf-8")), folder / "report.json")
+    except (OSError, ValueError, BadInput) as e:
+        tail = _tail(folder.with_suffix(".log"))
+        return {**row, "verdict": "error", "error": f"no report ({str(e).splitlines()[0]})", "log_tail": tail}
+    result = decide(report, policy)
+    failing = [r.segment for r in result.segments if result.fails(r)]
+    return {**row, "verdict": result.verdict, "gate_exit_code": result.exit_code, "counts": report.get("counts") or {},
+            "failing": [{"id": s["id"], "verdict": s["verdict"], "stage": s.get("stage"), "donor": s.get("donor"),
+                         "first_divergent_chunk": s.get("first_divergent_chunk")} for s in failing],
+            "at_concurrency_1": (report.get("at_concurrency_1") or {}).get("verdict"),
+            "engine": (report.get("candidate") or {}).get("engine")}
+
+
+def _tail(path: Path, lines: int = 15) -> str:
+    try:
+        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def exit_code(rows: list[dict]) -> int:
+    if any(r["verdict"] == "fail" for r in rows):
+        return EXIT_FAIL
+    if any(r["verdict"] != "pass" for r in rows):
+        return EXIT_INFRA
+    return EXIT_PASS
+
+
+def junit(rows: list[dict], policy) -> bytes:
+    """One testsuite per cell (its segments as testcases, from the gate's own JUnit), one file."""
+    from ..records.gate import decide
+    from ..records.gate_output import junit_xml
+
+    root = ET.Element("testsuites", name="difftest-matrix")
+    totals = dict.fromkeys(("tests", "failures", "errors", "skipped"), 0)
+    for r in rows:
+        try:
+            report = json.loads((Path(r["folder"]) / "report.json").read_text(encoding="utf-8"))
+            cell = ET.fromstring(junit_xml(report, decide(report, policy)))[0]
+        except (OSError, ValueError, KeyError):
+            cell = ET.Element("testsuite", tests="1", failures="0", errors="1", skipped="0")
+            ET.SubElement(ET.SubElement(cell, "testcase", classname="difftest.matrix", name=r["cell"]), "error",
+                          type="no-report", message=r.get("error", "no report"))
+        cell.set("name", f"difftest.matrix.{r['cell']}")
+        root.append(cell)
+        for k in totals:
+            totals[k] += int(cell.get(k, 0))
+    for k, v in totals.items():
+        root.set(k, str(v))
+    ET.indent(root)
+    return ET.tostring(root, encoding="utf-8", xml_declaration=True) + b"\n"
+
+
+def markdown(m: Matrix, rows: list[dict], code: int) -> str:
+    icon = {EXIT_PASS: "✅", EXIT_FAIL: "❌"}.get(code, "⚠️")
+    word = {EXIT_PASS: "pass", EXIT_FAIL: "fail"}.get(code, "error")
+    lines = [f"## {icon} difftest matrix {m.name}: {word}", "",
+             f"{len(rows)} cells: {len(m.suites)} suite(s) x {len(m.candidates)} candidate(s) x "
+             f"{len(m.concurrency)} concurrency level(s) x {len(m.configs)} configuration(s)", "",
+             "| cell | verdict | at c=1 | segments | failing (verdict, stage, donor) |", "|---|---|---|---|---|"]
+    for r in rows:
+        counts = ", ".join(f"{n} {v}" for v, n in sorted((r.get("counts") or {}).items()))
+        failing = "; ".join(f"{f['id']} {f['verdict']}" + (f" @{f['stage']}" if f.get("stage") else "")
+                            + (f" from {f['donor']}" if f.get("donor") else "") for f in r.get("failing") or [])
+        lines.append(f"| {r['cell']} | {r['verdict']} | {r.get('at_concurrency_1') or '-'} | {counts or '-'} | "
+                     f"{failing or r.get('error', '') or '-'} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_matrix_file(m: Matrix, out: Path, policy, *, workers: int = 1, ray: str | None = None,
+                    tracking_uri: str | None = None, mlflow: bool = True, policy_path: str | None = None,
+                    stream=sys.stderr) -> int:
+    out = out.resolve()
+    (out / "cells").mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    started = time.time()
+
+    def save(done: bool) -> None:
+        atomic_write(out / "matrix.json", json.dumps({
+            "format": FORMAT, "name": m.name, "file": str(m.path), "complete": done,
+            "exit_code": exit_code(rows) if done else None, "seconds": round(time.time() - started, 1),
+            "cells": sorted(rows, key=lambda r: [c["cell"] for c in m.cells].index(r["cell"]))},
+            indent=1, sort_keys=True).encode())
+
+    queue = list(m.cells)
+    running: dict = {}
+    try:
+        while queue or running:
+            while queue and len(running) < max(workers, 1):
+                cell = queue.pop(0)
+                folder = out / "cells" / cell["cell"]
+                log = open(folder.with_suffix(".log"), "wb")
+                proc = subprocess.Popen(cell_argv(cell, folder, m.store, ray, policy_path), stdout=log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+                running[cell["cell"]] = (proc, log, cell, folder, time.monotonic())
+                print(f"matrix: {cell['cell']} started ({len(rows) + len(running)}/{len(m.cells)})", file=stream,
+                      flush=True)
+            for name, (proc, log, cell, folder, t0) in list(running.items()):
+                if proc.poll() is None:
+                    continue
+                log.close()
+                del running[name]
+                row = _judge(cell, folder, proc.returncode, policy)
+                row["seconds"] = round(time.monotonic() - t0, 1)
+                if mlflow and row["verdict"] != "error":
+                    from ..records.tracking import log_run
+
+                    log_run(folder, tracking_uri, tags={"difftest.matrix": m.name, "difftest.matrix.cell": name})
+                rows.append(row)
+                save(False)
+                fails = ", ".join(f"{f['id']} {f['verdict']}" for f in row.get("failing") or [])
+                print(f"matrix: {name}: {row['verdict'].upper()}" + (f" ({fails})" if fails else "")
+                      + (f" ({row['error']})" if row.get("error") else "") + f" in {row['seconds']:.0f} s",
+                      file=stream, flush=True)
+            time.sleep(0.2)
+    except BaseException:
+        _stop([p for p, *_ in running.values()])
+        save(False)
+        raise
+    code = exit_code(rows)
+    save(True)
+    atomic_write(out / "junit.xml", junit(rows, policy))
+    atomic_write(out / "summary.md", markdown(m, sorted(rows, key=lambda r: [c["cell"] for c in m.cells].index(
+        r["cell"])), code).encode())
+    print(f"matrix {m.name}: {sum(r['verdict'] == 'pass' for r in rows)} pass, "
+          f"{sum(r['verdict'] == 'fail' for r in rows)} fail, {sum(r['verdict'] == 'error' for r in rows)} error; "
+          f"{out / 'summary.md'}, {out / 'junit.xml'}", file=stream, flush=True)
+    return code
+
+
+def _stop(procs, grace: float = 60.0) -> None:
+    import os
+    import signal
+
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGINT)  # each `difftest run` stops its own engines
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def cmd_matrix(args) -> int:
+    from ..verdicts.policy import load_policy
+
+    m = load_matrix(args.file)
+    policy = load_policy(args.policy)
+    if args.workers < 1:
+        raise BadInput("--workers must be at least 1")
+    return run_matrix_file(m, Path(args.out), policy, workers=args.workers, ray=args.ray,
+                           tracking_uri=args.tracking_uri, mlflow=not args.no_mlflow,
+                           policy_path=str(Path(args.policy).resolve()) if args.policy else None)
+
+
+def add_matrix_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("matrix", help="a release gate over candidates x suites x concurrency x configurations",
+                              description=__doc__.split("\n\n")[0])
+    p.add_argument("file", help="the matrix YAML (suites, candidates, concurrency, configs)")
+    p.add_argument("--out", required=True, help="OUT/matrix.json, junit.xml, summary.md, cells/<cell>/")
+    p.add_argument("--workers", type=int, default=1, metavar="K", help="cells at once (default 1)")
+    p.add_argument("--ray", metavar="ADDRESS", help="every cell's reference side on this Ray cluster")
+    p.add_argument("--policy", help="policy YAML for the gate (default: the built-in one)")
+    p.add_argument("--tracking-uri", help="MLflow (default $MLFLOW_TRACKING_URI, else sqlite:///./mlflow.db)")
+    p.add_argument("--no-mlflow", action="store_true")
+    p.set_defaults(func=cmd_matrix)
+    return p
+

@@ -1,0 +1,89 @@
+"""`difftest matrix`: a gate over candidates x concurrency, every cell a real `difftest run` (qwen-tts
+against the CPU test engine, clean and with the seed's leak planted: the negative control), two
+cells at a time, gated, logged to a real MLflow (sqlite), one JUnit file and one summary."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import xml.etree.ElementTree as ET
+from pathlib import Path
+
+import pytest
+
+from difftest.errors import BadInput
+from difftest.scale.gate_matrix import load_matrix
+from reference_support import reference_python
+
+REPO = Path(__file__).resolve().parents[1]
+
+MATRIX = """\
+name: release-check
+suites: [{suite}]
+candidates:
+  - cpu-engine
+  - {{candidate: "cpu-engine:ref-leak", label: planted-leak}}
+concurrency: [2, 4]
+store: store
+"""
+
+
+def _write(tmp_path, text) -> Path:
+    path = tmp_path / "gate.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_two_candidates_at_two_concurrencies(tmp_path, mlflow_cwd):
+    reference_python()
+    path = _write(tmp_path, MATRIX.format(suite=REPO / "cases" / "suites" / "smoke.yaml"))
+    out = tmp_path / "out"
+    r = subprocess.run([sys.executable, "-m", "difftest", "matrix", str(path), "--out", str(out), "--workers", "2"],
+                       capture_output=True, text=True, timeout=1800, cwd=mlflow_cwd)
+    assert r.returncode == 1, r.stderr[-3000:]  # the planted leak fails the gate
+    m = json.loads((out / "matrix.json").read_text())
+    assert m["complete"] and m["exit_code"] == 1
+    rows = {c["cell"]: c for c in m["cells"]}
+    assert sorted(rows) == ["smoke__cpu-engine__c2__default", "smoke__cpu-engine__c4__default",
+                            "smoke__planted-leak__c2__default", "smoke__planted-leak__c4__default"]
+    for n in (2, 4):
+        clean, leak = rows[f"smoke__cpu-engine__c{n}__default"], rows[f"smoke__planted-leak__c{n}__default"]
+        assert clean["verdict"] == "pass" and clean["failing"] == [] and clean["concurrency"] == n
+        assert leak["verdict"] == "fail" and leak["at_concurrency_1"] == "pass"  # only concurrency leaks
+        assert leak["failing"] and {f["verdict"] for f in leak["failing"]} == {"contamination"}
+        assert all(f["donor"] and f["stage"] == "handoff" and f["first_divergent_chunk"] == 0 for f in leak["failing"])
+        assert (out / "cells" / leak["cell"] / "report.json").is_file()
+    suites = ET.parse(out / "junit.xml").getroot()
+    assert suites.get("tests") == "16"  # 4 cells x 4 segments
+    per_cell = {s.get("name"): int(s.get("failures")) for s in suites}
+    assert per_cell["difftest.matrix.smoke__cpu-engine__c4__default"] == 0
+    assert per_cell["difftest.matrix.smoke__planted-leak__c4__default"] == len(
+        rows["smoke__planted-leak__c4__default"]["failing"])
+    md = (out / "summary.md").read_text()
+    assert md.startswith("## ❌ difftest matrix release-check: fail") and "| smoke__planted-leak__c2__default | fail |" in md
+
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{mlflow_cwd / 'mlflow.db'}")
+    exp = client.get_experiment_by_name("difftest/smoke")
+    runs = client.search_runs([exp.experiment_id], "tags.`difftest.matrix` = 'release-check'", max_results=100)
+    assert sorted(r.data.tags["difftest.matrix.cell"] for r in runs if "difftest.matrix.cell" in r.data.tags) == sorted(rows)
+
+
+@pytest.mark.parametrize("body, where", [
+    ("suites: [x.yaml]\ncandidates: [cpu-engine]\nconcurrency: [2]\n", "suites[0]"),
+    ("suites: [{s}]\ncandidates: [cpu-engine]\nconcurrency: [0]\n", "concurrency[0]"),
+    ("suites: [{s}]\ncandidates: [cpu-engine]\nconcurrency: [2]\ncandidats: []\n", "candidats"),
+    ("suites: [{s}]\ncandidates: [cpu-engine, cpu-engine]\nconcurrency: [2]\n", "candidates"),
+    ("suites: [{s}]\ncandidates: [{{candidate: cpu-engine, lable: x}}]\nconcurrency: [2]\n", "candidates[0].lable"),
+    ("suites: [{s}]\ncandidates: []\nconcurrency: [2]\n", "candidates"),
+])
+def test_a_broken_matrix_file_is_named_before_any_cell_runs(tmp_path, body, where):
+    path = _write(tmp_path, body.format(s=REPO / "cases" / "suites" / "smoke.yaml"))
+    with pytest.raises(BadInput, match=rf"gate.yaml: {where.replace('[', '.').replace(']', '.')}"):
+        load_matrix(path)
+    r = subprocess.run([sys.executable, "-m", "difftest", "matrix", str(path), "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and where in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "o" / "cells").exists() or not any((tmp_path / "o" / "cells").iterdir())
