@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from ..engines.launcher import interrupt_groups, log_tail
 from ..errors import InfraError
 from .probe import ProbeRecord
 
@@ -96,7 +95,7 @@ class ProcessProber:
                 time.sleep(0.2)
             return done
         except BaseException:
-            self._stop([p for p, _ in procs.values()])
+            interrupt_groups([p for p, _ in procs.values()])
             raise
         finally:
             for _, log in procs.values():
@@ -109,32 +108,5 @@ class ProcessProber:
                 return ProbeRecord.from_json(json.loads(state.read_text(encoding="utf-8"))["decisions"][sha])
             except (OSError, ValueError, KeyError) as e:
                 raise InfraError(f"the probe of {sha[:12]} answered {code} but left no decision in {state}: {e}") from None
-        tail = _tail(self.folder(sha) / "probe.log")
+        tail = log_tail(self.folder(sha) / "probe.log", 20)
         raise InfraError(f"the probe of {sha[:12]} aborted (exit {code}); its log ({self.folder(sha)}/probe.log):\n{tail}")
-
-    @staticmethod
-    def _stop(procs: list[subprocess.Popen], grace: float = 60.0) -> None:
-        """SIGINT to every probe's process group (each stops its engines), then SIGKILL what is left."""
-        for p in procs:
-            if p.poll() is None:
-                try:
-                    os.killpg(p.pid, signal.SIGINT)
-                except ProcessLookupError:
-                    pass
-        deadline = time.monotonic() + grace
-        for p in procs:
-            try:
-                p.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                try:
-                    os.killpg(p.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                p.wait()
-
-
-def _tail(path: Path, lines: int = 20) -> str:
-    try:
-        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
-    except OSError:
-        return "(no log)"

@@ -147,6 +147,15 @@ def max_rounds(commits: int, width: int) -> int:
     return rounds
 
 
+def _checked(commits: Sequence[str]) -> list[str]:
+    commits = list(commits)
+    if len(commits) < 2:
+        raise ValueError("a bisect needs a good and a bad commit")
+    if len(set(commits)) != len(commits):
+        raise ValueError("commits must be distinct")
+    return commits
+
+
 def _as_vote(answer) -> Vote:
     return answer if isinstance(answer, Vote) else Vote(answer, (answer,), f"1 run: {answer}")
 
@@ -157,11 +166,7 @@ def bisect(commits: Sequence[str], probe: Callable[[str], Vote | str], known: Ma
 
     `probe(commit)` is called once per commit the search needs and has not got in `known`.
     With check_ends=False the ends are taken as stated without probing them."""
-    commits = list(commits)
-    if len(commits) < 2:
-        raise ValueError("a bisect needs a good and a bad commit")
-    if len(set(commits)) != len(commits):
-        raise ValueError("commits must be distinct")
+    commits = _checked(commits)
     known = dict(known or {})
     steps: list[Step] = []
 
@@ -228,13 +233,9 @@ def kary_bisect(commits: Sequence[str], probe_many: Callable[[list[str]], Mappin
     of the round to that bad. Skipped commits are set aside, as in `bisect`. width=1 asks the same
     commits as `bisect`, one per round; the ends are one round of two. Deterministic, so a resumed
     search (`known`) walks the same rounds and probes only what is undecided."""
-    commits = list(commits)
     if width < 1:
         raise ValueError("width must be at least 1")
-    if len(commits) < 2:
-        raise ValueError("a bisect needs a good and a bad commit")
-    if len(set(commits)) != len(commits):
-        raise ValueError("commits must be distinct")
+    commits = _checked(commits)
     known = dict(known or {})
     steps: list[Step] = []
     rounds = [0]

@@ -67,6 +67,27 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
+def interrupt_groups(procs: list[subprocess.Popen], grace: float = 60.0) -> None:
+    """SIGINT to each child's process group (a difftest command in it stops its own engines), then
+    SIGKILL what is still there after `grace` seconds. For children started with start_new_session."""
+    for p in procs:
+        if p.poll() is None:
+            try:
+                os.killpg(p.pid, signal.SIGINT)
+            except ProcessLookupError:
+                pass
+    deadline = time.monotonic() + grace
+    for p in procs:
+        try:
+            p.wait(max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            try:
+                os.killpg(p.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            p.wait()
+
+
 class ServerProcess:
     """`with ServerProcess(argv, url, log_path) as srv:` ... the server is healthy inside."""
 

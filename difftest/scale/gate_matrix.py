@@ -37,6 +37,7 @@ from pathlib import Path
 
 import yaml
 
+from ..engines.launcher import interrupt_groups, log_tail
 from ..errors import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput
 from ..results import atomic_write
 
@@ -169,7 +170,7 @@ def _judge(cell: dict, folder: Path, code: int, policy) -> dict:
     try:
         report = check_report(json.loads((folder / "report.json").read_text(encoding="utf-8")), folder / "report.json")
     except (OSError, ValueError, BadInput) as e:
-        tail = _tail(folder.with_suffix(".log"))
+        tail = log_tail(folder.with_suffix(".log"), 15)
         return {**row, "verdict": "error", "error": f"no report ({str(e).splitlines()[0]})", "log_tail": tail}
     result = decide(report, policy)
     failing = [r.segment for r in result.segments if result.fails(r)]
@@ -178,13 +179,6 @@ def _judge(cell: dict, folder: Path, code: int, policy) -> dict:
                          "first_divergent_chunk": s.get("first_divergent_chunk")} for s in failing],
             "at_concurrency_1": (report.get("at_concurrency_1") or {}).get("verdict"),
             "engine": (report.get("candidate") or {}).get("engine")}
-
-
-def _tail(path: Path, lines: int = 15) -> str:
-    try:
-        return "\n".join(path.read_text(encoding="utf-8", errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""
 
 
 def exit_code(rows: list[dict]) -> int:
@@ -283,7 +277,7 @@ def run_matrix_file(m: Matrix, out: Path, policy, *, workers: int = 1, ray: str 
                       file=stream, flush=True)
             time.sleep(0.2)
     except BaseException:
-        _stop([p for p, *_ in running.values()])
+        interrupt_groups([p for p, *_ in running.values()])
         save(False)
         raise
     code = exit_code(rows)
@@ -295,25 +289,6 @@ def run_matrix_file(m: Matrix, out: Path, policy, *, workers: int = 1, ray: str 
           f"{sum(r['verdict'] == 'fail' for r in rows)} fail, {sum(r['verdict'] == 'error' for r in rows)} error; "
           f"{out / 'summary.md'}, {out / 'junit.xml'}", file=stream, flush=True)
     return code
-
-
-def _stop(procs, grace: float = 60.0) -> None:
-    import os
-    import signal
-
-    for p in procs:
-        if p.poll() is None:
-            try:
-                os.killpg(p.pid, signal.SIGINT)  # each `difftest run` stops its own engines
-            except ProcessLookupError:
-                pass
-    deadline = time.monotonic() + grace
-    for p in procs:
-        try:
-            p.wait(max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
 
 
 def cmd_matrix(args) -> int:
