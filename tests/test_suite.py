@@ -184,3 +184,24 @@ def test_a_transcript_file_that_is_not_utf8_is_named(tmp_path):
     with pytest.raises(SuiteError) as e:
         load_suite(p)
     assert (e.value.field, e.value.problem) == ("voices[v1].transcript_file", "v1.txt is not UTF-8 text")
+
+
+def test_the_seeds_production_scenario_is_generated_the_same_every_time(tmp_path):
+    """cases/make_audiobook_suite.py: 278 segments over 6 cloned voices, alternating, deterministic,
+    and the committed cases/suites/audiobook-278.yaml is what it writes."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[1]
+    gen = [sys.executable, str(repo / "cases" / "make_audiobook_suite.py")]
+    text = subprocess.run([*gen, "--out", "-"], capture_output=True, text=True, check=True).stdout
+    assert text == (repo / "cases" / "suites" / "audiobook-278.yaml").read_text()
+    s = load_suite(repo / "cases" / "suites" / "audiobook-278.yaml")
+    assert len(s.segments) == 278 and len(s.voices) == 6
+    assert [seg.voice.id for seg in s.segments[:7]] == ["alba", "jonas", "hugo", "iris", "bruno", "chloe", "alba"]
+    assert len({seg.text for seg in s.segments}) == 278  # no two segments alike
+    other = subprocess.run([*gen, "--out", "-", "--seed", "1", "--segments", "20", "--voices", "3"],
+                           capture_output=True, text=True, check=True).stdout
+    (tmp_path / "s.yaml").write_text(other.replace("../voices/", str(repo / "cases" / "voices") + "/"))
+    small = load_suite(tmp_path / "s.yaml")
+    assert len(small.segments) == 20 and len(small.voices) == 3 and small.segments[0].text != s.segments[0].text
