@@ -124,9 +124,8 @@ def cpu_engine_defects(python: Path) -> list[str]:
 def _vllm_omni_options(spec: CandidateSpec, setup: Setup):
     """The vLLM-Omni settings of a run: one place, so `difftest run`, bisect and selfcheck serve
     vLLM-Omni alike (the vocoder's dtype and the request timeout included)."""
-    from .vllm_omni import VllmOmniOptions, decode_settings
-
     from .reference import never_stops
+    from .vllm_omni import VllmOmniOptions, decode_settings
 
     opts = setup.opts
     decode, warnings = decode_settings(setup.suite.segments)
@@ -156,14 +155,14 @@ def _gpu_placement(settings: dict, setup: Setup) -> dict:
     """The candidate's GPUs (default: the reference's) and each stage's memory fraction, leaving
     room for the reference models where they share a GPU (difftest.engines.placement)."""
     from . import placement
-    from .vllm_omni import CHECKPOINT_TYPE, models_for_tasks
+    from .vllm_omni import models_for_tasks
 
     ref = placement.parse_device(setup.opts.reference.device, "reference device")
     gpus = placement.candidate_gpus(tuple(settings.get("gpus") or ()), ref)
     out = {"gpus": gpus}
     if settings.get("memory_fractions"):
         return out
-    servers = len(models_for_tasks(setup.models, {s.task for s in setup.suite.segments} or set(CHECKPOINT_TYPE)))
+    servers = len(models_for_tasks(setup.models, {s.task for s in setup.suite.segments}))
     ref_gpu = ref.index if ref.kind == "cuda" else None
     shared = ref_gpu is not None and ref_gpu in gpus
     need = placement.reference_bytes(setup.models) if shared else 0
