@@ -147,6 +147,18 @@ def start_ray_pool(python: Path, models: list[str], ref_opts: ReferenceOptions, 
     return pool
 
 
+def start_ray_candidate(spec: CandidateSpec, setup: Setup, ray: dict, run_tag: str):
+    """The candidate in a Ray actor (difftest.scale.ray_candidate): its engine on whichever node has room."""
+    from .scale.ray_candidate import RayCandidate
+
+    if spec.kind == URL:
+        raise BadInput("--ray-candidate: a URL candidate is already served elsewhere; start vllm-omni, "
+                       "vllm-omni-offline or cpu-engine in the actor instead")
+    gpus = float(ray.get("candidate_gpus") or 0)
+    print(f"candidate: {spec.label} in a Ray actor ({gpus:g} GPU)", file=sys.stderr, flush=True)
+    return RayCandidate(spec, setup, address=ray.get("address"), gpus=gpus, run_tag=run_tag)
+
+
 def resolve_models(suite: Suite, opts: RunOptions, python: Path) -> list[str]:
     return list(opts.reference.models) or (
         tiny_checkpoints(ResultStore(opts.store).root, python) if suite.model == "tiny" else [suite.model])
@@ -344,7 +356,11 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
             ref_run = ReferenceEngine(runner, store.root, opts.reference.timeout).generate(suite.segments)
         if candidate is None:
             with timings("candidate_start_s"):
-                candidate = start_candidate(spec, setup, stack, run_tag=run_id)
+                if (opts.ray or {}).get("candidate"):
+                    candidate = start_ray_candidate(spec, setup, opts.ray, run_id)
+                    stack.callback(candidate.close)
+                else:
+                    candidate = start_candidate(spec, setup, stack, run_tag=run_id)
         cand_info = candidate.info
         _announce(cand_info)
         outcomes = {}
@@ -485,7 +501,11 @@ def cmd_run(args) -> int:
                                                  device=args.device, dtype=args.dtype),
                       vllm_omni=vllm_omni_settings(args),
                       replace=args.replace, repeat=args.repeat,
-                      ray=None if args.ray is None else {"address": args.ray, "workers": args.ray_workers})
+                      ray=None if args.ray is None else {"address": args.ray, "workers": args.ray_workers,
+                                                         "candidate": args.ray_candidate,
+                                                         "candidate_gpus": args.ray_candidate_gpus})
+    if args.ray_candidate and args.ray is None:
+        raise BadInput("--ray-candidate needs --ray [ADDRESS]")
     if args.matrix:
         from .matrix import run_matrix
 
@@ -557,6 +577,11 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
                         "one (pip install 'difftest[ray]'; docs/scale-out.md)")
     r.add_argument("--ray-workers", type=int, default=2, metavar="N",
                    help="--ray: reference runners to start, one CPU each (default 2)")
+    r.add_argument("--ray-candidate", action="store_true",
+                   help="--ray: start the candidate in a Ray actor too, on whichever node has room; its results "
+                        "and capture files come back through Ray")
+    r.add_argument("--ray-candidate-gpus", type=float, default=0, metavar="G",
+                   help="--ray-candidate: GPUs the candidate's actor asks for (a GPU cluster: 1)")
     r.add_argument("--tracking-uri", help="MLflow tracking URI (default $MLFLOW_TRACKING_URI, else "
                                           "sqlite:///./mlflow.db in the working folder)")
     r.add_argument("--no-mlflow", action="store_true", help="do not log to MLflow")

@@ -196,3 +196,29 @@ def test_an_unreachable_head_is_an_infrastructure_error(tmp_path):
     assert r.returncode == 3, r.stderr[-2000:]
     assert "--ray 127.0.0.1:9: no Ray head answers there" in r.stderr and "Traceback" not in r.stderr
     shutil.rmtree(tmp_path / "o", ignore_errors=True)
+
+
+def test_the_candidate_in_a_ray_actor_gives_the_local_verdicts(cluster, tmp_path):
+    """--ray-candidate: the CPU test engine with the seed's leak, started in an actor on a raylet of
+    its own, its passes sent from there; its result and capture files come back through Ray into
+    the run folder. The leak is caught as locally: contamination at the hand-off, chunk 0, a donor."""
+    from ray.cluster_utils import Cluster  # noqa: F401  (the fixture's cluster gets a third raylet)
+
+    cluster.add_node(num_cpus=1)
+    cluster.wait_for_nodes()
+    work = tmp_path / "w"
+    work.mkdir()
+    r = _run(work / "run", work / "store", "--ray", cluster.address, "--ray-workers", "1", "--ray-candidate")
+    assert r.returncode == 1, r.stderr[-3000:]
+    assert "in a Ray actor" in r.stderr
+    rep = json.loads((work / "run" / "report.json").read_text())
+    assert rep["candidate"]["ray_node"] and rep["candidate"]["engine"].startswith("difftest CPU test engine")
+    leaked = [s for s in rep["segments"] if s["verdict"] == "contamination"]
+    assert leaked and all(s["stage"] == "handoff" and s["donor"] and s["first_divergent_chunk"] == 0 for s in leaked)
+    assert rep["at_concurrency_1"]["verdict"] == "pass"
+    for folder in ("candidate-c1", "candidate-c4"):  # the actor's files, under the run folder, paths its own
+        sidecars = sorted((work / "run" / "results" / folder).glob("smoke-*.json"))
+        assert len(sidecars) == 4
+        for side in sidecars:
+            assert "difftest-ray-candidate-" not in side.read_text()  # no node-local path left inside
+            assert read_result(side).segment_hash

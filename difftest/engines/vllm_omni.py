@@ -368,10 +368,9 @@ def _prepare(out_dir: Path, models: list[str], opts: VllmOmniOptions, tasks) -> 
     return python, env_info, to_serve, overlay_path, capture, env
 
 
-def _eager_stages(overlay_path: Path) -> dict:
-    """{stage_id: enforce_eager} as the overlay sets it (unset: the deploy's own, CUDA graphs on a GPU)."""
-    overlay = yaml.safe_load(Path(overlay_path).read_text(encoding="utf-8")) or {}
-    return {s.get("stage_id"): s.get("enforce_eager") for s in overlay.get("stages") or []}
+def _eager_stages(opts: VllmOmniOptions) -> dict:
+    """{stage_id: enforce_eager} as the overlay sets it (None: the deploy's own, CUDA graphs on a GPU)."""
+    return {st["stage_id"]: st.get("enforce_eager") for st in deploy_overlay("(base)", opts)["stages"]}
 
 
 def _provenance(env_info: dict, opts: VllmOmniOptions, overlay_path: Path, capture: Path | None) -> dict:
@@ -389,7 +388,7 @@ def _provenance(env_info: dict, opts: VllmOmniOptions, overlay_path: Path, captu
         "talker_dtype": "bfloat16",  # vLLM-Omni 0.30's talker is bf16-only; the overlay says so on every device
         "vocoder_dtype": opts.vocoder_dtype,
         "gpus": list(opts.gpus) if opts.device == "cuda" else None,
-        "enforce_eager": _eager_stages(overlay_path),
+        "enforce_eager": _eager_stages(opts),
         "batch_invariant": bool(opts.batch_invariant),
         "async_chunk": bool(opts.async_chunk),
         "max_num_seqs": opts.max_num_seqs,
