@@ -127,8 +127,12 @@ def test_generate_writes_codes_ref_codes_and_wav(first_run, segments):
             # when it falls short, and the result says so (difftest.compare.align).
             lead = align.lead_samples(len(r.ref_codes), frames)
             assert len(r.wav) - frames * 1920 == lead
+            # and the voice through a bf16 copy of the same encoder: same frames, other residual codes
+            bf16 = r.extra["ref_codes_bf16"]
+            assert bf16.shape == r.ref_codes.shape and not np.array_equal(bf16, r.ref_codes), sid
+            assert 0.05 < float((bf16 == r.ref_codes).mean()) < 1.0
         else:
-            assert r.ref_codes.shape == (0, 16)
+            assert r.ref_codes.shape == (0, 16) and "ref_codes_bf16" not in r.extra
             assert len(r.wav) == frames * 1920
             lead = 0
         assert r.meta == {"runner": "qwen-tts", "concurrency": 1, "lead_samples": lead}

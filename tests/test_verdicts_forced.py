@@ -330,6 +330,37 @@ def test_reference_codes_far_from_qwen_tts_encoder_are_a_reference_encoder_defec
     assert v.verdict == "reference_encoder_defect" and "15 frames where qwen-tts's encoder makes 12" in v.summary
 
 
+def test_the_bf16_encoding_of_the_voice_also_counts_and_nothing_else_does(policy):
+    """A bf16 encoder (vLLM-Omni's) on a CPU with AMX agrees with qwen-tts's float32 encoder on 10-13%
+    of entries: its codes are judged against qwen-tts's own encoder in bf16 too, and the closer wins.
+    A bf16 encoding of another length, or another voice's codes, still fails."""
+    rng = np.random.default_rng(1)
+    bf16 = REF.copy()
+    bf16[:, 1:] = rng.integers(0, 2048, (len(REF), 15))  # qwen-tts's bf16 encoding: codebook 0 alone kept
+    mine = bf16.copy()
+    mine[:, 14:] += 1  # the candidate's: 14 of 16 codebooks as qwen-tts's bf16 encoder, ~6% as its float32
+
+    def judged(ref_codes, ref_bf16):
+        e = evidence()
+        if ref_bf16 is not None:
+            e.reference.extra["ref_codes_bf16"] = ref_bf16
+        e.candidate = toy_result("a", CODES, ref_codes)
+        e.cross_own = toy_result("a", CODES, ref_codes)
+        return classify(e, policy)
+
+    v = judged(mine, None)
+    assert v.verdict == "reference_encoder_defect" and "float32 or bf16" not in v.summary
+    v = judged(mine, bf16)
+    c = v.comparisons["codes"]
+    assert v.verdict == "code_divergence" and v.stage == "reference_encoder", v.summary
+    assert c["ref_codes_agreement"] < 0.1 and c["ref_codes_agreement_bf16"] == 0.875
+    assert "88% of entries agree" in v.summary
+    v = judged(rng.integers(0, 2048, REF.shape), bf16)
+    assert v.verdict == "reference_encoder_defect" and "(float32 or bf16)" in v.summary
+    v = judged(mine, np.concatenate([bf16, bf16[:2]]))  # a bf16 encoding of another length is not used
+    assert v.verdict == "reference_encoder_defect" and "ref_codes_agreement_bf16" not in v.comparisons["codes"]
+
+
 def test_policy_reference_encoder_section_is_validated(tmp_path):
     base = yaml.safe_load(DEFAULT_POLICY.read_text())
     assert load_policy().encoder_min_agreement == base["reference_encoder"]["min_agreement"] == 0.5

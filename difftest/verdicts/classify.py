@@ -555,7 +555,8 @@ def _headline_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) ->
         encoded = talker["ref_codes"] if talker is not None else cand.ref_codes  # the encoder's, before the hand-off
         comps["codes"]["ref_codes_equal"] = _same(ref.ref_codes, encoded)
         if not _same(ref.ref_codes, encoded):
-            out.append(_encoder_finding(ref.ref_codes, encoded, policy, comps, talker is not None))
+            out.append(_encoder_finding(ref.ref_codes, encoded, policy, comps, talker is not None,
+                                        ref.extra.get("ref_codes_bf16")))
         if d.length_only:
             out.append(_Finding("length_mismatch",
                                 f"same codes for {min(d.len_a, d.len_b)} frames, then the candidate has "
@@ -598,17 +599,30 @@ def _headline_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) ->
     return out
 
 
-def _encoder_finding(theirs: np.ndarray, mine: np.ndarray, policy: Policy, comps: dict, at_talker: bool) -> _Finding:
+def _encoder_finding(theirs: np.ndarray, mine: np.ndarray, policy: Policy, comps: dict, at_talker: bool,
+                     theirs_bf16: np.ndarray | None = None) -> _Finding:
     """The candidate's reference codes (what its talker was prompted with) against qwen-tts's encoder's
-    for the same voice: numerics move some entries (a bf16 encoder: 78-91% agree, measured), another
-    voice's or another length of audio moves them all."""
-    n = min(len(theirs), len(mine))
-    agree = float((theirs[:n] == mine[:n]).mean()) if n else 0.0
+    for the same voice, in the reference's dtype and, where the reference recorded it, in bf16 (the
+    dtype vLLM-Omni encodes in): numerics move some entries, another voice's or another length of
+    audio moves them all. The closer of the two decides. Measured on vLLM-Omni 0.30.0's bf16 encoder,
+    tiny checkpoint: against float32 78-91% agree on a CPU without AMX, 10-13% with AMX; against
+    qwen-tts's own encoder in bf16, 93% with AMX; another voice's codes agree by chance (1 in 2048)."""
+    def agreement(ref: np.ndarray) -> float:
+        n = min(len(ref), len(mine))
+        return float((ref[:n] == mine[:n]).mean()) if n else 0.0
+
+    agree = agreement(theirs)
     comps["codes"]["ref_codes_agreement"] = round(agree, 4)
+    if theirs_bf16 is not None and len(theirs_bf16) == len(theirs):
+        agree_bf16 = agreement(np.asarray(theirs_bf16))
+        comps["codes"]["ref_codes_agreement_bf16"] = round(agree_bf16, 4)
+        agree = max(agree, agree_bf16)
     if len(theirs) != len(mine) or agree < policy.encoder_min_agreement:
         what = (f"{len(mine)} frames where qwen-tts's encoder makes {len(theirs)} of the same voice"
                 if len(theirs) != len(mine) else
-                f"only {agree:.0%} of their entries agree with qwen-tts's (policy: {policy.encoder_min_agreement:.0%})")
+                f"only {agree:.0%} of their entries agree with qwen-tts's"
+                + (" (float32 or bf16)" if theirs_bf16 is not None else "")
+                + f" (policy: {policy.encoder_min_agreement:.0%})")
         whose = ("the talker's reference codes" if at_talker else
                  "the reference codes the vocoder got (no talker stage captured: the encoder or the hand-off)")
         return _Finding("reference_encoder_defect", f"{whose} are not what the voice encodes to: {what}",

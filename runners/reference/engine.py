@@ -45,6 +45,7 @@ class Synthesis:
     sample_rate: int
     timings: dict = field(default_factory=dict)
     generate_kwargs: dict = field(default_factory=dict)
+    ref_codes_bf16: np.ndarray | None = None  # the same voice through qwen-tts's encoder in bf16 (float32 runs)
 
 
 class _Capture:
@@ -72,6 +73,7 @@ class QwenTTSEngine:
         self.dtype = dtype
         self.threads = threads
         self._models: dict[str, tuple[object, _Capture]] = {}
+        self._bf16_encoders: dict[str, object] = {}
         self._torch = None
 
     # -- loading -------------------------------------------------------
@@ -121,6 +123,7 @@ class QwenTTSEngine:
             ref_codes = prompt[0].ref_code.detach().to("cpu").numpy()
         if prompt is not None:
             timings["prompt_s"] = time.perf_counter() - t0
+        ref_codes_bf16 = self._bf16_ref_codes(tts, u) if ref_codes is not None else None
         capture.codes = None
         torch.manual_seed(int(u.decode["seed"]))
         t1 = time.perf_counter()
@@ -133,7 +136,30 @@ class QwenTTSEngine:
         codes = capture.codes[0].numpy()
         return Synthesis(codes=codes, ref_codes=np.zeros((0, 16), np.int64) if ref_codes is None else ref_codes,
                          wav=np.asarray(wavs[0], dtype=np.float32), sample_rate=int(sr), timings=timings,
-                         generate_kwargs=kwargs)
+                         generate_kwargs=kwargs, ref_codes_bf16=ref_codes_bf16)
+
+    def _bf16_ref_codes(self, tts, u: Utterance) -> np.ndarray | None:
+        """The voice's reference codes from a bf16 copy of qwen-tts's own speech encoder.
+
+        vLLM-Omni encodes reference audio in bf16; qwen-tts here in `--dtype`. Residual codes are
+        sensitive to that: on a CPU with AMX, 10-13% of (frame, codebook) entries of the tiny
+        checkpoint's float32 and bf16 encodings agree, 78% without AMX. The verdict compares the
+        candidate's codes with both (classify.py, `_encoder_finding`). None when the run is bf16."""
+        if self.dtype == "bfloat16":
+            return None
+        import copy
+
+        torch = self._torch
+        tokenizer = tts.model.speech_tokenizer.model
+        if u.task not in self._bf16_encoders:
+            self._bf16_encoders[u.task] = copy.deepcopy(tokenizer.encoder).to(torch.bfloat16)
+        own = tokenizer.encoder
+        tokenizer.encoder = self._bf16_encoders[u.task]  # an instance attribute, swapped back below
+        try:
+            prompt = self._voice_prompt(tts, u)
+        finally:
+            tokenizer.encoder = own
+        return prompt[0].ref_code.detach().to("cpu").numpy()
 
     def _voice_prompt(self, tts, u: Utterance):
         if u.task != "voice_clone":
