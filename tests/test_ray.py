@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import io
 import json
+import os
 import shutil
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -222,3 +225,45 @@ def test_the_candidate_in_a_ray_actor_gives_the_local_verdicts(cluster, tmp_path
         for side in sidecars:
             assert "difftest-ray-candidate-" not in side.read_text()  # no node-local path left inside
             assert read_result(side).segment_hash
+
+
+def test_an_interrupted_run_on_ray_resumes_from_the_store(cluster, tmp_path):
+    """Ctrl-C on the driver while the reference side is being generated on the cluster: the run
+    stops (exit 3), the store keeps every result the driver had written, and the same command
+    finishes the run, generating only the segments that were missing: none twice."""
+    suites, work = tmp_path / "suites", tmp_path / "w"
+    suites.mkdir(), work.mkdir()
+    (tmp_path / "voices").symlink_to(REPO / "cases" / "voices")
+    suite = suites / "ab8.yaml"
+    subprocess.run([sys.executable, str(REPO / "cases" / "make_audiobook_suite.py"), "--segments", "8",
+                    "--voices", "3", "--out", str(suite)], check=True, capture_output=True, timeout=120)
+    argv = [sys.executable, "-m", "difftest", "run", str(suite), "--candidate", "cpu-engine:ref-leak", "-n", "4",
+            "--out", str(work / "run"), "--store", str(work / "store"), "--no-mlflow", "--no-repeat",
+            "--ray", cluster.address, "--ray-workers", "2"]
+    first = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=work,
+                             start_new_session=True)
+    sidecars = lambda: sorted((work / "store").glob("qwen-tts-*/ab*.json"))  # noqa: E731
+    try:
+        deadline = time.monotonic() + 900
+        while not sidecars():  # the first reference result is in the store: interrupt now
+            assert first.poll() is None and time.monotonic() < deadline, first.communicate()[1][-3000:]
+            time.sleep(0.05)
+        os.killpg(first.pid, signal.SIGINT)
+        _, err = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert first.returncode == 3 and "interrupted" in err, err[-3000:]
+    kept = {p.name: (p.stat().st_mtime_ns, p.read_bytes()) for p in sidecars()}
+    assert 1 <= len(kept) < 8, sorted(kept)  # interrupted in the middle, not before or after
+    assert not (work / "run" / "report.json").exists()
+
+    second = subprocess.run(argv, capture_output=True, text=True, timeout=1800, cwd=work)
+    assert second.returncode == 1, second.stderr[-3000:]  # the planted leak
+    assert f"reference: 8/8 segments, {len(kept)} cached" in second.stderr, second.stderr[-3000:]
+    for p in sidecars():
+        if p.name in kept:  # not computed again: the same file, untouched
+            assert (p.stat().st_mtime_ns, p.read_bytes()) == kept[p.name], p.name
+    assert len(sidecars()) == 8
+    rep = json.loads((work / "run" / "report.json").read_text())
+    assert rep["suite"]["segments"] == 8 and any(s["verdict"] == "contamination" and s["donor"] for s in rep["segments"])
