@@ -136,3 +136,18 @@ def test_a_shorter_donors_reference_repeated_to_the_own_length_names_it(policy):
     v = classify(ev(np.concatenate([short, short[:5]]), peers={"b": short}), policy)
     assert (v.verdict, v.stage, v.donor, v.donor_kind) == ("contamination", "handoff", "b", "codes")
     assert "the candidate used b's reference codes (20 frames, 15 repeated to 20)" in v.summary
+
+
+def test_a_shorter_donors_whole_reference_then_padding_names_it(policy):
+    # the seed's bug at c=16 (audiobook-278, #4373 reverted into 0.30.0): ab004 (42 frames of its own)
+    # got ab002's 39 frames whole, then 3 frames of the batched encoder's padding, no one's reference
+    short, pad = OTHER[:15], toy_codes(5, 9)
+    v = classify(ev(np.concatenate([short, pad]), peers={"b": short}), policy)
+    assert (v.verdict, v.stage, v.donor, v.donor_kind) == ("contamination", "handoff", "b", "codes")
+    assert "b's reference codes (20 frames, all 15 of theirs, then 5 that are no one's)" in v.summary
+    # its own whole reference followed by padding is not another's: no donor, a hand-off defect
+    v = classify(ev(np.concatenate([OWN, pad[:3]]), peers={"b": short}), policy)
+    assert (v.verdict, v.donor) == ("handoff_defect", None)
+    # a whole reference too short to tell from a silent onset by chance is not a donor either
+    v = classify(ev(np.concatenate([OTHER[:3], OWN[3:]]), peers={"b": OTHER[:3]}), policy)
+    assert v.donor is None

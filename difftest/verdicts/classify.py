@@ -248,16 +248,30 @@ def _prefix_of(used: np.ndarray, rc: np.ndarray) -> bool:
     return bool(len(rc)) and len(used) > 0 and _same(used, _resized(rc, len(used)))
 
 
+MIN_LEAD_FRAMES = 4  # a whole reference shorter than this could match a silent onset by chance
+
+
+def _leads_with(used: np.ndarray, rc: np.ndarray) -> bool:
+    """`used` begins with the whole of `rc` and goes on: the seed's leak hands a shorter reference at
+    a longer request's length, its tail the batched encoder's padding frames (measured on vLLM-Omni
+    0.30.0 with the #4373 revert, c=16: 39 frames of the donor's, then 3 that are no request's)."""
+    return MIN_LEAD_FRAMES <= len(rc) < len(used) and _same(used[:len(rc)], rc)
+
+
+def _is_from(used: np.ndarray, rc: np.ndarray) -> bool:
+    return _prefix_of(used, rc) or _leads_with(used, rc)
+
+
 def _code_donors(used: np.ndarray, ev: Evidence, own: np.ndarray) -> tuple[list[str], bool]:
     """Segments whose own reference codes `used` is (co-batched ones first); whether co-batched.
-    None where `used` is the segment's own reference, whole or cut: a segment of the same voice has the
-    same codes, and naming it would blame it for a cut (the length check's business)."""
-    if _prefix_of(used, own):
+    None where `used` is the segment's own reference, whole, cut or continued: a segment of the same
+    voice has the same codes, and naming it would blame it for a cut (the length check's business)."""
+    if _is_from(used, own):
         return [], False
-    batch = [p for p, rc in sorted(ev.peer_ref_codes.items()) if _prefix_of(used, rc)]
+    batch = [p for p, rc in sorted(ev.peer_ref_codes.items()) if _is_from(used, rc)]
     if batch:
         return batch, True
-    return [p for p, rc in sorted(ev.history_ref_codes.items()) if p != ev.segment_id and _prefix_of(used, rc)], False
+    return [p for p, rc in sorted(ev.history_ref_codes.items()) if p != ev.segment_id and _is_from(used, rc)], False
 
 
 def _handoff_findings(ev: Evidence, comps: dict, notes: list, voc: list) -> list[_Finding]:
@@ -292,7 +306,9 @@ def _handoff_findings(ev: Evidence, comps: dict, notes: list, voc: list) -> list
         same = f" (as are {', '.join(donors[1:])}'s: the same voice)" if len(donors) > 1 else ""
         whose = donors[0] if co_batched else f"{donors[0]} (served earlier, not in its batch)"
         theirs = len((ev.peer_ref_codes | ev.history_ref_codes)[donors[0]])
-        cut = f", cut to {n}" if n < theirs else f", {theirs} repeated to {n}" if n > theirs else ""
+        longer = _prefix_of(cand.ref_codes, (ev.peer_ref_codes | ev.history_ref_codes)[donors[0]])
+        cut = (f", cut to {n}" if n < theirs else "" if n == theirs else
+               f", {theirs} repeated to {n}" if longer else f", all {theirs} of theirs, then {n - theirs} that are no one's")
         return [_Finding("contamination",
                          f"the candidate used {whose}'s reference codes ({n} frames{cut}) "
                          f"instead of its own ({m} frames){same}{audio}",
