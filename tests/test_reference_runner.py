@@ -131,6 +131,7 @@ def test_generate_writes_codes_ref_codes_and_wav(first_run, segments):
             bf16 = r.extra["ref_codes_bf16"]
             assert bf16.shape == r.ref_codes.shape and not np.array_equal(bf16, r.ref_codes), sid
             assert 0.05 < float((bf16 == r.ref_codes).mean()) < 1.0
+            assert r.timings["prompt_bf16_s"] > 0  # its cost is in the reference's model time
         else:
             assert r.ref_codes.shape == (0, 16) and "ref_codes_bf16" not in r.extra
             assert len(r.wav) == frames * 1920

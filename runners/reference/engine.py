@@ -123,7 +123,11 @@ class QwenTTSEngine:
             ref_codes = prompt[0].ref_code.detach().to("cpu").numpy()
         if prompt is not None:
             timings["prompt_s"] = time.perf_counter() - t0
-        ref_codes_bf16 = self._bf16_ref_codes(tts, u) if ref_codes is not None else None
+        ref_codes_bf16 = None
+        if ref_codes is not None and self.dtype != "bfloat16":
+            t_bf16 = time.perf_counter()
+            ref_codes_bf16 = self._bf16_ref_codes(tts, u)
+            timings["prompt_bf16_s"] = time.perf_counter() - t_bf16  # counted in the result's `seconds`
         capture.codes = None
         torch.manual_seed(int(u.decode["seed"]))
         t1 = time.perf_counter()
@@ -144,9 +148,7 @@ class QwenTTSEngine:
         vLLM-Omni encodes reference audio in bf16; qwen-tts here in `--dtype`. Residual codes are
         sensitive to that: on a CPU with AMX, 10-13% of (frame, codebook) entries of the tiny
         checkpoint's float32 and bf16 encodings agree, 78% without AMX. The verdict compares the
-        candidate's codes with both (classify.py, `_encoder_finding`). None when the run is bf16."""
-        if self.dtype == "bfloat16":
-            return None
+        candidate's codes with both (classify.py, `_encoder_finding`)."""
         import copy
 
         torch = self._torch
