@@ -151,7 +151,7 @@ def main(argv=None) -> int:
                          "--only", "ref-leak-4373", "--store", str(work / "store"), "--tracking-uri", uri],
                         work / "leak.log", REPO, env)
         bugs = json.loads((work / "leak" / "bugs.json").read_text())
-        row = bugs["entries"][0] if "entries" in bugs else bugs
+        row = bugs["entries"][0]
         report_path = next((work / "leak").rglob("report.json"))
         lr = json.loads(report_path.read_text())
         donors = [s for s in lr["segments"] if s.get("donor")]

@@ -305,10 +305,10 @@ def _handoff_findings(ev: Evidence, comps: dict, notes: list, voc: list) -> list
     if donors:
         same = f" (as are {', '.join(donors[1:])}'s: the same voice)" if len(donors) > 1 else ""
         whose = donors[0] if co_batched else f"{donors[0]} (served earlier, not in its batch)"
-        theirs = len((ev.peer_ref_codes | ev.history_ref_codes)[donors[0]])
-        longer = _prefix_of(cand.ref_codes, (ev.peer_ref_codes | ev.history_ref_codes)[donors[0]])
+        donor_codes = (ev.peer_ref_codes | ev.history_ref_codes)[donors[0]]
+        theirs, repeated = len(donor_codes), _prefix_of(cand.ref_codes, donor_codes)
         cut = (f", cut to {n}" if n < theirs else "" if n == theirs else
-               f", {theirs} repeated to {n}" if longer else f", all {theirs} of theirs, then {n - theirs} that are no one's")
+               f", {theirs} repeated to {n}" if repeated else f", all {theirs} of theirs, then {n - theirs} that are no one's")
         return [_Finding("contamination",
                          f"the candidate used {whose}'s reference codes ({n} frames{cut}) "
                          f"instead of its own ({m} frames){same}{audio}",
