@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .engines.capture import CaptureError, member_sizes
 from .suites.suite import CODEBOOKS, content_hash
 
 log = logging.getLogger(__name__)
@@ -173,8 +174,11 @@ def read_result(sidecar: str | Path) -> Result:
     meta, blob = read_sidecar(side, FORMAT)
     npz = side.with_name(meta.get("npz") or side.name[: -len(".json")] + ".npz")
     try:
+        member_sizes(io.BytesIO(blob), npz)  # bounded memory: a small npz may claim gigabytes
         with np.load(io.BytesIO(blob), allow_pickle=False) as z:
             arrays = {k: z[k] for k in z.files}
+    except CaptureError as e:
+        raise CorruptResult(str(e)) from None
     except Exception as e:  # a bad zip, a pickled array: either way untrusted
         raise CorruptResult(f"{npz}: unreadable npz ({e})") from None
     for k in ("codes", "ref_codes", "wav"):
@@ -259,3 +263,19 @@ class ResultStore:
 
     def put(self, config_dir: Path, result: Result) -> Path:
         return write_result(self.stem(config_dir, result.segment_id, result.segment_hash), result)
+
+
+def reusable_together(found: dict[str, Result]) -> dict[str, Result]:
+    """The found results that may be reused: those whose every peer (`meta.wave`, the wave it was
+    sent in, or `meta.batch`, the batch it was decoded in) is itself found and reused. A result whose
+    wave-mate changed (another text, voice or decode: another hash, so not found) must be served
+    again with its wave: reused alone, the changed segment would be served alone, and a leak between
+    them would pass."""
+    keep = dict(found)
+    while True:
+        drop = [sid for sid, r in keep.items()
+                if any(p not in keep for p in (r.meta.get("wave") or r.meta.get("batch") or [sid]))]
+        if not drop:
+            return keep
+        for sid in drop:
+            del keep[sid]

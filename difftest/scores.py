@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .engines.capture import CaptureError, member_sizes
 from .results import CorruptResult, _ext, atomic_write, read_sidecar
 
 FORMAT = "difftest.score/1"
@@ -78,8 +79,11 @@ def read_scores(sidecar: str | Path) -> ScoreFile:
     meta, blob = read_sidecar(side, FORMAT)
     npz = side.with_name(str(meta.get("npz")))
     try:
+        member_sizes(io.BytesIO(blob), npz)
         with np.load(io.BytesIO(blob), allow_pickle=False) as z:
             arrays = {f: z[f] for f in FIELDS}
+    except CaptureError as e:
+        raise CorruptResult(str(e)) from None
     except Exception as e:
         raise CorruptResult(f"{npz}: unreadable or incomplete score npz ({e})") from None
     shapes = {a.shape for a in arrays.values()}

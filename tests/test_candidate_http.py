@@ -115,3 +115,26 @@ def test_unreachable_server(suite, tmp_path):
     assert c.health() is False
     out = run_candidate(clone_segments(suite, 2), c, tmp_path, concurrency=2)
     assert {e["kind"] for e in out.errors.values()} == {"infrastructure"}
+
+
+def test_an_edited_segment_is_served_again_with_its_whole_wave(suite, tmp_path):
+    """#34 item 1. Reproduced before the fix: after one segment's text changed, it was served alone
+    and its wave-mate's old result reused, so a leak between them had no donor to come from: the
+    CPU test engine's ref-leak run went from exit 1 (contamination) to exit 0, PASS."""
+    import dataclasses
+
+    from difftest.suites.suite import content_hash
+
+    a, b, c, d = clone_segments(suite, 4)
+    out = tmp_path / "res"
+    with FakeSpeechServer(delay=0.0) as srv:
+        first = run_candidate([a, b, c, d], SpeechClient(srv.url), out, concurrency=2, run_tag="r1", identity_key="k")
+        assert first.batches == [[a.id, b.id], [c.id, d.id]] and not first.cached
+        edited = dataclasses.replace(b, text=b.text + " Again.")
+        edited = dataclasses.replace(edited, hash=content_hash(edited.fingerprint()))
+        again = run_candidate([a, edited, c, d], SpeechClient(srv.url), out, concurrency=2, run_tag="r2",
+                              identity_key="k")
+        texts = [r["input"] for r in srv.requests[4:]]
+    assert sorted(texts) == sorted([a.text, edited.text])  # the edited one's wave, both members
+    assert again.cached == {c.id, d.id} and sorted(map(sorted, again.batches)) == [[a.id, b.id], [c.id, d.id]]
+    assert again.results[a.id].meta["wave"] == [a.id, b.id] and again.results[b.id].segment_hash == edited.hash

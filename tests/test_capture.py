@@ -47,6 +47,10 @@ HOSTILE = {
     "integer wav": ({**GOOD, "wav": np.zeros(100, np.int16)}, "wav holds int16 values"),
     "2-D wav": ({**GOOD, "wav": np.zeros((2, 1920), np.float32)}, "wav has shape (2, 1920), expected mono"),
     "lead of 5": ({**GOOD, "lead_samples": np.int64(5)}, "lead_samples 5 outside [0, 1]"),
+    "NaN in the audio": ({**GOOD, "wav": np.where(np.arange(6 * 1920) == 7, np.nan, GOOD["wav"]).astype(np.float32)},
+                         "wav sample 7 is nan (1 samples not finite)"),
+    "infinity in the audio": ({**GOOD, "wav": np.where(np.arange(6 * 1920) >= 100, np.inf, 0).astype(np.float32)},
+                              "wav sample 100 is inf"),
 }
 
 
@@ -163,3 +167,63 @@ def test_the_talker_own_top_k_round_trips_and_is_checked(tmp_path):
         np.savez(tmp_path / "bad.npz", **arrays)
         with pytest.raises(capture.CaptureError, match=words):
             capture.load(tmp_path / "bad.npz")
+
+
+def _npz_claiming(path: Path, name: str, shape: tuple, dtype: str = "<i8") -> Path:
+    """An npz whose member's header claims `shape` and holds a few bytes: what a hostile or broken
+    writer can leave; np.load would allocate the whole claim before finding the data short."""
+    import io
+    import zipfile
+
+    head = io.BytesIO()
+    np.lib.format.write_array_header_1_0(head, {"descr": dtype, "fortran_order": False, "shape": shape})
+    with zipfile.ZipFile(path, "w") as zf:
+        zf.writestr(f"{name}.npy", head.getvalue() + b"\0" * 64)
+        zf.writestr("wav.npy", _npy(GOOD["wav"]))
+    return path
+
+
+def _npy(a) -> bytes:
+    import io
+
+    buf = io.BytesIO()
+    np.save(buf, a)
+    return buf.getvalue()
+
+
+def test_a_capture_that_claims_gigabytes_is_refused_from_its_headers(tmp_path):
+    """A 1 KB capture claiming 2.2 GB of codes, or a compressed one of 200,000 frames for a request
+    allowed 8: refused before anything is unpacked (the reference runner once went to 19 GB)."""
+    import tracemalloc
+
+    bomb = _npz_claiming(tmp_path / "bomb.npz", "codes", (2**24, 16))
+    assert bomb.stat().st_size < 48_000
+    tracemalloc.start()
+    with pytest.raises(capture.CaptureError, match=r"member codes.npy claims shape \(16777216, 16\) of int64"):
+        capture.load(bomb)
+    assert tracemalloc.get_traced_memory()[1] < 16 << 20  # the peak: nothing of the claim was allocated
+    tracemalloc.stop()
+    many = tmp_path / "many.npz"
+    np.savez_compressed(many, codes=np.zeros((200_000, 16), np.int64), wav=GOOD["wav"])
+    assert many.stat().st_size < 200_000
+    with pytest.raises(capture.CaptureError, match=r"200000 generated frames, more than the request's max_new_tokens \(8\)"):
+        capture.load(many, max_frames=8)
+    tokens = {**GOOD, **TALKER, "talker_tokens": np.arange(8)}  # 6 frames, 8 talker tokens: one too many for 6
+    with pytest.raises(capture.CaptureError, match="8 talker tokens, more than the request's max_new_tokens"):
+        capture.load(capture.write(tmp_path / "tok.npz", tokens), max_frames=6)
+    assert len(capture.load(capture.write(tmp_path / "ok.npz", {**GOOD, **TALKER}), max_frames=6).codes) == 6
+
+
+def test_more_frames_than_the_request_allowed_is_that_segments_candidate_error(tmp_path):
+    suite = load_suite(ROOT / "cases" / "suites" / "voice-clone-concurrency.yaml")
+    segs = [s for s in suite.segments if s.task == "voice_clone"][:3]
+    limit = segs[0].decode["max_new_tokens"]
+    cap_dir = tmp_path / "cap"
+    cap_dir.mkdir()
+    with FakeSpeechServer(capture_dir=cap_dir, delay=0.0) as srv:
+        srv.capture_override = {segs[0].text: {**GOOD, "codes": toy_codes(limit + 1, 3)}}
+        out = run_candidate(segs, SpeechClient(srv.url), tmp_path / "res", concurrency=3, capture_dir=cap_dir,
+                            run_tag="r", reuse=False)
+    assert out.errors[segs[0].id]["kind"] == "candidate"
+    assert f"{limit + 1} generated frames, more than the request's max_new_tokens ({limit})" in out.errors[segs[0].id]["message"]
+    assert sorted(out.results) == sorted(s.id for s in segs[1:])

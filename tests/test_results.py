@@ -70,7 +70,7 @@ def test_pickled_array_is_refused(tmp_path):
     import hashlib
     side["npz_sha256"] = hashlib.sha256(buf.getvalue()).hexdigest()
     (tmp_path / "s.json").write_text(json.dumps(side))
-    with pytest.raises(CorruptResult, match="unreadable npz"):
+    with pytest.raises(CorruptResult, match="member wav.npy holds Python objects"):
         read_result(tmp_path / "s.json")
 
 
@@ -101,3 +101,18 @@ def test_load_result_set_skips_corrupt_with_warning(tmp_path):
     results, warnings = load_result_set(tmp_path)
     assert list(results) == ["a"]
     assert len(warnings) == 1 and "b.npz" in warnings[0]
+
+
+def test_a_result_is_reused_only_with_its_whole_wave():
+    """A wave-mate missing (changed, so another hash, or never finished) takes the rest of its wave
+    with it, through every peer of a peer; a result without a recorded wave stands alone."""
+    from difftest.results import reusable_together
+
+    def r(sid, **meta):
+        return Result(sid, "h", np.zeros(4, np.float32), 24000, meta=meta)
+
+    found = {"a": r("a", wave=["a", "b"]), "c": r("c", wave=["c", "d"]), "d": r("d", wave=["c", "d"]),
+             "e": r("e", batch=["e", "f"]), "f": r("f", batch=["f", "e"]), "g": r("g"),
+             "x": r("x", wave=["x", "y"]), "y": r("y", wave=["y", "a"])}
+    assert sorted(reusable_together(found)) == ["c", "d", "e", "f", "g"]
+    assert sorted(reusable_together({k: v for k, v in found.items() if k != "e"})) == ["c", "d", "g"]

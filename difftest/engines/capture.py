@@ -50,6 +50,7 @@ import io
 import os
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -58,6 +59,9 @@ import numpy as np
 CODEBOOKS = 16
 CODEBOOK_SIZE = 2048  # the 12 Hz tokenizer's codebook; the talker's specials (>= 2048) never reach the vocoder
 MAX_BYTES = 256 << 20  # about 100 minutes of float32 audio with its codes: far beyond any segment
+# Compressed or not, the arrays a capture holds may not unpack to more than this (a zip of zeros
+# claiming millions of frames is refused from its headers, before any of it is read).
+MAX_UNPACKED = MAX_BYTES
 MAX_LEAD_SAMPLES = 1
 SCHEMA_VERSION = 2
 READS = (1, 2)  # version 1: no talker arrays
@@ -128,14 +132,18 @@ def _scalar(arrays: dict, name: str, where: Path) -> int | None:
     return int(a.reshape(-1)[0])
 
 
-def validate(arrays: dict, where: Path) -> Capture:
-    """The checked content of one capture file's arrays."""
+def validate(arrays: dict, where: Path, max_frames: int | None = None) -> Capture:
+    """The checked content of one capture file's arrays; `max_frames`: the request's max_new_tokens
+    (more generated frames than the request allowed is the engine's error, before any scoring)."""
     version = _scalar(arrays, "schema_version", where)
     if version is not None and version not in READS:
         raise CaptureError(f"{where}: capture schema version {version}; this difftest reads versions "
                            f"{', '.join(map(str, READS))} (the engine's capture plugin and difftest come from "
                            f"different checkouts?)")
     codes = _codes(arrays, "codes", where, required=True)
+    if max_frames is not None and len(codes) > max_frames:
+        raise CaptureError(f"{where}: {len(codes)} generated frames, more than the request's max_new_tokens "
+                           f"({max_frames})")
     ref_codes = _codes(arrays, "ref_codes", where, required=False)
     wav = None
     if "wav" in arrays:
@@ -145,16 +153,20 @@ def validate(arrays: dict, where: Path) -> Capture:
         if w.ndim != 1 and not (w.ndim == 2 and 1 in w.shape):
             raise CaptureError(f"{where}: wav has shape {w.shape}, expected mono samples")
         wav = w.astype(np.float32).reshape(-1)  # its length is the comparison's business (length_mismatch)
+        bad = np.flatnonzero(~np.isfinite(wav))
+        if len(bad):
+            raise CaptureError(f"{where}: wav sample {int(bad[0])} is {wav[bad[0]]} ({len(bad)} samples "
+                               f"not finite): the vocoder's output is broken")
     rate = _scalar(arrays, "sample_rate", where)
     if rate is not None and rate <= 0:
         raise CaptureError(f"{where}: sample_rate {rate} is not positive")
     lead = _scalar(arrays, "lead_samples", where) or 0
     if not 0 <= lead <= MAX_LEAD_SAMPLES:
         raise CaptureError(f"{where}: lead_samples {lead} outside [0, {MAX_LEAD_SAMPLES}]")
-    return Capture(codes, ref_codes, wav, rate, lead, where, *_talker(arrays, where))
+    return Capture(codes, ref_codes, wav, rate, lead, where, *_talker(arrays, where, max_frames))
 
 
-def _talker(arrays: dict, where: Path) -> tuple:
+def _talker(arrays: dict, where: Path, max_frames: int | None) -> tuple:
     if "talker_missing" in arrays:  # the writer tried and could not: the capture is incomplete
         raise CaptureError(f"{where}: the talker stage was not captured ({arrays['talker_missing']})")
     present = [n for n in TALKER if n in arrays]
@@ -173,6 +185,9 @@ def _talker(arrays: dict, where: Path) -> tuple:
         raise CaptureError(f"{where}: talker_tokens must be a row of integers, got {tokens.dtype} of shape {tokens.shape}")
     if (tokens < 0).any() or (prompt[:2] < 0).any():
         raise CaptureError(f"{where}: talker_tokens / talker_prompt hold negative numbers")
+    if max_frames is not None and len(tokens) > max_frames + 1:  # + the final token that never becomes a frame
+        raise CaptureError(f"{where}: {len(tokens)} talker tokens, more than the request's max_new_tokens "
+                           f"({max_frames}) allows")
     return (ref, prompt.astype(np.int64), tokens.astype(np.int64), *_topk(arrays, where, len(tokens)))
 
 
@@ -198,8 +213,42 @@ def _topk(arrays: dict, where: Path, n_tokens: int) -> tuple:
     return ids.astype(np.int64), lp.astype(np.float32)
 
 
-def load(path: Path) -> Capture:
-    """Read and check one capture file."""
+def member_sizes(source, where) -> dict[str, int]:
+    """Bytes each array of an npz (a path or a file object) unpacks to, read from the archive's
+    headers without unpacking anything; CaptureError when a member claims more than MAX_UNPACKED,
+    alone or together, or is not a plain array. Call before np.load: a small file may claim
+    gigabytes."""
+    sizes, total = {}, 0
+    try:
+        with zipfile.ZipFile(source) as zf:
+            for info in zf.infolist():
+                if info.file_size > MAX_UNPACKED + 4096:  # the zip's own claim, before the array header's
+                    raise CaptureError(f"{where}: member {info.filename} unpacks to {info.file_size} bytes, "
+                                       f"more than the {MAX_UNPACKED >> 20} MiB a capture may hold")
+                with zf.open(info) as f:
+                    version = np.lib.format.read_magic(f)
+                    header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                              else np.lib.format.read_array_header_2_0)
+                    shape, _, dtype = header(f)
+                if dtype.hasobject:
+                    raise CaptureError(f"{where}: member {info.filename} holds Python objects")
+                n = int(np.prod(shape, dtype=object)) * dtype.itemsize
+                total += n
+                if total > MAX_UNPACKED:
+                    raise CaptureError(f"{where}: member {info.filename} claims shape {shape} of {dtype}: "
+                                       f"{total} bytes in all, more than the {MAX_UNPACKED >> 20} MiB a "
+                                       f"capture may hold")
+                sizes[info.filename.removesuffix(".npy")] = n
+    except CaptureError:
+        raise
+    except Exception as e:  # not a zip, a truncated one, a member that is not an array
+        raise CaptureError(f"{where}: unreadable capture ({type(e).__name__}: {e})") from None
+    return sizes
+
+
+def load(path: Path, max_frames: int | None = None) -> Capture:
+    """Read and check one capture file (`max_frames`: the request's max_new_tokens, see validate).
+    Memory stays bounded: the archive's headers are checked before any array is read."""
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -207,18 +256,22 @@ def load(path: Path) -> Capture:
         raise CaptureError(f"{path}: cannot read ({e.strerror})") from None
     if size > MAX_BYTES:
         raise CaptureError(f"{path}: {size} bytes, more than the {MAX_BYTES >> 20} MiB a capture may hold")
+    if not zipfile.is_zipfile(path):
+        with open(path, "rb") as f:
+            single = f.read(6) == b"\x93NUMPY"
+        raise CaptureError(f"{path}: a single array, not an npz archive of named arrays" if single
+                           else f"{path}: unreadable capture (not a zip archive, as an npz is)")
+    member_sizes(path, path)
     try:
         z = np.load(path, allow_pickle=False)
     except Exception as e:  # a bad zip, a pickled array, a truncated file: the engine's, not ours
         raise CaptureError(f"{path}: unreadable capture ({type(e).__name__}: {e})") from None
-    if not isinstance(z, np.lib.npyio.NpzFile):
-        raise CaptureError(f"{path}: a single array, not an npz archive of named arrays")
     try:
         with z:
             arrays = {k: z[k] for k in z.files}
     except Exception as e:  # a bad zip, a pickled array, a truncated file: the engine's, not ours
         raise CaptureError(f"{path}: unreadable capture ({type(e).__name__}: {e})") from None
-    return validate(arrays, path)
+    return validate(arrays, path, max_frames)
 
 
 def wait_for(capture_dir: Path, tag: str, wait_s: float) -> Path | None:

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ..results import Result, ResultStore, write_result
+from ..results import Result, ResultStore, reusable_together, write_result
 from ..suites import wavio
 from ..suites.suite import Segment
 from . import capture
@@ -74,7 +74,8 @@ def _waves(segments: list[Segment], n: int, order: str, seed: int) -> list[list[
     return waves
 
 
-def read_capture(capture_dir: Path | None, tag: str, wait_s: float | None = None) -> Capture | None:
+def read_capture(capture_dir: Path | None, tag: str, wait_s: float | None = None,
+                 max_frames: int | None = None) -> Capture | None:
     """The engine's checked capture for a tag (docs/architecture.md, contract 5); None without a capture folder.
 
     Raises CaptureError when the capture was asked for and is missing or unusable: never a
@@ -86,7 +87,7 @@ def read_capture(capture_dir: Path | None, tag: str, wait_s: float | None = None
     if path is None:
         raise capture.CaptureMissing(f"{Path(capture_dir) / (tag + '.npz')}: the engine wrote no capture for this request "
                            f"within {wait_s:.0f} s of answering")
-    return capture.load(path)
+    return capture.load(path, max_frames)
 
 
 def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, *, concurrency: int,
@@ -109,15 +110,15 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
     lock = threading.Lock()
     dead = threading.Event()
 
-    todo = []
     store = ResultStore(out_dir)
+    found = {}
     for s in segments:
         cached = store.get(out_dir, s.id, s.hash) if reuse else None
         if cached is not None and cached.meta.get("identity") == identity_key:
-            outcome.results[s.id] = cached
-            outcome.cached.add(s.id)
-        else:
-            todo.append(s)
+            found[s.id] = cached
+    outcome.results = reusable_together(found)
+    outcome.cached = set(outcome.results)
+    todo = [s for s in segments if s.id not in outcome.results]
     outcome.batches = recorded_waves(outcome.results.values(), {s.id for s in segments})
 
     if voice_mode == "registered":
@@ -159,7 +160,7 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
             # status 0: the connection died or timed out mid-request: the engine is down or hung
             return error(seg, "infrastructure" if getattr(e, "status", None) == 0 else "candidate", str(e))
         try:
-            cap = read_capture(capture_dir, tag)
+            cap = read_capture(capture_dir, tag, max_frames=seg.decode.get("max_new_tokens"))
         except CaptureError as e:
             # missing: the capture machinery failed us; unusable: the engine wrote nonsense about itself
             return error(seg, "infrastructure" if isinstance(e, capture.CaptureMissing) else "candidate", str(e))
@@ -216,10 +217,11 @@ def _result(seg: Segment, wav, info, cap: Capture | None, ans, label: str, prove
 
 
 def recorded_waves(results, wanted: set[str]) -> list[list[str]]:
-    """The waves reused results were sent in (their `meta.wave`), each once, limited to `wanted`."""
+    """The waves reused results were sent in (their `meta.wave`, or the runner's `meta.batch`), each
+    once, limited to `wanted`."""
     waves, seen = [], set()
     for r in results:
-        wave = tuple(sid for sid in (r.meta.get("wave") or [r.segment_id]) if sid in wanted)
+        wave = tuple(sid for sid in (r.meta.get("wave") or r.meta.get("batch") or [r.segment_id]) if sid in wanted)
         if wave and wave not in seen:
             seen.add(wave)
             waves.append(list(wave))

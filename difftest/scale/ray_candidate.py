@@ -26,8 +26,9 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..engines.base import Outcome
+from ..engines.http import recorded_waves
 from ..errors import InfraError
-from ..results import ResultStore, atomic_write
+from ..results import ResultStore, atomic_write, reusable_together
 from .ray_pool import _cause, _ray, connect
 
 
@@ -106,8 +107,8 @@ class RayCandidate:
                  run_tag: str = "", start_timeout: float = 1800.0):
         from ..engines.reference import tiny_build
 
+        self._started_ray = connect(address)  # first: it sets what Ray reads when imported
         ray = _ray()
-        self._started_ray = connect(address)
         self.out = Path(setup.out)
         wavs = {str(v.wav): Path(v.wav).read_bytes() for v in setup.suite.voices.values()}
         models = [{"path": str(Path(m).resolve()) if Path(m).exists() else m, "tiny": tiny_build(m)} for m in setup.models]
@@ -132,13 +133,15 @@ class RayCandidate:
         out_dir = Path(out_dir)
         store = ResultStore(out_dir)
         outcome = Outcome()
-        todo = []
+        found = {}
         for s in segments:  # reuse what this engine made here already, as a local engine does
             hit = store.get(out_dir, s.id, s.hash) if out_dir.exists() else None
             if hit is not None and hit.meta.get("identity") == identity_key:
-                outcome.results[s.id], _ = hit, outcome.cached.add(s.id)
-            else:
-                todo.append(s)
+                found[s.id] = hit
+        outcome.results = reusable_together(found)  # never a wave reused without a changed member
+        outcome.cached = set(outcome.results)
+        outcome.batches = recorded_waves(outcome.results.values(), set(outcome.results))
+        todo = [s for s in segments if s.id not in outcome.results]
         if not todo:
             return outcome
         folder = str(out_dir.resolve().relative_to(self.out.resolve()))
@@ -165,7 +168,7 @@ class RayCandidate:
                     progress.segment(s.id, audio_seconds=r.seconds, seconds=r.timings.get("request_seconds", 0.0))
             elif s.id in got["errors"]:
                 outcome.errors[s.id] = got["errors"][s.id]
-        outcome.batches = got["batches"]
+        outcome.batches += got["batches"]
         return outcome
 
     def close(self) -> None:

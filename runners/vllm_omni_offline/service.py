@@ -23,7 +23,7 @@ import numpy as np
 
 from difftest.engines import capture
 from difftest.engines.capture import Capture, CaptureError
-from difftest.results import CorruptResult, Result, ResultStore, write_result
+from difftest.results import CorruptResult, Result, ResultStore, reusable_together, write_result
 from runners.reference.checkpoint import MODEL_TYPE_OF_TASK, Checkpoint
 from runners.reference.environment import log
 from runners.reference.service import BadInput, parse_segment
@@ -64,14 +64,21 @@ class OfflineService:
 
     def _wave(self, segs: list[dict], out_dir: Path, concurrency: int, emit) -> None:
         store = ResultStore(out_dir)
+        found = {}
+        for seg in segs:
+            sid, h = seg.get("id"), seg.get("hash")
+            cached = store.get(out_dir, sid, h) if isinstance(sid, str) and isinstance(h, str) else None
+            if cached is not None and cached.meta.get("identity") == self.identity:
+                found[sid] = cached
+        reused = reusable_together(found)  # a batch whose member changed is decoded again, whole
         groups: dict[tuple, list] = {}
         for seg in segs:
             sid = seg.get("id", "?")
             try:
                 if not isinstance(sid, str) or not isinstance(seg.get("hash"), str):
                     raise BadInput("a segment needs an id and its content hash")
-                cached = store.get(out_dir, sid, seg["hash"])
-                if cached is not None and cached.meta.get("identity") == self.identity:
+                cached = reused.get(sid)
+                if cached is not None:
                     emit("result", segment=sid, path=str(cached.source), cached=True,
                          seconds=float(cached.timings.get("seconds", 0.0)), audio_seconds=cached.seconds)
                     continue
@@ -115,7 +122,7 @@ class OfflineService:
                 continue
             emit("result", segment=seg["id"], path=str(path), cached=False, seconds=seconds, audio_seconds=audio_s)
 
-    def _capture(self, request_id: str) -> Capture | None:
+    def _capture(self, request_id: str, max_frames: int | None = None) -> Capture | None:
         """The request's checked capture (None when capture is off). CaptureError when it was asked
         for and is missing or unusable: the segment's error, never a silent audio-only result."""
         if self.capture_dir is None:
@@ -127,7 +134,7 @@ class OfflineService:
         while True:  # the talker's and the vocoder's sides land separately
             if path.exists():
                 try:
-                    cap = capture.load(path)
+                    cap = capture.load(path, max_frames)
                     if cap.wav is not None:
                         return cap
                 except CaptureError:
@@ -139,7 +146,7 @@ class OfflineService:
             time.sleep(0.05)
 
     def _write(self, seg, utt, voice, ans, batch_ids, seconds, out_dir, concurrency, task):
-        cap = self._capture(ans.request_id)
+        cap = self._capture(ans.request_id, utt.decode.get("max_new_tokens"))
         empty = np.zeros((0, 16), np.int64)
         ckpt = self.checkpoints[task]
         extra = {"capture_wav": cap.wav, **cap.stage_arrays()} if cap is not None else {}
