@@ -90,6 +90,16 @@ def test_valid_minimal_suite_normalises(tmp_path):
     ({"segments": [{"id": "s1", "text": "a", "voice": "v1", "colour": "red"}]}, "segments[s1].colour", "unknown field"),
     ({"chunks": {"initial_frames": 0}}, "chunks.initial_frames", "must be a positive integer"),
     ({"segments": []}, "segments", "expected a non-empty list"),
+    # #34 item 11: ids name files; `..` would put a segment's artifacts in the run folder's parent
+    ({"segments": [{"id": "..", "text": "a", "voice": "v1"}]}, "segments[0].id", "must begin with a letter or digit"),
+    ({"segments": [{"id": ".", "text": "a", "voice": "v1"}]}, "segments[0].id", "must begin with a letter or digit"),
+    ({"segments": [{"id": ".hidden", "text": "a", "voice": "v1"}]}, "segments[0].id", "must begin with a letter"),
+    ({"segments": [{"id": "a/b", "text": "a", "voice": "v1"}]}, "segments[0].id", "may only hold ASCII letters"),
+    ({"voices": [{"id": "..", "wav": "v1.wav", "transcript": "x"}]}, "voices[0].id", "must begin with a letter"),
+    ({"segments": [{"id": "s" * 101, "text": "a", "voice": "v1"}]}, "segments[0].id", "101 characters"),
+    # #34 item 10: a model that is no id, no folder and not tiny fails validation, not the run
+    ({"model": "no-such-model"}, "model", "expected tiny (the seeded tiny checkpoints), a Hugging Face id"),
+    ({"description": "d" * 5001}, "description", "5001 characters"),
 ])
 def test_invalid_suites_name_field_and_problem(tmp_path, over, field, problem):
     p = _write_suite(tmp_path, _doc(**over))
@@ -205,3 +215,45 @@ def test_the_seeds_production_scenario_is_generated_the_same_every_time(tmp_path
     (tmp_path / "s.yaml").write_text(other.replace("../voices/", str(repo / "cases" / "voices") + "/"))
     small = load_suite(tmp_path / "s.yaml")
     assert len(small.segments) == 20 and len(small.voices) == 3 and small.segments[0].text != s.segments[0].text
+
+
+@pytest.mark.parametrize("body, line, problem", [
+    # #34 item 3: PyYAML keeps the last of two keys; a suite (or policy) edited twice would test the second silently
+    ("name: t\nname: u\n", "line 2", "duplicate key 'name' (first on line 1, again on line 2)"),
+    ("name: t\ndecode: {seed: 0, seed: 1}\n", "line 2", "duplicate key 'seed'"),
+])
+def test_a_key_given_twice_is_refused_with_both_lines(tmp_path, body, line, problem):
+    p = tmp_path / "s.yaml"
+    p.write_text(body)
+    with pytest.raises(SuiteError) as e:
+        load_suite(p)
+    assert e.value.field == line and problem in e.value.problem
+
+
+def _alias_bomb(where: str) -> str:
+    """Nine levels of nine aliases: 9**9 strings once expanded, a few hundred bytes on disk."""
+    lines = ['l0: &l0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"l{i}: &l{i} [{', '.join([f'*l{i - 1}'] * 9)}]" for i in range(1, 9)]
+    return "\n".join(lines) + f"\n{where}: *l8\n"
+
+
+@pytest.mark.parametrize("where", ["description", "language"])
+def test_an_alias_bomb_is_refused_before_it_is_built(tmp_path, where):
+    """#34 item 12: it took 1.1 GB in `description`; in `language` the error line was 58 MB."""
+    import resource
+
+    p = tmp_path / "s.yaml"
+    p.write_text(_alias_bomb(where))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(SuiteError) as e:
+        load_suite(p)
+    assert "aliases expand to more than" in e.value.problem and len(str(e.value)) < 300
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 50_000  # KiB: nothing was expanded
+
+
+def test_a_huge_value_is_quoted_short(tmp_path):
+    doc = _doc(segments=[{"id": "s1", "text": "a", "voice": "v1", "language": ["x" * 1000] * 500}])
+    p = _write_suite(tmp_path, doc)
+    with pytest.raises(SuiteError) as e:
+        load_suite(p)
+    assert e.value.field == "segments[s1].language" and len(str(e.value)) < 400

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import yaml
 
+from .. import yamlfile
 from ..errors import BadInput
 
 REPO = Path(__file__).resolve().parents[2]
@@ -59,10 +60,10 @@ class Entry:
 
 def _need(raw: dict, key: str, types, where: str):
     if key not in raw:
-        raise BadInput(f"{where}: field {key!r} missing")
+        raise BadInput(f"{where}: field {yamlfile.quote(key)} missing")
     value, types = raw[key], types if isinstance(types, tuple) else (types,)
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        raise BadInput(f"{where}: field {key!r} is {type(value).__name__}, expected "
+        raise BadInput(f"{where}: field {yamlfile.quote(key)} is {type(value).__name__}, expected "
                        f"{' or '.join(t.__name__ for t in types)}")
     return value
 
@@ -70,7 +71,7 @@ def _need(raw: dict, key: str, types, where: str):
 def _suite(name: str, where: str) -> Path:
     path = (SUITES / f"{name}.yaml") if "/" not in name and not name.endswith(".yaml") else (REPO / name)
     if not path.is_file():
-        raise BadInput(f"{where}: run.suite {name!r}: no suite at {path}")
+        raise BadInput(f"{where}: run.suite {yamlfile.quote(name)}: no suite at {path}")
     return path
 
 
@@ -79,7 +80,7 @@ def load_entry(folder: Path) -> Entry:
     path = folder / "bug.yaml"
     where = str(path)
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yamlfile.load_file(path)
     except OSError as e:
         raise BadInput(f"{where}: cannot read ({e.strerror})") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
@@ -88,13 +89,13 @@ def load_entry(folder: Path) -> Entry:
         raise BadInput(f"{where}: expected a mapping of fields")
     eid = _need(raw, "id", str, where)
     if eid != folder.name or not _ID.match(eid):
-        raise BadInput(f"{where}: id {eid!r} must equal its folder's name ({folder.name!r}) and be a short slug")
+        raise BadInput(f"{where}: id {yamlfile.quote(eid)} must equal its folder's name ({yamlfile.quote(folder.name)}) and be a short slug")
     carries = bool(raw.get("release_carries_bug", False))
     patch = None
     if not carries:
         patch = folder / _need(raw, "patch", str, where)
         if not patch.is_file():
-            raise BadInput(f"{where}: patch {patch.name!r} not found beside it")
+            raise BadInput(f"{where}: patch {yamlfile.quote(patch.name)} not found beside it")
     sha = raw.get("source_sha256") or {}
     if not isinstance(sha, dict) or not all(isinstance(k, str) and isinstance(v, str) and len(v) == 64
                                             for k, v in sha.items()):
@@ -104,7 +105,7 @@ def load_entry(folder: Path) -> Entry:
     run = _need(raw, "run", dict, where)
     candidate = _need(run, "candidate", str, f"{where}: run")
     if candidate not in CANDIDATES:
-        raise BadInput(f"{where}: run.candidate {candidate!r}: expected one of {', '.join(CANDIDATES)}")
+        raise BadInput(f"{where}: run.candidate {yamlfile.quote(candidate)}: expected one of {', '.join(CANDIDATES)}")
     concurrency = _need(run, "concurrency", int, f"{where}: run")
     if not 1 <= concurrency <= 64:
         raise BadInput(f"{where}: run.concurrency {concurrency} outside 1..64")
@@ -114,9 +115,9 @@ def load_entry(folder: Path) -> Entry:
     _check_config(config, where)
     pattern, order = run.get("pattern", "barrier"), run.get("order", "suite")
     if pattern not in PATTERNS:
-        raise BadInput(f"{where}: run.pattern {pattern!r}: expected one of {', '.join(PATTERNS)}")
+        raise BadInput(f"{where}: run.pattern {yamlfile.quote(pattern)}: expected one of {', '.join(PATTERNS)}")
     if order not in ORDERS:
-        raise BadInput(f"{where}: run.order {order!r}: expected one of {', '.join(ORDERS)}")
+        raise BadInput(f"{where}: run.order {yamlfile.quote(order)}: expected one of {', '.join(ORDERS)}")
     expect = _need(raw, "expect", dict, where)
     if expect.get("stage") not in STAGES:
         raise BadInput(f"{where}: expect.stage {expect.get('stage')!r}: expected one of {', '.join(STAGES)}")
@@ -139,7 +140,7 @@ def _check_config(config: dict, where: str) -> None:
     known = {f.name for f in dataclasses.fields(VllmOmniOptions)} - {"python"}
     for key in config:
         if key not in known:
-            raise BadInput(f"{where}: run.config key {key!r} is no vLLM-Omni setting difftest knows "
+            raise BadInput(f"{where}: run.config key {yamlfile.quote(key)} is no vLLM-Omni setting difftest knows "
                            f"(known: {', '.join(sorted(known))})")
 
 

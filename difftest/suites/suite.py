@@ -12,12 +12,14 @@ import argparse
 import hashlib
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .. import yamlfile
 from ..errors import SuiteError
 from .voices import VoiceError, check_voice
 
@@ -58,6 +60,7 @@ DEFAULT_CHUNKS = {"initial_frames": 1, "frames": 25}
 # Limits that keep one suite line from taking the machine (a 10 MB text drove qwen-tts to 6.8 GB in
 # 38 s). max_new_tokens: the released checkpoints' own generation_config bound (8192 frames, 11 min).
 MAX_TEXT_CHARS = 5000  # text, transcript, instructions; a long audiobook paragraph is about 1,500
+MAX_ID_CHARS = 100  # ids become file names (with a hash and a suffix)
 MAX_NEW_TOKENS = 8192
 
 
@@ -158,8 +161,12 @@ class _Checker:
 
     def ident(self, value, where: str) -> str:
         value = self.text(value, where)
-        if not all(c.isalnum() or c in "-_." for c in value):
-            self.fail(where, f"{value!r} may only hold letters, digits, '-', '_' and '.'")
+        # ids name files and folders: `..` or `.x` would land outside, or hidden in, the run folder
+        if not all(c.isascii() and (c.isalnum() or c in "-_.") for c in value) or not value[0].isalnum():
+            self.fail(where, f"{yamlfile.quote(value)} may only hold ASCII letters, digits, '-', '_' and '.', "
+                             f"and must begin with a letter or digit")
+        if len(value) > MAX_ID_CHARS:
+            self.fail(where, f"{len(value)} characters, more than the {MAX_ID_CHARS} an id may hold")
         return value
 
     def unknown_keys(self, d: dict, allowed: set, where: str):
@@ -176,12 +183,12 @@ def _decode_params(chk: _Checker, raw, where: str, base: dict | None) -> dict:
         typ, _ = DECODE_FIELDS[name]
         w = f"{where}.{name}"
         if typ is bool and not isinstance(value, bool):
-            chk.fail(w, f"expected true or false, got {value!r}")
+            chk.fail(w, f"expected true or false, got {yamlfile.quote(value)}")
         if typ is int and (isinstance(value, bool) or not isinstance(value, int)):
-            chk.fail(w, f"expected an integer, got {value!r}")
+            chk.fail(w, f"expected an integer, got {yamlfile.quote(value)}")
         if typ is float:
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                chk.fail(w, f"expected a finite number, got {value!r}")
+                chk.fail(w, f"expected a finite number, got {yamlfile.quote(value)}")
             value = float(value)
         out[name] = value
     if base is None:
@@ -232,7 +239,7 @@ def _voice(chk: _Checker, raw, i: int, base_dir: Path) -> Voice:
         transcript = chk.text(transcript, f"{where}.transcript", allow_empty=True).strip()
     mode = raw.get("mode", "icl")
     if mode not in CLONE_MODES:
-        chk.fail(f"{where}.mode", f"{mode!r} is not one of {', '.join(CLONE_MODES)}")
+        chk.fail(f"{where}.mode", f"{yamlfile.quote(mode)} is not one of {', '.join(CLONE_MODES)}")
     if mode == "icl" and not transcript:
         chk.fail(f"{where}.transcript", "in-context cloning (mode icl) needs the reference transcript")
     return Voice(vid, wav, transcript, mode, hashlib.sha256(data).hexdigest(), wi.n_frames)
@@ -247,11 +254,11 @@ def _segment(chk: _Checker, raw, i: int, voices: dict, decode: dict) -> Segment:
     text = chk.text(raw.get("text"), f"{where}.text")
     lang_raw = raw.get("language", "Auto")
     if not isinstance(lang_raw, str) or lang_raw.strip().title() not in LANGUAGES:
-        chk.fail(f"{where}.language", f"unknown language {lang_raw!r} (known: {', '.join(LANGUAGES)})")
+        chk.fail(f"{where}.language", f"unknown language {yamlfile.quote(lang_raw)} (known: {', '.join(LANGUAGES)})")
     language = lang_raw.strip().title()
     task = raw.get("task", "voice_clone")
     if task not in TASKS:
-        chk.fail(f"{where}.task", f"{task!r} is not one of {', '.join(TASKS)}")
+        chk.fail(f"{where}.task", f"{yamlfile.quote(task)} is not one of {', '.join(TASKS)}")
     voice = speaker = instructions = None
     if "instructions" in raw:
         instructions = chk.text(raw["instructions"], f"{where}.instructions")
@@ -260,7 +267,7 @@ def _segment(chk: _Checker, raw, i: int, voices: dict, decode: dict) -> Segment:
         if vid is None:
             chk.fail(f"{where}.voice", "a voice_clone segment needs a voice")
         if vid not in voices:
-            chk.fail(f"{where}.voice", f"unknown voice {vid!r} (suite voices: {', '.join(voices) or 'none'})")
+            chk.fail(f"{where}.voice", f"unknown voice {yamlfile.quote(vid)} (suite voices: {', '.join(voices) or 'none'})")
         voice = voices[vid]
         for other in ("speaker", "instructions"):
             if other in raw:
@@ -280,6 +287,19 @@ def _segment(chk: _Checker, raw, i: int, voices: dict, decode: dict) -> Segment:
     return Segment(**{**seg.__dict__, "hash": content_hash(seg.fingerprint())})
 
 
+def _hf_id(text: str) -> bool:
+    return text.count("/") == 1 and not text.startswith((".", "/", "~")) and all(text.split("/"))
+
+
+def hf_cached(model_id: str) -> bool:
+    """Whether a Hugging Face id is in the local cache (where the reference runner looks; nothing is
+    ever downloaded)."""
+    home = Path(os.environ.get("HF_HOME") or Path.home() / ".cache" / "huggingface")
+    hub = Path(os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or home / "hub")
+    snapshots = hub / ("models--" + model_id.replace("/", "--")) / "snapshots"
+    return snapshots.is_dir() and any(snapshots.iterdir())
+
+
 def load_suite(path: str | Path) -> Suite:
     """Load and validate a suite file; raises SuiteError naming file, field and problem."""
     path = Path(path).resolve()
@@ -287,7 +307,7 @@ def load_suite(path: str | Path) -> Suite:
     if not path.is_file():
         raise SuiteError(path, "(file)", "not found")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yamlfile.load_file(path)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "(file)"
@@ -298,6 +318,9 @@ def load_suite(path: str | Path) -> Suite:
     chk.unknown_keys(raw, {"name", "description", "model", "decode", "chunks", "voices", "segments"}, "(top level)")
     name = chk.ident(raw.get("name"), "name")
     model = chk.text(raw.get("model", "tiny"), "model")
+    if model != "tiny" and not _hf_id(model) and not Path(model).expanduser().is_dir():
+        chk.fail("model", f"{yamlfile.quote(model)}: expected tiny (the seeded tiny checkpoints), a Hugging Face "
+                          f"id (org/name) or a checkpoint folder")
     decode = _decode_params(chk, raw.get("decode"), "decode", None)
 
     chunks = dict(DEFAULT_CHUNKS)
@@ -305,7 +328,7 @@ def load_suite(path: str | Path) -> Suite:
     chk.unknown_keys(chunks_raw, set(DEFAULT_CHUNKS), "chunks")
     for k, v in chunks_raw.items():
         if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-            chk.fail(f"chunks.{k}", f"must be a positive integer, got {v!r}")
+            chk.fail(f"chunks.{k}", f"must be a positive integer, got {yamlfile.quote(v)}")
         chunks[k] = v
 
     voices: dict[str, Voice] = {}
@@ -315,7 +338,7 @@ def load_suite(path: str | Path) -> Suite:
     for i, v in enumerate(voices_raw):
         voice = _voice(chk, v, i, path.parent)
         if voice.id in voices:
-            chk.fail(f"voices[{i}].id", f"duplicate voice id {voice.id!r}")
+            chk.fail(f"voices[{i}].id", f"duplicate voice id {yamlfile.quote(voice.id)}")
         voices[voice.id] = voice
 
     segs_raw = raw.get("segments")
@@ -325,13 +348,13 @@ def load_suite(path: str | Path) -> Suite:
     for i, s in enumerate(segs_raw):
         seg = _segment(chk, s, i, voices, decode)
         if seg.id in seen:
-            chk.fail(f"segments[{i}].id", f"duplicate segment id {seg.id!r}")
+            chk.fail(f"segments[{i}].id", f"duplicate segment id {yamlfile.quote(seg.id)}")
         seen.add(seg.id)
         segments.append(seg)
 
     suite_hash = content_hash({"name": name, "chunks": chunks, "segments": [(s.id, s.hash) for s in segments]})
     return Suite(name, path, model, decode, chunks, voices, segments,
-                 str(raw.get("description", "")), suite_hash)
+                 chk.text(raw.get("description", ""), "description", allow_empty=True), suite_hash)
 
 
 def cmd_validate(args) -> int:

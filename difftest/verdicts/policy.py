@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
+from .. import yamlfile
 from ..compare.audio import ChunkMetrics
 from ..compare.forced import ForcedPolicy
 from ..errors import BadInput
@@ -82,7 +83,7 @@ def load_policy(path: str | Path | None = None) -> Policy:
         raise BadInput(f"{path}: {field}: {problem}")
 
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yamlfile.load_file(path)
     except FileNotFoundError:
         raise BadInput(f"{path}: policy file not found") from None
     except IsADirectoryError:
@@ -113,16 +114,16 @@ def load_policy(path: str | Path | None = None) -> Policy:
                 raise TypeError
             vals[k] = float(v)
         except (TypeError, ValueError):
-            bad(f"tiers.{k}", f"expected a number, got {v!r}")
+            bad(f"tiers.{k}", f"expected a number, got {yamlfile.quote(v)}")
         if not math.isfinite(vals[k]) or (k != "close_snr_db" and vals[k] < 0):
-            bad(f"tiers.{k}", f"expected a finite{' non-negative' if k != 'close_snr_db' else ''} number, got {v!r}")
+            bad(f"tiers.{k}", f"expected a finite{' non-negative' if k != 'close_snr_db' else ''} number, got {yamlfile.quote(v)}")
     require = raw.get("require", {})
     for comp in ("concurrency", "vocoder", "drift"):
         if require.get(comp) not in TIERS[:-1]:
             bad(f"require.{comp}", f"expected one of {', '.join(TIERS[:-1])}, got {require.get(comp)!r}")
     ratio = raw.get("donor", {}).get("max_ratio")
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
-        bad("donor.max_ratio", f"expected a number in (0, 1), got {ratio!r}")
+        bad("donor.max_ratio", f"expected a number in (0, 1), got {yamlfile.quote(ratio)}")
     if "fail_on" not in raw:
         bad("fail_on", "required: the verdicts that fail a run (write [] to fail none)")
     fail_on = raw["fail_on"]
@@ -130,26 +131,26 @@ def load_policy(path: str | Path | None = None) -> Policy:
         bad("fail_on", "expected a list of verdicts")
     for v in fail_on:
         if v not in VERDICTS:
-            bad("fail_on", f"unknown verdict {v!r} (known: {', '.join(VERDICTS)})")
+            bad("fail_on", f"unknown verdict {yamlfile.quote(v)} (known: {', '.join(VERDICTS)})")
     baseline = raw.get("baseline") or {}
     run_verdicts = baseline.get("verdicts", ["pass", "fail"])
     if not isinstance(run_verdicts, list) or not run_verdicts or any(v not in RUN_VERDICTS for v in run_verdicts):
-        bad("baseline.verdicts", f"expected a non-empty list of {', '.join(RUN_VERDICTS)}, got {run_verdicts!r}")
+        bad("baseline.verdicts", f"expected a non-empty list of {', '.join(RUN_VERDICTS)}, got {yamlfile.quote(run_verdicts)}")
     known_fail = baseline.get("known_failures_fail", False)
     if not isinstance(known_fail, bool):
-        bad("baseline.known_failures_fail", f"expected true or false, got {known_fail!r}")
+        bad("baseline.known_failures_fail", f"expected true or false, got {yamlfile.quote(known_fail)}")
     forced = {}
     for key, default in ForcedPolicy().__dict__.items():  # an absent key keeps the built-in value
         v = (raw.get("forced") or {}).get(key, default)
         integral = isinstance(default, int)
         if isinstance(v, bool) or not isinstance(v, (int, float)) or (integral and not isinstance(v, int)):
-            bad(f"forced.{key}", f"expected {'an integer' if integral else 'a number'}, got {v!r}")
+            bad(f"forced.{key}", f"expected {'an integer' if integral else 'a number'}, got {yamlfile.quote(v)}")
         if not math.isfinite(v) or v < 0 or (key.endswith("share") and v > 1) or (key == "near_tie_top_k" and v < 1):
-            bad(f"forced.{key}", f"out of range: {v!r}")
+            bad(f"forced.{key}", f"out of range: {yamlfile.quote(v)}")
         forced[key] = v
     agreement = (raw.get("reference_encoder") or {}).get("min_agreement", Policy.encoder_min_agreement)
     if isinstance(agreement, bool) or not isinstance(agreement, (int, float)) or not 0 <= agreement <= 1:
-        bad("reference_encoder.min_agreement", f"expected a number in [0, 1], got {agreement!r}")
+        bad("reference_encoder.min_agreement", f"expected a number in [0, 1], got {yamlfile.quote(agreement)}")
     return Policy(vals["quantisation_max_abs"], vals["close_max_abs"], vals["close_snr_db"],
                   vals["close_logmel"], {c: require[c] for c in ("concurrency", "vocoder", "drift")},
                   float(ratio), frozenset(fail_on), str(path), frozenset(run_verdicts), known_fail,
