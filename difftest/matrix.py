@@ -54,7 +54,14 @@ def cells(axes_: list[tuple[str, list[str]]]) -> list[list[str]]:
     combos = [list(zip([k for k, _ in axes_], values)) for values in itertools.product(*[v for _, v in axes_])]
     if len(combos) > MAX_CELLS:
         raise BadInput(f"--matrix: {len(combos)} cells, at most {MAX_CELLS} (each starts its own engine)")
-    return [[f"{k}={v}" for k, v in combo] for combo in combos]
+    grid = [[f"{k}={v}" for k, v in combo] for combo in combos]
+    seen: dict[str, list[str]] = {}
+    for cell in grid:  # one folder each: two cells in one folder would be judged from one report
+        other = seen.setdefault(cell_name(cell), cell)
+        if other is not cell:
+            raise BadInput(f"--matrix: cells {' '.join(other)!r} and {' '.join(cell)!r} would share the folder "
+                           f"{cell_name(cell)!r}; give values that differ in letters or digits")
+    return grid
 
 
 def cell_name(settings: list[str]) -> str:

@@ -39,7 +39,7 @@ from .engines.reference import (
     tiny_checkpoints,
 )
 from .engines.runner_client import RunnerDied, RunnerProcess, item_answers
-from .engines.scorer import Scorer, ScoreItem
+from .engines.scorer import ScoreItem, Scorer
 from .engines.start import (
     CPU_ENGINE,
     URL,
@@ -55,7 +55,7 @@ from .progress import Progress
 from .records.report import build_report, overall, summary_lines, write_report
 from .results import CorruptResult, Result, ResultStore, _ext, atomic_write, read_result
 from .suites.checkpoints import check_suite
-from .suites.suite import Suite, content_hash
+from .suites.suite import Suite, content_hash, hf_cached
 from .verdicts import sampling
 from .verdicts.classify import Evidence, classify, talker_stage
 from .verdicts.policy import Policy
@@ -160,8 +160,14 @@ def start_ray_candidate(spec: CandidateSpec, setup: Setup, ray: dict, run_tag: s
 
 
 def resolve_models(suite: Suite, opts: RunOptions, python: Path) -> list[str]:
-    return list(opts.reference.models) or (
-        tiny_checkpoints(ResultStore(opts.store).root, python) if suite.model == "tiny" else [suite.model])
+    if opts.reference.models:
+        return list(opts.reference.models)
+    if suite.model == "tiny":
+        return tiny_checkpoints(ResultStore(opts.store).root, python)
+    if not Path(suite.model).expanduser().is_dir() and not hf_cached(suite.model):
+        raise BadInput(f"{suite.path}: model: {suite.model!r} is no folder and not in the local Hugging Face cache "
+                       f"(nothing is downloaded: fetch it first, or pass --reference-model FOLDER)")
+    return [suite.model]
 
 
 class _Timings(dict):
@@ -322,6 +328,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
     candidate `spec` names, already started (start_candidate; bisect serves one build for several
     runs); otherwise it is started and stopped here."""
     out = prepare_out(out)  # resolved: engines and runners run in other working folders
+    prepare_out(opts.store, "--store")
     t_start = time.perf_counter()
     run_id = uuid.uuid4().hex[:8]  # tags capture files: engines may serve several runs at once
     timings = _Timings()
@@ -420,17 +427,18 @@ def _announce(info: dict, stream=sys.stderr) -> None:
     print(f"candidate: {what}", file=stream, flush=True)
 
 
-def prepare_out(path) -> Path:
-    """The run folder, created; BadInput naming it when it cannot be one (a file, read-only)."""
+def prepare_out(path, flag: str = "--out") -> Path:
+    """A folder difftest writes into (the run folder, the store), created; BadInput naming it when
+    it cannot be one (a file, read-only, under a file)."""
     out = Path(path).resolve()
     try:
         out.mkdir(parents=True, exist_ok=True)
         probe = tempfile.NamedTemporaryFile(dir=out, prefix=".difftest-write-check.", delete=True)
         probe.close()
-    except FileExistsError:
-        raise BadInput(f"--out {path}: exists and is not a folder") from None
+    except (FileExistsError, NotADirectoryError):
+        raise BadInput(f"{flag} {path}: exists and is not a folder (or lies under a file)") from None
     except OSError as e:
-        raise BadInput(f"--out {path}: cannot write there ({e.strerror or e})") from None
+        raise BadInput(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
     return out
 
 
@@ -468,6 +476,14 @@ def vllm_omni_settings(args, engine_args=None) -> dict:
         path = Path(args.deploy_config)
         if not path.is_file():
             raise BadInput(f"--deploy-config {path}: no such file")
+        import yaml
+
+        from . import yamlfile
+
+        try:  # vLLM-Omni reads it leniently: a key given twice would be tested as its last value
+            yamlfile.load_file(path)
+        except (yaml.YAMLError, UnicodeDecodeError) as e:
+            raise BadInput(f"--deploy-config {path}: {str(e).splitlines()[0]}") from None
         settings["deploy_base"] = str(path.resolve())
     return settings
 

@@ -71,6 +71,9 @@ def test_policy_files_that_are_wrong(tmp_path):
         "key-typo.yaml": ("require:\n  concurency: close\n", "require.concurency: unknown key"),
         "no-fail-on.yaml": (Path(ROOT / "difftest" / "verdicts" / "default_policy.yaml").read_text().split("fail_on:")[0],
                             "fail_on: required"),
+        # #34 item 3: PyYAML keeps the last of two keys; this policy passed a leaking run
+        "fail-on-twice.yaml": (Path(ROOT / "difftest" / "verdicts" / "default_policy.yaml").read_text() + "fail_on: []\n",
+                               "duplicate key 'fail_on' (first on line"),
     }
     for name, (text, problem) in cases.items():
         p = tmp_path / name
@@ -162,3 +165,35 @@ def test_every_subcommand_answers_help_and_refuses_bad_usage(tmp_path, name):
     code, _, err = difftest("-v", name, "--no-such-option", cwd=tmp_path)
     # `probe` speaks git bisect's codes: a usage error aborts the bisect (128)
     assert code == (128 if name == "probe" else 2) and "error:" in err
+
+
+def test_settings_and_folders_that_cannot_be_used_are_refused_before_any_model_work(tmp_path):
+    """#34 items 3, 8, 9, 10, 13, each reproduced first: an engine argument the CPU test engine
+    ignored (exit 0, as if that configuration had been tested), a --store that is a file (a
+    traceback), a model that names nothing (validate passed, run exit 3), a deploy file with a key
+    twice (tested as its last value), `bugs --only ,` (the whole corpus ran)."""
+    f = tmp_path / "a-file"
+    f.write_text("x")
+    run = ("run", SMOKE, "--candidate", "cpu-engine", "--out", tmp_path / "o")
+    code, _, err = difftest(*run, "--store", tmp_path / "s", "--engine-arg", "talker.no_such_key=1", cwd=tmp_path)
+    assert code == 2 and "--engine-arg talker.no_such_key: vLLM-Omni settings; the CPU test engine" in err, err
+    code, _, err = difftest(*run, "--store", f, cwd=tmp_path)
+    assert code == 2 and f"--store {f}: exists and is not a folder" in err, err
+    code, _, err = difftest("reference", SMOKE, "--store", f / "under", cwd=tmp_path)
+    assert code == 2 and f"--store {f / 'under'}: exists and is not a folder (or lies under a file)" in err, err
+    deploy = tmp_path / "deploy.yaml"
+    deploy.write_text("async_chunk: false\nstage_args: []\nasync_chunk: true\n")
+    code, _, err = difftest("run", SMOKE, "--candidate", "vllm-omni", "--out", tmp_path / "o", "--store", tmp_path / "s",
+                            "--deploy-config", deploy, cwd=tmp_path)
+    assert code == 2 and f"--deploy-config {deploy}: duplicate key 'async_chunk' (first on line 1, again on line 3)" in err, err
+    (tmp_path / "suites").mkdir()
+    suite = tmp_path / "suites" / "model.yaml"
+    suite.write_text(SMOKE.read_text().replace("model: tiny", "model: no-such-model"))
+    (tmp_path / "voices").symlink_to(ROOT / "cases" / "voices")
+    for cmd in (("validate", suite), ("run", suite, "--candidate", "cpu-engine", "--out", tmp_path / "o2",
+                                      "--store", tmp_path / "s")):
+        code, _, err = difftest(*cmd, cwd=tmp_path)
+        assert code == 2 and f"{suite}" in err and "model" in err and "no-such-model" in err, (cmd, err)
+    code, _, err = difftest("bugs", "--only", ",", "--out", tmp_path / "b", cwd=tmp_path)
+    assert code == 2 and "--only ',': names no entry" in err, err
+    assert not (tmp_path / "s").exists() or not list((tmp_path / "s").rglob("*.npz"))

@@ -146,7 +146,9 @@ def table(rows: list[dict]) -> str:
 
 
 def cmd_bugs(args) -> int:
-    only = [x.strip() for x in args.only.split(",") if x.strip()] if args.only else None
+    only = [x.strip() for x in args.only.split(",") if x.strip()] if args.only is not None else None
+    if only == []:  # `--only ","` or `--only ""`: a selection of nothing, not the whole corpus
+        raise BadInput(f"--only {args.only!r}: names no entry (give entry ids, comma-separated)")
     entries = load_corpus(Path(args.corpus), only)
     if not entries:
         raise BadInput(f"no entries in {args.corpus}")

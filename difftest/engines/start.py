@@ -177,6 +177,14 @@ def engine_identity(spec: CandidateSpec, setup: Setup) -> dict:
     checkpoints = setup.reference_fingerprint.get("checkpoints")
     extra = {"declared": spec.declared} if spec.declared is not None else {}
     if spec.kind == CPU_ENGINE:
+        vo = getattr(setup.opts, "vllm_omni", None) or {}
+        stages = {0: "talker.", 1: "vocoder."}
+        given = [f"--engine-arg {stages.get(stage, '')}{k}" for stage, kv in
+                 [(None, vo.get("deploy_overrides") or {}), *(vo.get("stage_overrides") or {}).items()] for k in kv]
+        given += ["--deploy-config"] * bool(vo.get("deploy_base")) + ["--async-chunk"] * bool(vo.get("async_chunk"))
+        if given:  # ignored, the run would pass as if that configuration had been tested
+            raise BadInput(f"{', '.join(given)}: vLLM-Omni settings; the CPU test engine ({spec.label}) has none "
+                           f"(use --candidate vllm-omni)")
         known = cpu_engine_defects(Path(spec.python or setup.python))
         if spec.defect is not None and spec.defect not in known:
             raise BadInput(f"--candidate {spec.label}: the CPU test engine has no defect {spec.defect!r} "

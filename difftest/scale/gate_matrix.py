@@ -37,6 +37,7 @@ from pathlib import Path
 
 import yaml
 
+from .. import yamlfile
 from ..engines.launcher import interrupt_groups, log_tail
 from ..errors import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput
 from ..results import atomic_write
@@ -79,11 +80,13 @@ def load_matrix(path: str | Path) -> Matrix:
     """Read and check a matrix file; BadInput names the file, the field and the problem."""
     path = Path(path).resolve()
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yamlfile.load_file(path)
     except OSError as e:
         raise BadInput(f"{path}: cannot read: {e.strerror or e}") from None
     except (yaml.YAMLError, UnicodeDecodeError) as e:
-        raise BadInput(f"{path}: not a YAML mapping: {str(e).splitlines()[0]}") from None
+        mark = getattr(e, "problem_mark", None)
+        where = f"line {mark.line + 1}: " if mark else ""
+        raise BadInput(f"{path}: {where}{getattr(e, 'problem', None) or str(e).splitlines()[0]}") from None
     if not isinstance(raw, dict):
         _fail(path, "(top level)", "expected a mapping")
     unknown = sorted(set(raw) - KEYS)
@@ -100,7 +103,7 @@ def load_matrix(path: str | Path) -> Matrix:
     suites = []
     for i, s in enumerate(listed("suites")):
         if not isinstance(s, str) or not (base / s).is_file():
-            _fail(path, f"suites[{i}]", f"no suite file {s!r}")
+            _fail(path, f"suites[{i}]", f"no suite file {yamlfile.quote(s)}")
         suites.append((base / s).resolve())
     candidates = []
     for i, c in enumerate(listed("candidates")):
@@ -124,7 +127,7 @@ def load_matrix(path: str | Path) -> Matrix:
     conc = listed("concurrency")
     for i, n in enumerate(conc):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            _fail(path, f"concurrency[{i}]", f"expected a positive integer, got {n!r}")
+            _fail(path, f"concurrency[{i}]", f"expected a positive integer, got {yamlfile.quote(n)}")
     configs = raw.get("configs", {"default": []})
     if not isinstance(configs, dict) or not configs:
         _fail(path, "configs", "expected a mapping of name -> list of engine args")
@@ -142,7 +145,42 @@ def load_matrix(path: str | Path) -> Matrix:
                         "config": cfg, "engine_args": [*cand.engine_args, *args], "python": cand.python})
     if len(m.cells) > MAX_CELLS:
         _fail(path, "(product)", f"{len(m.cells)} cells, at most {MAX_CELLS}")
+    named: dict[str, dict] = {}
+    for cell in m.cells:  # one folder per cell: two cells in one folder would be judged from one report
+        other = named.setdefault(cell["cell"], cell)
+        if other is not cell:
+            _fail(path, "candidates" if other["label"] != cell["label"] else "configs",
+                  f"two cells would share the folder {cell['cell']!r} ({_cell_words(other)} and {_cell_words(cell)}); "
+                  f"give them names that differ in letters or digits")
+    _check_cells(path, m)
     return m
+
+
+def _cell_words(cell: dict) -> str:
+    return f"{cell['label']!r} at c={cell['concurrency']}, config {cell['config']!r}"
+
+
+def _check_cells(path: Path, m: Matrix) -> None:
+    """What each cell's own run would refuse, refused when the matrix loads (exit 2, naming it)
+    rather than as a cell with no report: every suite valid, every candidate one difftest knows."""
+    from runners.cpu_engine.defects import DEFECTS
+
+    from ..engines.start import CPU_ENGINE, CandidateSpec
+    from ..suites.suite import load_suite
+
+    for i, suite in enumerate(m.suites):
+        try:
+            load_suite(suite)
+        except BadInput as e:
+            _fail(path, f"suites[{i}]", str(e))
+    for i, cand in enumerate(m.candidates):
+        try:
+            spec = CandidateSpec.parse(cand.spec)
+        except BadInput as e:
+            _fail(path, f"candidates[{i}]", str(e))
+        if spec.kind == CPU_ENGINE and spec.defect is not None and spec.defect not in DEFECTS:
+            _fail(path, f"candidates[{i}]", f"the CPU test engine has no defect {yamlfile.quote(spec.defect)} "
+                                            f"(known: {', '.join(sorted(DEFECTS))})")
 
 
 def cell_argv(cell: dict, out: Path, store: str | None, ray: str | None, policy: str | None = None) -> list[str]:
@@ -171,7 +209,9 @@ def _judge(cell: dict, folder: Path, code: int, policy) -> dict:
         report = check_report(json.loads((folder / "report.json").read_text(encoding="utf-8")), folder / "report.json")
     except (OSError, ValueError, BadInput) as e:
         tail = log_tail(folder.with_suffix(".log"), 15)
-        return {**row, "verdict": "error", "error": f"no report ({str(e).splitlines()[0]})", "log_tail": tail}
+        own = [ln[len("difftest: "):] for ln in tail.splitlines() if ln.startswith(("difftest: error:", "difftest: internal"))]
+        why = own[-1] if own else f"no report ({str(e).splitlines()[0]})"
+        return {**row, "verdict": "error", "error": f"exit {code}: {why}", "log_tail": tail}
     result = decide(report, policy)
     failing = [r.segment for r in result.segments if result.fails(r)]
     return {**row, "verdict": result.verdict, "gate_exit_code": result.exit_code, "counts": report.get("counts") or {},
@@ -252,6 +292,8 @@ def run_matrix_file(m: Matrix, out: Path, policy, *, workers: int = 1, ray: str 
             while queue and len(running) < max(workers, 1):
                 cell = queue.pop(0)
                 folder = out / "cells" / cell["cell"]
+                # judged only from a report this cell's run writes: never one left by an earlier matrix
+                (folder / "report.json").unlink(missing_ok=True)
                 log = open(folder.with_suffix(".log"), "wb")
                 proc = subprocess.Popen(cell_argv(cell, folder, m.store, ray, policy_path), stdout=log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
