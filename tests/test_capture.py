@@ -206,7 +206,7 @@ def test_a_capture_that_claims_gigabytes_is_refused_from_its_headers(tmp_path):
     many = tmp_path / "many.npz"
     np.savez_compressed(many, codes=np.zeros((200_000, 16), np.int64), wav=GOOD["wav"])
     assert many.stat().st_size < 200_000
-    with pytest.raises(capture.CaptureError, match=r"200000 generated frames, more than the request's max_new_tokens \(8\)"):
+    with pytest.raises(capture.CaptureError, match=r"200000 frames, more than the request's max_new_tokens \(8\) allows"):
         capture.load(many, max_frames=8)
     tokens = {**GOOD, **TALKER, "talker_tokens": np.arange(8)}  # 6 frames, 8 talker tokens: one too many for 6
     with pytest.raises(capture.CaptureError, match="8 talker tokens, more than the request's max_new_tokens"):
@@ -221,9 +221,13 @@ def test_more_frames_than_the_request_allowed_is_that_segments_candidate_error(t
     cap_dir = tmp_path / "cap"
     cap_dir.mkdir()
     with FakeSpeechServer(capture_dir=cap_dir, delay=0.0) as srv:
-        srv.capture_override = {segs[0].text: {**GOOD, "codes": toy_codes(limit + 1, 3)}}
+        # segs[1]: the reference left in front of a full-length stream (#4421) is a defect to judge
+        srv.capture_override = {segs[0].text: {**GOOD, "codes": toy_codes(limit + 3 + 1, 3)},
+                                segs[1].text: {**GOOD, "codes": toy_codes(limit + 3, 3)}}
         out = run_candidate(segs, SpeechClient(srv.url), tmp_path / "res", concurrency=3, capture_dir=cap_dir,
                             run_tag="r", reuse=False)
     assert out.errors[segs[0].id]["kind"] == "candidate"
-    assert f"{limit + 1} generated frames, more than the request's max_new_tokens ({limit})" in out.errors[segs[0].id]["message"]
+    assert (f"{limit + 4} frames, more than the request's max_new_tokens ({limit}) plus its 3-frame reference allows"
+            in out.errors[segs[0].id]["message"])
     assert sorted(out.results) == sorted(s.id for s in segs[1:])
+    assert len(out.results[segs[1].id].codes) == limit + 3

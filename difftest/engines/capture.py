@@ -141,10 +141,17 @@ def validate(arrays: dict, where: Path, max_frames: int | None = None) -> Captur
                            f"{', '.join(map(str, READS))} (the engine's capture plugin and difftest come from "
                            f"different checkouts?)")
     codes = _codes(arrays, "codes", where, required=True)
-    if max_frames is not None and len(codes) > max_frames:
-        raise CaptureError(f"{where}: {len(codes)} generated frames, more than the request's max_new_tokens "
-                           f"({max_frames})")
     ref_codes = _codes(arrays, "ref_codes", where, required=False)
+    talker = _talker(arrays, where, max_frames)
+    if max_frames is not None:
+        # A hand-off that leaves the reference in the vocoder's stream (#4421) adds up to its length:
+        # that is a defect to diagnose, not a capture to refuse.
+        prefix = max(len(ref_codes) if ref_codes is not None else 0,
+                     len(talker[0]) if talker[0] is not None else 0)
+        if len(codes) > max_frames + prefix:
+            plus = f" plus its {prefix}-frame reference" if prefix else ""
+            raise CaptureError(f"{where}: {len(codes)} frames, more than the request's max_new_tokens "
+                               f"({max_frames}){plus} allows")
     wav = None
     if "wav" in arrays:
         w = arrays["wav"]
@@ -163,7 +170,7 @@ def validate(arrays: dict, where: Path, max_frames: int | None = None) -> Captur
     lead = _scalar(arrays, "lead_samples", where) or 0
     if not 0 <= lead <= MAX_LEAD_SAMPLES:
         raise CaptureError(f"{where}: lead_samples {lead} outside [0, {MAX_LEAD_SAMPLES}]")
-    return Capture(codes, ref_codes, wav, rate, lead, where, *_talker(arrays, where, max_frames))
+    return Capture(codes, ref_codes, wav, rate, lead, where, *talker)
 
 
 def _talker(arrays: dict, where: Path, max_frames: int | None) -> tuple:
