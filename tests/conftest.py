@@ -1,7 +1,13 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
+
+# Every Ray cluster the tests start stays on the loopback (its GCS, raylets and workers register
+# and listen on 127.0.0.1; Ray on Linux otherwise picks the external interface). Set before any
+# test module imports Ray, and inherited by every process the tests start (docs/scale-out.md).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/toy.py, the vocoder test double

@@ -25,8 +25,10 @@ Ray is imported only here, and only for `--ray`.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+import os
 import re
 import shutil
 import socket
@@ -186,6 +188,77 @@ class RunnerActorImpl:
         shutil.rmtree(self.root, ignore_errors=True)
 
 
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+# Ray on Linux replaces a loopback node address with the machine's outward one (services.
+# resolve_ip_for_localhost), so a one-machine cluster would register, and its driver dial, the
+# external interface. This switch (named for Windows and macOS, where it is Ray's default) keeps
+# every address on the loopback: the head's GCS, the raylet, the workers. It also stops
+# `ray start --address` from adding worker nodes, so it is set only for one-machine clusters.
+_LOOPBACK_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_AUTH_ENV = "RAY_AUTH_MODE"
+
+
+def _host(address: str) -> str:
+    return address.rpartition(":")[0].strip("[]")
+
+
+def _prepare_env(address: str | None) -> None:
+    """What Ray reads when it is imported, set before that: the loopback for a cluster on this
+    machine (the address-less form, or a head at 127.0.0.1)."""
+    if address in (None, "local") or _host(address) in LOOPBACK:
+        os.environ.setdefault(_LOOPBACK_ENV, "0")
+
+
+def _token_at_hand() -> bool:
+    path = Path(os.environ.get("RAY_AUTH_TOKEN_PATH") or Path.home() / ".ray" / "auth_token")
+    return bool(os.environ.get("RAY_AUTH_TOKEN")) or path.is_file()
+
+
+@contextlib.contextmanager
+def _quiet_stderr():
+    """File descriptor 2 to /dev/null for a moment (the main thread only waits meanwhile)."""
+    sys.stderr.flush()
+    saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+    os.dup2(null, 2)
+    try:
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved), os.close(null)
+
+
+def _authenticate(address: str) -> None:
+    """Token authentication for a driver joining `address`, when the cluster asks for it.
+
+    Ray 2.60 turns token authentication on for every cluster it starts with a token at hand
+    (`ray start --head` once ~/.ray/auth_token exists; a local `ray.init()`, which writes one), but
+    a driver given an address sends no token unless RAY_AUTH_MODE=token, and fails with
+    InvalidAuthToken. Sending one to a cluster without authentication is no cure either: its
+    workers then cannot reach the driver (actors are cancelled). So the head is asked first
+    (one GCS call, under a second); RAY_AUTH_MODE set by the user wins."""
+    if os.environ.get(_AUTH_ENV) is not None:
+        return
+    from ray._raylet import GcsClient
+    from ray.exceptions import AuthenticationError
+
+    try:
+        with _quiet_stderr():  # Ray's C++ logs the refusal as a warning a reader takes for the run's failure
+            GcsClient(address=address)
+        return  # it answered without a token
+    except AuthenticationError:
+        pass
+    except Exception:  # noqa: BLE001 (anything else is ray.init's to say)
+        return
+    if not _token_at_hand():
+        raise InfraError(f"--ray {address}: the cluster requires Ray's token authentication and no token is at "
+                         f"hand: copy the head's ~/.ray/auth_token here, or set RAY_AUTH_TOKEN "
+                         f"(`ray get-auth-token` on the head prints it)")
+    os.environ[_AUTH_ENV] = "token"
+    from ray._raylet import Config
+
+    Config.initialize("")  # Ray read its settings at import: read them again
+
+
 def _reachable(address: str, timeout: float = 5.0) -> None:
     """A TCP connect to the head's GCS port first: an address nobody listens on fails in seconds."""
     host, _, port = address.rpartition(":")
@@ -200,18 +273,33 @@ def _reachable(address: str, timeout: float = 5.0) -> None:
 def connect(address: str | None, timeout: float = CONNECT_TIMEOUT) -> bool:
     """Join the cluster at `address` ("local" or None: start one on this machine). Returns whether
     this call started Ray (so closing the pool shuts it down). InfraError within `timeout`."""
+    local = address in (None, "local")
+    _prepare_env(address)
     ray = _ray()
     if ray.is_initialized():
         return False
-    if address not in (None, "local"):
+    if not local:
         _reachable(address)
+    kw = dict(log_to_driver=False, include_dashboard=False, configure_logging=False)
+    if local:
+        # In this thread, not a helper: Ray starts the GCS and the raylet with a parent-death
+        # signal, which Linux sends when the *thread* that started them ends. Started from a
+        # helper thread they died with it, and the run 60 s later ("Failed to connect to GCS").
+        try:
+            # "local": a new cluster, never one found through RAY_ADDRESS or /tmp/ray (`ray start`'s)
+            ray.init(address="local", _node_ip_address="127.0.0.1", **kw)
+        except Exception as e:
+            raise InfraError(f"--ray: a local Ray cluster did not start: {type(e).__name__}: {e}") from None
+        return True
     done: dict = {}
 
-    def init():
+    def init():  # a head that accepts and never answers must not hang the run: bounded by `timeout`
         try:
-            ray.init(address=None if address in (None, "local") else address, log_to_driver=False,
-                     include_dashboard=False, configure_logging=False)
+            _authenticate(address)
+            ray.init(address=address, **kw)
             done["ok"] = True
+        except InfraError as e:
+            done["infra"] = e
         except Exception as e:  # ConnectionError, RuntimeError: what Ray says of the address
             done["error"] = e
 
@@ -220,6 +308,8 @@ def connect(address: str | None, timeout: float = CONNECT_TIMEOUT) -> bool:
     t.join(timeout)
     if t.is_alive():
         raise InfraError(f"--ray {address}: Ray did not connect in {timeout:.0f} s")
+    if "infra" in done:
+        raise done["infra"]
     if "error" in done:
         raise InfraError(f"--ray {address}: {type(done['error']).__name__}: {done['error']}") from None
     return True
@@ -249,8 +339,8 @@ class RayRunnerPool:
     def start(self) -> dict:
         if self.workers < 1:
             raise BadInput("--ray-workers must be at least 1")
+        self._started_ray = connect(self.address)  # first: it sets what Ray reads when imported
         ray = _ray()
-        self._started_ray = connect(self.address)
         actor_cls = ray.remote(num_cpus=self.cpus, max_restarts=0)(RunnerActorImpl)
         self.actors = [actor_cls.remote(self.python, self.models, self.options) for _ in range(self.workers)]
         pending = {a.hello.remote(): a for a in self.actors}
