@@ -78,12 +78,10 @@ def build(uri: str, site: str | Path, *, ui_url: str = "http://127.0.0.1:5000", 
     unusable --out or a missing local store, tracking.TrackingUnavailable when MLflow cannot be read."""
     from difftest.records.tracking import mlflow_client
 
+    from difftest.records.tracking import check_tracking_uri
+
     site = Path(site)
-    if uri.startswith("sqlite:///"):
-        db = Path(uri[len("sqlite:///"):])
-        if not db.is_file():
-            raise BadInput(f"no MLflow store at {db}: run `difftest run` or `difftest log OUT` first, "
-                           f"or pass --tracking-uri")
+    check_tracking_uri(uri, must_exist=True)  # a missing or foreign local store: exit 2, naming it
     _prepare(site)
     with mlflow_client(uri) as client:
         store = gather(client, site, experiments)

@@ -264,3 +264,32 @@ def test_an_explicit_sqlite_store_keeps_its_artifacts_beside_it(tmp_path, monkey
     art = MlflowClient(uri).get_run(run_id).info.artifact_uri
     assert art.startswith((store / "mlruns").as_uri()), art
     assert list((store / "mlruns").rglob("report.json"))
+
+
+def test_a_store_that_can_never_work_is_bad_input_with_no_pending_note(tmp_path, capsys):
+    """#34 item 15, each reproduced first: a corrupt sqlite store ("internal error ... a bug in
+    difftest", exit 3), a missing file:// store (exit 3, MLflow's deprecation text), `nosuch://x`
+    (exit 3 and a pending note that later uploads would retry forever)."""
+    out = make_report(tmp_path, "clean")
+    logged = tmp_path / "real.db"
+    assert log_run(out, f"sqlite:///{logged}")
+    (out / STATE).unlink()
+    blob = logged.read_bytes()
+    (tmp_path / "half.db").write_bytes(blob[: len(blob) // 2])  # a copy cut short
+    (tmp_path / "noise.db").write_bytes(np.random.default_rng(0).bytes(4096))
+    from dashboards.cli import main_dashboard  # noqa: F401  (the dashboard command, through the CLI below)
+
+    cases = {f"sqlite:///{tmp_path / 'half.db'}": "half.db: not an MLflow database (SQLite says: database disk image is malformed)",
+             f"sqlite:///{tmp_path / 'noise.db'}": "noise.db: not an MLflow database (not an SQLite file)",
+             f"file://{tmp_path / 'no-such-store'}": "a file store, which MLflow 3 refuses",
+             "nosuch://x": "--tracking-uri nosuch://x: unknown scheme 'nosuch'"}
+    for uri, words in cases.items():
+        assert difftest_log(out, "--tracking-uri", uri) == 2, uri
+        err = capsys.readouterr().err
+        assert words in err and "internal error" not in err, (uri, err)
+        assert not (out / STATE).exists(), uri  # no pending note: nothing a later upload could retry
+        assert difftest_main(["dashboard", "--out", str(tmp_path / "site"), "--tracking-uri", uri]) == 2, uri
+        err = capsys.readouterr().err
+        if uri.startswith("file:"):
+            words = f"no MLflow store at {tmp_path / 'no-such-store'}"
+        assert words in err, (uri, err)

@@ -19,7 +19,14 @@ from ..results import atomic_write
 from ..verdicts.policy import Policy, load_policy
 from . import mlflow_records as rec
 from .gate_output import headline, junit_xml, markdown
-from .tracking import TrackingUnavailable, child_runs, mlflow_client, read_report, resolve_tracking_uri
+from .tracking import (
+    TrackingUnavailable,
+    check_tracking_uri,
+    child_runs,
+    mlflow_client,
+    read_report,
+    resolve_tracking_uri,
+)
 
 # Per segment: pass, fixed (failed in the baseline, clean now), known, regression, new (failing,
 # absent from the baseline), fail (failing, no baseline asked for), error (infrastructure or bad input).
@@ -120,6 +127,7 @@ def main_gate(args) -> int:
     baseline = None
     if args.baseline_version:
         uri = resolve_tracking_uri(args.tracking_uri)
+        check_tracking_uri(uri, must_exist=True)
         try:
             with mlflow_client(uri) as client:
                 baseline = find_baseline(client, report, sha, args.baseline_version, policy, uri)

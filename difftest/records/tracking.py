@@ -64,6 +64,63 @@ def resolve_tracking_uri(explicit: str | None = None, state: dict | None = None)
     return explicit or os.environ.get("MLFLOW_TRACKING_URI") or pending.get("tracking_uri") or default_tracking_uri()
 
 
+# The stores MLflow 3 can be given by URI; anything else is a typo, not a server that is down.
+SCHEMES = ("sqlite", "file", "http", "https", "postgresql", "mysql", "mssql", "databricks", "databricks-uc", "uc")
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def check_tracking_uri(uri: str, *, must_exist: bool = False) -> None:
+    """BadInput (exit 2) for a tracking URI that can never work, before MLflow is asked (whose
+    answers for these are a deprecation text, an internal error, or a retry note forever): an
+    unknown scheme; a local store whose folder is missing (or, with `must_exist`, the store
+    itself); a sqlite file that is not an MLflow database."""
+    import sqlite3
+
+    scheme = uri.split("://", 1)[0].lower() if "://" in uri else "file"
+    if scheme not in SCHEMES:
+        raise BadInput(f"--tracking-uri {uri}: unknown scheme {scheme!r} (MLflow reads {', '.join(SCHEMES[:4])}, ...)")
+    if scheme not in ("sqlite", "file"):
+        return
+    if scheme == "sqlite":
+        if not uri.startswith("sqlite:///"):
+            return  # sqlite:// alone: in memory
+        path = Path(uri[len("sqlite:///"):])  # sqlite:////abs/x.db is /abs/x.db, sqlite:///x.db is ./x.db
+    else:
+        path = Path(uri[len("file://"):] if "://" in uri else uri)
+    if not path.parent.is_dir():
+        raise BadInput(f"--tracking-uri {uri}: no folder {path.parent}")
+    if must_exist and not path.exists():
+        raise BadInput(f"no MLflow store at {path}: run `difftest run` or `difftest log OUT` first, "
+                       f"or pass --tracking-uri")
+    if scheme == "file":
+        if os.environ.get("MLFLOW_ALLOW_FILE_STORE", "").lower() not in ("1", "true"):
+            raise BadInput(f"--tracking-uri {uri}: a file store, which MLflow 3 refuses (set "
+                           f"MLFLOW_ALLOW_FILE_STORE=true to use one anyway); use sqlite:///{path}.db")
+        if path.exists() and not path.is_dir():
+            raise BadInput(f"--tracking-uri {uri}: {path} is not a folder (an MLflow file store is one)")
+        return
+    if not path.exists():
+        return
+    if not path.is_file():
+        raise BadInput(f"--tracking-uri {uri}: {path} is not a file")
+    with open(path, "rb") as f:
+        head = f.read(len(_SQLITE_MAGIC))
+    if not head:
+        return  # empty: MLflow makes its tables in it
+    if head != _SQLITE_MAGIC:
+        raise BadInput(f"{path}: not an MLflow database (not an SQLite file)")
+    try:
+        con = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            tables = {r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as e:
+        raise BadInput(f"{path}: not an MLflow database (SQLite says: {e})") from None
+    if tables and "alembic_version" not in tables:
+        raise BadInput(f"{path}: not an MLflow database (an SQLite file without MLflow's tables)")
+
+
 def read_report(out_dir: Path) -> tuple[dict, str]:
     path = Path(out_dir) / "report.json"
     try:
@@ -282,6 +339,7 @@ def _log_run(out_dir, tracking_uri=None, *, experiment=None, tags=None) -> tuple
     report, sha = read_report(out)
     state = read_state(out)
     uri = resolve_tracking_uri(tracking_uri, state)
+    check_tracking_uri(uri)  # a URI that can never work is bad input: no pending note to retry it
     experiment = experiment or rec.experiment_name(report)
     try:
         with mlflow_client(uri) as client:
