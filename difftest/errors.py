@@ -30,3 +30,12 @@ class InfraError(DifftestError):
     """An engine is down, a runner crashed, a server never became healthy."""
 
     exit_code = EXIT_INFRA
+
+
+_NO_SPACE = ("No space left on device", "[Errno 28]", "Disk quota exceeded", "[Errno 122]")
+
+
+def no_space(message: str) -> bool:
+    """Whether an error, as a process or a server reported it, is a full disk (ENOSPC, EDQUOT): the
+    machine's failure, never the candidate's, whoever's write it stopped."""
+    return any(m in message for m in _NO_SPACE)

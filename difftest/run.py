@@ -50,7 +50,7 @@ from .engines.start import (
     engine_identity,
     start_candidate,
 )
-from .errors import BadInput, InfraError
+from .errors import BadInput, InfraError, no_space
 from .progress import Progress
 from .records.report import build_report, overall, summary_lines, write_report
 from .results import CorruptResult, Result, ResultStore, _ext, atomic_write, read_result
@@ -220,7 +220,19 @@ def _candidate_at(n, engine, suite: Suite, folder: Path, key: str):
     for sid in sorted(outcome.cached):  # reused from the run folder: engines report only what they compute
         progress.segment(sid, cached=True)
     progress.close()
+    _stop_if_disk_full(outcome.errors, folder)
     return outcome
+
+
+def _stop_if_disk_full(errors: dict, folder: Path) -> None:
+    """A full disk failed these segments (an engine's capture write, a runner's result): the run
+    stops with exit 3 naming the folder, instead of judging the engine by the machine's failure.
+    What was written stays; the same command resumes once there is room."""
+    full = sorted(sid for sid, e in errors.items() if no_space(e.get("message", "")))
+    if full:
+        raise InfraError(f"{folder}: no space left on device ({len(full)} segment(s) failed writing there: "
+                         f"{', '.join(full[:4])}{', ...' if len(full) > 4 else ''}); free space and run the same "
+                         f"command again: what was written is kept")
 
 
 def _conditioning(seg, r: Result) -> np.ndarray | None:
@@ -361,6 +373,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
 
         with timings("reference_s"):
             ref_run = ReferenceEngine(runner, store.root, opts.reference.timeout).generate(suite.segments)
+        _stop_if_disk_full(ref_run.errors, store.root)
         if candidate is None:
             with timings("candidate_start_s"):
                 if (opts.ray or {}).get("candidate"):
@@ -506,6 +519,13 @@ def cmd_run(args) -> int:
     from .suites.suite import load_suite
     from .verdicts.policy import load_policy
 
+    from .engines.lifeline import report_stale
+
+    report_stale()  # engines an earlier run left running would skew this one's memory and timings
+    if not args.no_mlflow:
+        from .records.tracking import check_tracking_uri, resolve_tracking_uri
+
+        check_tracking_uri(resolve_tracking_uri(args.tracking_uri))  # a typo is caught before the work, not after
     suite = load_suite(args.suite)
     policy = load_policy(args.policy)
     spec = CandidateSpec.parse(args.candidate, args.capture_dir)

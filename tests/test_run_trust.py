@@ -8,6 +8,7 @@ smoke-02)` became `vocoder_defect` with no donor; SIGTERM left the engine runnin
 """
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -125,21 +126,27 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_stops_every_process_it_started(store, tmp_path, sig):
-    """Signalled once the candidate is up (its announcement on stderr), `difftest run` stops the CPU
-    engine and the reference runner, keeps its finished results, and exits 3."""
-    out = tmp_path / "run"
+def _run_until_the_candidate_is_up(store, tmp_path, out):
+    """`difftest run` on smoke with the CPU engine, started and read until it announces its candidate
+    (no clock: the command itself says when the engine is up); its processes by then."""
     proc = subprocess.Popen([sys.executable, "-m", "difftest", "run", SMOKE, "--candidate", "cpu-engine",
                              "-n", "4", "--out", out, "--store", store, "--no-mlflow"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
                             start_new_session=True)
     lines = []
-    for line in proc.stderr:  # no clock: the command itself says when the engine is up
+    for line in proc.stderr:
         lines.append(line)
         if line.startswith("candidate: "):
             break
-    children = _descendants(proc.pid)
+    return proc, lines, _descendants(proc.pid)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_stops_every_process_it_started(store, tmp_path, sig):
+    """Signalled once the candidate is up (its announcement on stderr), `difftest run` stops the CPU
+    engine and the reference runner, keeps its finished results, and exits 3."""
+    out = tmp_path / "run"
+    proc, lines, children = _run_until_the_candidate_is_up(store, tmp_path, out)
     assert len(children) >= 2, "".join(lines)  # the reference runner and the CPU engine
     proc.send_signal(sig)  # to difftest alone, as `timeout` or a CI runner would
     rest = proc.stderr.read()
@@ -151,3 +158,58 @@ def test_a_signal_stops_every_process_it_started(store, tmp_path, sig):
         time.sleep(0.2)
     assert not [p for p in children if _alive(p)], "processes left running after the signal"
     assert json.loads((out / "results" / "candidate-c1" / "identity.json").read_text())["engine"]["kind"] == "cpu-engine"
+
+
+def test_a_kill_9_of_difftest_takes_its_engines_with_it_and_strays_are_reported(store, tmp_path):
+    """#34 item 5. Reproduced before: after `kill -9` of `difftest run`, the CPU engine (680 MB)
+    and the reference runner ran on under PID 1. Now each child's watchdog ends its process group
+    once difftest is gone; and a process an earlier difftest started that outlived it is named
+    when the next run starts."""
+    out = tmp_path / "run"
+    proc, lines, children = _run_until_the_candidate_is_up(store, tmp_path, out)
+    assert len(children) >= 2, "".join(lines)
+    proc.kill()
+    assert proc.wait(timeout=60) == -signal.SIGKILL
+    deadline = time.monotonic() + 120  # the watchdogs' SIGTERM grace (10 s) and the engines' exit; checked, not slept
+    while any(_alive(p) for p in children) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in children if _alive(p)], "processes left running after kill -9 of difftest"
+
+    from difftest.engines.lifeline import OWNER_ENV, owner_tag
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stray = subprocess.Popen(["sleep", "600"], env={**os.environ, OWNER_ENV: owner_tag(gone.pid)})
+    try:
+        code, _, err = difftest("run", SMOKE, "--candidate", "cpu-engine:typo", "--out", tmp_path / "o2",
+                                "--store", store, "--no-mlflow", cwd=tmp_path)
+        assert code == 2
+        assert "an earlier difftest started outlived it" in err and f"{stray.pid}: sleep 600" in err, err
+    finally:
+        stray.kill()
+        stray.wait()
+
+
+@pytest.fixture
+def full_disk(tmp_path):
+    """A 3 MiB tmpfs: room for a run's first files, not for its candidate's results."""
+    d = tmp_path / "full"
+    d.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(d)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.fail(f"this test mounts a 3 MiB tmpfs to fill a disk, which needs root (CAP_SYS_ADMIN): {r.stderr}",
+                    pytrace=False)
+    yield d
+    subprocess.run(["umount", "-l", str(d)], check=True)
+
+
+def test_a_full_disk_under_out_is_an_infrastructure_error_naming_the_folder(store, tmp_path, full_disk):
+    """#34 item 6. Reproduced before: exit 1, FAIL, the engine's ENOSPC (its capture writes)
+    reported as four candidate errors, as if the candidate had failed."""
+    out = full_disk / "run"
+    code, so, err = difftest("run", SMOKE, "--candidate", "cpu-engine", "-n", "4", "--out", out, "--store", store,
+                             "--no-mlflow", "--no-repeat", cwd=tmp_path)
+    assert code == 3, so + err[-3000:]
+    last = err.strip().splitlines()[-1]
+    assert last.startswith(f"difftest: error: {out}/results/candidate-c") and "no space left on device" in last, last
+    assert "run the same command again" in last and not (out / "report.json").exists()

@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..engines import lifeline
 from ..engines.launcher import interrupt_groups, log_tail
 from ..errors import InfraError
 from .probe import ProbeRecord
@@ -75,20 +76,22 @@ class ProcessProber:
     def probe_many(self, shas: list[str], on_done=None) -> dict[str, ProbeRecord]:
         """Every commit's record; `on_done(record)` as each one finishes. InfraError when a probe aborts
         (bad input, or a failure that is no commit's fault), after the others were stopped."""
-        procs = {}
+        procs, lines = {}, {}
         try:
             for sha in shas:
                 d = self.folder(sha)
                 d.mkdir(parents=True, exist_ok=True)
                 log = open(d / "probe.log", "ab")
                 procs[sha] = (subprocess.Popen(self.argv(sha), stdout=log, stderr=subprocess.STDOUT,
-                                               start_new_session=True), log)
+                                               start_new_session=True, env=lifeline.child_env(None)), log)
+                lines[sha] = lifeline.guard(procs[sha][0])  # each probe ends with the bisect
             done: dict[str, ProbeRecord] = {}
             while len(done) < len(procs):
                 for sha, (proc, log) in procs.items():
                     if sha in done or proc.poll() is None:
                         continue
                     log.close()
+                    lifeline.release(lines.pop(sha, None))
                     done[sha] = self._record(sha, proc.returncode)
                     if on_done is not None:
                         on_done(done[sha])
@@ -100,6 +103,8 @@ class ProcessProber:
         finally:
             for _, log in procs.values():
                 log.close()
+            for fd in lines.values():
+                lifeline.release(fd)
 
     def _record(self, sha: str, code: int) -> ProbeRecord:
         state = self.folder(sha) / "probes.json"

@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 from ..errors import InfraError
+from . import lifeline
 from .speech_client import SpeechClient
 
 PROGRESS_EVERY_S = 15.0
@@ -112,11 +113,12 @@ class ServerProcess:
         t0 = time.monotonic()
         try:
             self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                         env=self.env, cwd=self.cwd, start_new_session=True)
+                                         env=lifeline.child_env(self.env), cwd=self.cwd, start_new_session=True)
         except OSError as e:
             raise InfraError(f"cannot start {self.name} ({self.argv[0]}): {e}") from None
         finally:
             log.close()
+        self._lifeline = lifeline.guard(self.proc)  # it ends with difftest, even a kill -9 of difftest
         client = SpeechClient(self.url, connect_retries=0)
         deadline = t0 + self.health_timeout
         spoke = t0
@@ -156,6 +158,8 @@ class ServerProcess:
                 break
         if self.proc.poll() is None:
             self.proc.wait(5.0)
+        lifeline.release(getattr(self, "_lifeline", None))
+        self._lifeline = None
 
     def __enter__(self) -> "ServerProcess":
         return self.start()

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import InfraError
+from . import lifeline
 
 _EOF = object()
 
@@ -59,7 +60,7 @@ class RunnerProcess:
     def start(self) -> dict:
         if self.log_path:
             self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ if self.env is None else self.env)
+        env = lifeline.child_env(self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         try:
             self.proc = subprocess.Popen(
@@ -67,6 +68,7 @@ class RunnerProcess:
                 env=env, cwd=self.cwd, text=True, bufsize=1, start_new_session=True)
         except OSError as e:
             raise RunnerDied(f"cannot start runner {self.argv[0]}: {e}") from None
+        self._lifeline = lifeline.guard(self.proc)  # it ends with difftest, even a kill -9 of difftest
         threading.Thread(target=self._read_stdout, daemon=True).start()
         self._stderr_reader = threading.Thread(target=self._read_stderr, daemon=True)
         self._stderr_reader.start()
@@ -92,13 +94,15 @@ class RunnerProcess:
 
     def close(self, timeout: float = 30.0) -> None:
         if self.proc is None or self.proc.poll() is not None:
-            return
+            return lifeline.release(getattr(self, "_lifeline", None))
         try:
             self.proc.stdin.write(json.dumps({"id": -1, "op": "shutdown"}) + "\n")
             self.proc.stdin.flush()
             self.proc.wait(timeout)
         except (OSError, subprocess.TimeoutExpired, ValueError):
             self.kill()
+        lifeline.release(getattr(self, "_lifeline", None))
+        self._lifeline = None
 
     def kill(self) -> None:
         if self.proc and self.proc.poll() is None:
@@ -107,6 +111,8 @@ class RunnerProcess:
             except ProcessLookupError:
                 pass
             self.proc.wait()
+        lifeline.release(getattr(self, "_lifeline", None))
+        self._lifeline = None
 
     @property
     def alive(self) -> bool:

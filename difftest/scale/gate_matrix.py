@@ -38,6 +38,7 @@ from pathlib import Path
 import yaml
 
 from .. import yamlfile
+from ..engines import lifeline
 from ..engines.launcher import interrupt_groups, log_tail
 from ..errors import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput
 from ..results import atomic_write
@@ -287,6 +288,7 @@ def run_matrix_file(m: Matrix, out: Path, policy, *, workers: int = 1, ray: str 
 
     queue = list(m.cells)
     running: dict = {}
+    lines: dict[str, int | None] = {}
     try:
         while queue or running:
             while queue and len(running) < max(workers, 1):
@@ -296,7 +298,8 @@ def run_matrix_file(m: Matrix, out: Path, policy, *, workers: int = 1, ray: str 
                 (folder / "report.json").unlink(missing_ok=True)
                 log = open(folder.with_suffix(".log"), "wb")
                 proc = subprocess.Popen(cell_argv(cell, folder, m.store, ray, policy_path), stdout=log, stderr=subprocess.STDOUT,
-                                        start_new_session=True)
+                                        start_new_session=True, env=lifeline.child_env(None))
+                lines[cell["cell"]] = lifeline.guard(proc)  # the cell (and its engines) end with the matrix
                 running[cell["cell"]] = (proc, log, cell, folder, time.monotonic())
                 print(f"matrix: {cell['cell']} started ({len(rows) + len(running)}/{len(m.cells)})", file=stream,
                       flush=True)
@@ -304,6 +307,7 @@ def run_matrix_file(m: Matrix, out: Path, policy, *, workers: int = 1, ray: str 
                 if proc.poll() is None:
                     continue
                 log.close()
+                lifeline.release(lines.pop(name, None))
                 del running[name]
                 row = _judge(cell, folder, proc.returncode, policy)
                 row["seconds"] = round(time.monotonic() - t0, 1)
@@ -320,6 +324,8 @@ def run_matrix_file(m: Matrix, out: Path, policy, *, workers: int = 1, ray: str 
             time.sleep(0.2)
     except BaseException:
         interrupt_groups([p for p, *_ in running.values()])
+        for fd in lines.values():
+            lifeline.release(fd)
         save(False)
         raise
     code = exit_code(rows)
