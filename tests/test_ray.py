@@ -197,6 +197,22 @@ def test_the_documented_ray_commands_give_the_local_report_and_result_files(ray_
     assert got.stdout.strip().splitlines()[-1] == "['127.0.0.1']", got.stderr[-2000:]
 
 
+def test_a_cluster_that_asks_for_a_token_none_at_hand_can_give_is_an_infrastructure_error(ray_head, tmp_path):
+    """The head requires Ray's token; this machine has none (no RAY_AUTH_TOKEN, no token file, a
+    HOME without ~/.ray): exit 3 saying where to get it, before any model work (not Ray's
+    InvalidAuthToken traceback)."""
+    address, env = ray_head
+    env = {k: v for k, v in env.items() if k not in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH")}
+    (tmp_path / "home").mkdir()
+    env["HOME"] = str(tmp_path / "home")
+    (tmp_path / "w").mkdir()
+    p = _run(tmp_path / "w" / "out", tmp_path / "w" / "store", "--ray", address, env=env)
+    assert p.returncode == 3, p.stderr[-3000:]
+    assert (f"--ray {address}: the cluster requires Ray's token authentication and no token is at hand: copy "
+            f"the head's ~/.ray/auth_token here") in p.stderr
+    assert "Traceback" not in p.stderr and "loading the base model" not in p.stderr
+
+
 # --- faults ---
 
 class KillANodeMidChunk(Progress):
