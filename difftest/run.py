@@ -59,6 +59,7 @@ from .suites.suite import Suite, content_hash, hf_cached
 from .verdicts import sampling
 from .verdicts.classify import Evidence, classify, talker_stage
 from .verdicts.policy import Policy
+from .verdicts.talker_input import inputs_of
 
 __all__ = ["CPU_ENGINE", "URL", "VLLM_OMNI", "VLLM_OMNI_OFFLINE", "CandidateSpec", "RunOptions", "run"]
 
@@ -312,8 +313,10 @@ def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy,
                         {p: t["tokens"] for p in peers if (t := talker_stage(cand.results.get(p)))},
                         errors, suite.chunks["initial_frames"], suite.chunks["frames"],
                         again.results.get(sid) if again is not None else None,
-                        {role: got[sid] for role, got in score_ok.items() if sid in got})
+                        {role: got[sid] for role, got in score_ok.items() if sid in got},
+                        {p: i for p, i in ref_inputs.items() if p != sid})
 
+    ref_inputs = {sid: i for sid, r in ref_run.results.items() if (i := inputs_of(r)) is not None}
     verdicts = {s.id: classify(evidence(s.id), policy) for s in suite.segments}
     need = {}
     for sid, v in verdicts.items():

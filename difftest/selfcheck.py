@@ -26,6 +26,7 @@ from .results import atomic_write, load_result_set
 from .run import RunOptions, resolve_models, run, start_reference_runner
 from .suites.suite import Suite, content_hash
 from .verdicts.policy import Policy
+from .verdicts.talker_input import DONOR_KIND
 
 CLEAN = {"identical", "numeric_drift"}
 
@@ -38,6 +39,7 @@ class Check:
     expect: frozenset  # verdicts that count as catching it (empty: must pass)
     concurrency_only: bool  # must be invisible at concurrency 1
     caught_at_one: bool = False  # must fail at concurrency 1 alone as well (a talker defect acts there too)
+    stage: str | None = None  # where it must be placed (None: wherever its verdict is found)
 
 
 CHECKS = (
@@ -52,8 +54,11 @@ CHECKS = (
     Check("off-by-one", "off-by-one", "greedy", frozenset({"length_mismatch", "handoff_defect"}), False),
     # talker defects: the capture reports what the request asked for; teacher forcing sees the rest
     *(Check(d, d, "greedy", frozenset({"talker_defect"}), False, True)
-      for d in ("prompt-truncated", "prompt-padded", "sampled-greedy", "codebook-shift", "language-dropped",
-                "streaming-layout")),
+      for d in ("prompt-padded", "sampled-greedy", "codebook-shift")),
+    # the talker's input is captured (schema v3): what its prompt is made of, named field by field
+    *(Check(d, d, "greedy", frozenset({"talker_defect"}), False, True, "talker_input")
+      for d in ("prompt-truncated", "language-dropped", "streaming-layout", "speaker-scaled", "text-word-dropped")),
+    Check("speaker-leak", "speaker-leak", "greedy", frozenset({"contamination"}), True, stage="talker_input"),
     # sampling tighter than asked: every token inside the support, the suite's likelihood too high (run-level).
     # (temperature-ignored is not here: on the tiny checkpoint's flat logits it moves z to about -2.5 only;
     # docs/verdicts.md, blind spots.)
@@ -90,17 +95,25 @@ def variant(suite: Suite, kind: str) -> Suite:
 
 def _leak_truth(out: Path, n: int) -> dict[tuple[str, str], list[str]]:
     """(segment, donor kind) -> whose reference codes ("codes") or generated codes ("generated") each
-    request's vocoder really got at N, from the capture files (the segments whose own they are at 1)."""
+    request's vocoder really got at N, or whose talker input field (verdicts/talker_input's kinds) its
+    talker got, from the capture files (the segments whose own they are at 1)."""
     at_n, _ = load_result_set(out / "results" / f"candidate-c{n}")
     at_1, _ = load_result_set(out / "results" / "candidate-c1")
+    def value(r, name):
+        return getattr(r, name) if name in ("ref_codes", "codes") else r.extra.get(name)
+
+    kinds = (("codes", "ref_codes"), ("generated", "codes"), *((k, f) for f, k in DONOR_KIND.items()))
     truth = {}
     for sid, r in at_n.items():
         if not r.has_codes:
             continue
-        for kind, field_name in (("codes", "ref_codes"), ("generated", "codes")):
-            mine = getattr(r, field_name)
-            owners = [o for o, c in at_1.items() if c.has_codes and np.array_equal(getattr(c, field_name), mine)]
-            if len(mine) and sid not in owners:
+        for kind, field_name in kinds:
+            mine = value(r, field_name)
+            if mine is None or not np.size(mine):
+                continue
+            owners = [o for o, c in at_1.items() if c.has_codes and (v := value(c, field_name)) is not None
+                      and np.shape(v) == np.shape(mine) and np.array_equal(v, mine)]
+            if sid not in owners:
                 truth[(sid, kind)] = owners
     return truth
 
@@ -131,10 +144,12 @@ def judge(check: Check, report: dict, out: Path) -> dict:
         at_one_ok = at_one == "fail"
     else:
         at_one_ok = True  # visible at 1 as well; nothing to require
-    row["ok"] = caught and at_one_ok
+    placed = check.stage is None or any(s["stage"] == check.stage for s in hits)
+    row["ok"] = caught and at_one_ok and placed
     row["problem"] = (None if row["ok"] else "escaped" if not caught
-                      else "escaped at concurrency 1, where it acts too" if check.caught_at_one
-                      else "flagged at concurrency 1, where it cannot act")
+                      else ("escaped at concurrency 1, where it acts too" if check.caught_at_one
+                            else "flagged at concurrency 1, where it cannot act") if not at_one_ok
+                      else f"caught, but not at stage {check.stage}")
     donors = [s for s in hits if s["donor"]]
     if donors:
         truth = _leak_truth(out, report["concurrency"])

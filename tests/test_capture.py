@@ -114,9 +114,9 @@ def test_the_writer_and_the_reader_share_one_versioned_schema(tmp_path):
         assert int(z["schema_version"]) == capture.SCHEMA_VERSION and z["codes"].dtype == np.int64
         assert str(z["handoff"]) == "full_payload"  # a writer's own arrays ride along
     assert capture.load(path).lead_samples == 1 and path.stat().st_mode & 0o777 == 0o644
-    np.savez(tmp_path / "v3.npz", **GOOD, schema_version=np.int64(3))
-    with pytest.raises(capture.CaptureError, match="capture schema version 3; this difftest reads versions 1, 2"):
-        capture.load(tmp_path / "v3.npz")
+    np.savez(tmp_path / "v4.npz", **GOOD, schema_version=np.int64(4))
+    with pytest.raises(capture.CaptureError, match="capture schema version 4; this difftest reads versions 1, 2, 3"):
+        capture.load(tmp_path / "v4.npz")
     np.savez(tmp_path / "v1.npz", **GOOD, schema_version=np.int64(1))  # an older plugin: no talker stage
     assert capture.load(tmp_path / "v1.npz").stage_arrays() == {}
 

@@ -36,6 +36,7 @@ from reference_support import (
 )
 
 from difftest.compare import align
+from difftest.engines import capture
 from difftest.engines.http import run_candidate
 from difftest.engines.launcher import ServerProcess, free_port
 from difftest.engines.speech_client import SpeechClient, SpeechError, speech_request
@@ -420,9 +421,15 @@ def test_capture_files_are_whole_and_typed(world):
     for p in files:
         with np.load(p, allow_pickle=False) as z:
             assert set(z.files) == {"codes", "ref_codes", "wav", "lead_samples", "schema_version",
-                                    "talker_ref_codes", "talker_prompt", "talker_tokens"}
+                                    "talker_ref_codes", "talker_prompt", "talker_tokens", *capture.INPUT}
             codes, ref, wav, lead = z["codes"], z["ref_codes"], z["wav"], int(z["lead_samples"])
             tokens = z["talker_tokens"]
+            assert int(z["schema_version"]) == 3 and z["input_text_ids"].dtype == np.int64
+            # a clone's prompt holds the encoder's reference codes and its x-vector, as qwen-tts's generate got them
+            assert np.array_equal(z["input_ref_codes"].reshape(-1, 16), z["talker_ref_codes"])
+            assert z["input_speaker_embedding"].dtype == np.float32
+            if p.name.startswith("typed-"):  # this test's clones (the folder holds other tests' requests too)
+                assert len(z["input_speaker_embedding"]) and str(z["input_speaker_dtype"]) == "float32"
         # the talker's side: every frame's codebook-0 token the vocoder got, then the final token
         assert tokens.tolist() == [*codes[:, 0].tolist(), 2150]
         assert codes.dtype == np.int64 and codes.ndim == 2 and codes.shape[1] == 16

@@ -19,12 +19,12 @@ import yaml
 
 from .. import yamlfile
 from ..errors import BadInput
+from ..verdicts.classify import STAGES
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CORPUS = REPO / "cases" / "bugs"
 SUITES = REPO / "cases" / "suites"
 CANDIDATES = ("vllm-omni", "vllm-omni-offline", "vllm-omni-offline:async")
-STAGES = ("talker", "reference_encoder", "handoff", "vocoder")
 PATTERNS = ("barrier", "pool", "staggered")  # difftest run --pattern
 ORDERS = ("suite", "permuted", "mixed", "long-first")  # difftest run --order
 _ID = re.compile(r"^[a-z0-9][a-z0-9.-]{0,63}$")

@@ -10,6 +10,7 @@ from ..errors import BadInput
 from ..records.report import build_report
 from ..results import load_result_set
 from ..verdicts.classify import Evidence, classify, talker_stage
+from ..verdicts.talker_input import inputs_of
 from ..verdicts.policy import Policy
 
 
@@ -46,6 +47,7 @@ def compare_result_sets(reference_dir, candidate_dir, policy: Policy, *, control
         ev = Evidence(sid, refs.get(sid), cands.get(sid), ctrls.get(sid),
                       peer_ref_codes={p: rc for p, rc in own_ref.items() if p != sid},
                       peer_tokens={p: t["tokens"] for p, t in stages.items() if p != sid},
+                      other_inputs={p: i for p, r in refs.items() if p != sid and (i := inputs_of(r)) is not None},
                       initial_frames=initial_frames, chunk_frames=chunk_frames)
         if sid in refs and sid in cands and refs[sid].segment_hash != cands[sid].segment_hash:
             warnings.append(f"{sid}: reference and candidate were made from different segment contents "

@@ -28,6 +28,22 @@ which lacks the talker's arrays):
 | `talker_topk_logprobs` | (T', k) floats | log-probabilities at each token's step, best first    |
 |                |                        | (k >= 2; 0 rows: not captured)                        |
 
+Schema version 3 adds the talker's input, what its prompt is made of, per request, before the
+embeddings are summed (all together or none; `input_missing`, a string, when the writer tried and
+could not):
+
+| array                     | shape / type       | meaning                                          |
+|---------------------------|--------------------|--------------------------------------------------|
+| `input_text_ids`          | (L,) integers      | the assistant text's token ids, chat template in |
+| `input_instruct_ids`      | (L',) integers     | the instruction's token ids (0: none)            |
+| `input_ref_text_ids`      | (L'',) integers    | an in-context clone's reference text ids (0: none) |
+| `input_ref_codes`         | (R, 16) integers   | the reference codes its prompt holds (0 rows: none) |
+| `input_codec_prefill`     | (3 or 4,) integers | think / no-think, think-bos, language id, think-eos |
+| `input_speaker_id`        | (0 or 1,) integers | a custom voice's speaker id                      |
+| `input_speaker_embedding` | (H,) floats        | a clone's speaker embedding as the talker got it (0: none) |
+| `input_speaker_dtype`     | string             | the dtype that embedding had                     |
+| `input_non_streaming`     | integer, 0 or 1    | the prompt's layout: the whole text first (1)    |
+
 The three talker arrays come together or not at all: the stage before the
 hand-off, so the tester can tell what the hand-off changed (a reference prefix
 that is not the talker's own, a frame lost) from what the talker was given. A
@@ -63,11 +79,13 @@ MAX_BYTES = 256 << 20  # about 100 minutes of float32 audio with its codes: far 
 # claiming millions of frames is refused from its headers, before any of it is read).
 MAX_UNPACKED = MAX_BYTES
 MAX_LEAD_SAMPLES = 1
-SCHEMA_VERSION = 2
-READS = (1, 2)  # version 1: no talker arrays
+SCHEMA_VERSION = 3
+READS = (1, 2, 3)  # version 1: no talker arrays; 2: no talker input
 TALKER = ("talker_ref_codes", "talker_prompt", "talker_tokens")
 TOPK = ("talker_topk_ids", "talker_topk_logprobs")
-KNOWN = ("codes", "ref_codes", "wav", "sample_rate", "lead_samples", "schema_version", *TALKER, *TOPK)
+INPUT_IDS = ("input_text_ids", "input_instruct_ids", "input_ref_text_ids", "input_codec_prefill", "input_speaker_id")
+INPUT = (*INPUT_IDS, "input_ref_codes", "input_speaker_embedding", "input_speaker_dtype", "input_non_streaming")
+KNOWN = ("codes", "ref_codes", "wav", "sample_rate", "lead_samples", "schema_version", *TALKER, *TOPK, *INPUT)
 
 
 class CaptureError(ValueError):
@@ -91,13 +109,15 @@ class Capture:
     talker_tokens: np.ndarray | None = None  # codebook-0 tokens the talker sampled
     talker_topk_ids: np.ndarray | None = None  # (len(talker_tokens), k): the talker's own top-k; None: not captured
     talker_topk_logprobs: np.ndarray | None = None
+    inputs: dict | None = None  # the talker's input (v3: INPUT's arrays); None: not captured
 
     def stage_arrays(self) -> dict[str, np.ndarray]:
         """The talker stage's arrays, for a result's extra arrays (empty when not captured)."""
+        out = dict(self.inputs or {})
         if self.talker_tokens is None:
-            return {}
-        out = {"talker_ref_codes": self.talker_ref_codes, "talker_prompt": self.talker_prompt,
-               "talker_tokens": self.talker_tokens}
+            return out
+        out |= {"talker_ref_codes": self.talker_ref_codes, "talker_prompt": self.talker_prompt,
+                "talker_tokens": self.talker_tokens}
         if self.talker_topk_ids is not None:
             out |= {"talker_topk_ids": self.talker_topk_ids, "talker_topk_logprobs": self.talker_topk_logprobs}
         return out
@@ -170,7 +190,46 @@ def validate(arrays: dict, where: Path, max_frames: int | None = None) -> Captur
     lead = _scalar(arrays, "lead_samples", where) or 0
     if not 0 <= lead <= MAX_LEAD_SAMPLES:
         raise CaptureError(f"{where}: lead_samples {lead} outside [0, {MAX_LEAD_SAMPLES}]")
-    return Capture(codes, ref_codes, wav, rate, lead, where, *talker)
+    return Capture(codes, ref_codes, wav, rate, lead, where, *talker, inputs=read_inputs(arrays, where))
+
+
+def read_inputs(arrays: dict, where) -> dict | None:
+    """The talker's input (schema v3), checked, or None where it was not captured. Also reads a
+    result's extra arrays (the reference runner writes the same fields)."""
+    if "input_missing" in arrays:
+        raise CaptureError(f"{where}: the talker's input was not captured ({arrays['input_missing']})")
+    present = [n for n in INPUT if n in arrays]
+    if not present:
+        return None
+    if len(present) != len(INPUT):
+        raise CaptureError(f"{where}: the input_* arrays come together; {', '.join(sorted(set(INPUT) - set(present)))} missing")
+    out = {}
+    for name in INPUT_IDS:
+        a = arrays[name]
+        if a.dtype.kind not in "iu" or a.ndim != 1 or (a < 0).any():
+            raise CaptureError(f"{where}: {name} must be a row of integers >= 0, got {a.dtype} of shape {a.shape}")
+        out[name] = a.astype(np.int64)
+    if not len(out["input_text_ids"]) or len(out["input_codec_prefill"]) not in (3, 4) or len(out["input_speaker_id"]) > 1:
+        raise CaptureError(f"{where}: input_text_ids must not be empty, input_codec_prefill must hold 3 or 4 ids "
+                           f"and input_speaker_id at most one")
+    if arrays["input_ref_codes"].size == 0:  # an empty (0, 16) or (0,) array: no reference in the prompt
+        out["input_ref_codes"] = np.zeros((0, CODEBOOKS), np.int64)
+    else:
+        out["input_ref_codes"] = _codes(arrays, "input_ref_codes", where, required=True)
+    emb = arrays["input_speaker_embedding"]
+    if emb.dtype.kind != "f" or emb.ndim != 1 or not np.isfinite(emb).all():
+        raise CaptureError(f"{where}: input_speaker_embedding must be a row of finite floats, got {emb.dtype} "
+                           f"of shape {emb.shape}")
+    out["input_speaker_embedding"] = emb.astype(np.float32)
+    dt = arrays["input_speaker_dtype"]
+    if dt.dtype.kind != "U" or dt.size != 1:
+        raise CaptureError(f"{where}: input_speaker_dtype must be one string")
+    out["input_speaker_dtype"] = np.array(str(dt.reshape(-1)[0]))
+    ns = _scalar(arrays, "input_non_streaming", where)
+    if ns not in (0, 1):
+        raise CaptureError(f"{where}: input_non_streaming must be 0 or 1, got {ns}")
+    out["input_non_streaming"] = np.array(ns, np.int64)
+    return out
 
 
 def _talker(arrays: dict, where: Path, max_frames: int | None) -> tuple:
@@ -296,7 +355,7 @@ def wait_for(capture_dir: Path, tag: str, wait_s: float) -> Path | None:
 def encode(arrays: dict) -> bytes:
     """An npz of these arrays with the schema version: codes as int64, audio as float32."""
     out = {k: np.asarray(v) for k, v in arrays.items()}
-    for name in ("codes", "ref_codes", "talker_ref_codes"):
+    for name in ("codes", "ref_codes", "talker_ref_codes", "input_ref_codes"):
         if name in out:
             out[name] = out[name].astype(np.int64).reshape(-1, CODEBOOKS)
     if "wav" in out:
@@ -311,6 +370,13 @@ def encode(arrays: dict) -> bytes:
         out["talker_topk_ids"] = out["talker_topk_ids"].astype(np.int64)
     if "talker_topk_logprobs" in out:
         out["talker_topk_logprobs"] = out["talker_topk_logprobs"].astype(np.float32)
+    for name in (*INPUT_IDS, "input_non_streaming"):
+        if name in out:
+            out[name] = out[name].astype(np.int64).reshape(-1 if name != "input_non_streaming" else ())
+    if "input_speaker_embedding" in out:
+        out["input_speaker_embedding"] = out["input_speaker_embedding"].astype(np.float32).reshape(-1)
+    if "input_speaker_dtype" in out:
+        out["input_speaker_dtype"] = np.array(str(out["input_speaker_dtype"]))
     out["schema_version"] = np.int64(SCHEMA_VERSION)
     buf = io.BytesIO()
     np.savez(buf, **out)

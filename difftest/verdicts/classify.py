@@ -29,13 +29,14 @@ from ..compare.audio import ChunkMetrics, frame_metrics, log_mel, non_finite, re
 from ..compare.codes import diff_codes
 from ..results import Result
 from .policy import TIERS, Policy, chunk_tiers
+from .talker_input import DONOR_KIND, compare as compare_inputs, donor_of, inputs_of
 
 # Most serious first; the verdict is the finding of lowest rank.
 RANK = ("error", "contamination", "handoff_defect", "talker_defect", "reference_encoder_defect", "vocoder_length",
         "vocoder_defect",
         "concurrency_defect", "history_defect",
         "length_mismatch", "code_divergence", "audio_divergence", "numeric_drift", "identical")
-STAGES = ("talker", "reference_encoder", "handoff", "vocoder")
+STAGES = ("talker_input", "talker", "reference_encoder", "handoff", "vocoder")
 
 
 @dataclass
@@ -56,6 +57,7 @@ class Evidence:
     chunk_frames: int = 25
     repeat: Result | None = None  # the candidate at 1 again, after every other segment (reverse order)
     scores: dict = field(default_factory=dict)  # "candidate" / "control" -> teacher-forced ScoreFile of its codes
+    other_inputs: dict = field(default_factory=dict)  # every other segment of the run -> qwen-tts's talker input
 
 
 @dataclass
@@ -410,6 +412,50 @@ def _stage_findings(ev: Evidence, comps: dict) -> list[_Finding]:
     return out
 
 
+def _input_findings(ev: Evidence, comps: dict, notes: list) -> list[_Finding]:
+    """What the talker's prompt was made of against what qwen-tts made it of (verdicts/talker_input)."""
+    theirs, mine = inputs_of(ev.reference), inputs_of(ev.candidate)
+    if mine is None:
+        notes.append("the talker's input was not captured: text, language, speaker and layout judged only "
+                     "through the codes")
+        return []
+    if theirs is None:
+        notes.append("no talker input from qwen-tts (a reference from before it was recorded): not compared")
+        return []
+    wrong, why = compare_inputs(mine, theirs)
+    notes += why
+    talker = talker_stage(ev.candidate)
+    encoded = talker["ref_codes"] if talker is not None else ev.candidate.ref_codes  # the engine's encoder's
+    # The prompt's reference codes being the engine's own encoder's, whether that encoder agrees with
+    # qwen-tts's (within bf16's allowance) is the encoder check's to say (reference_encoder_defect).
+    wrong = [m for m in wrong if not (m.field == "input_ref_codes" and _same(mine["input_ref_codes"], encoded))]
+    comps["talker_input"] = {"differ": [m.field for m in wrong]}
+    a, b = mine["input_speaker_embedding"], theirs["input_speaker_embedding"]
+    if a.size and a.shape == b.shape:  # measured in every run: what a tolerance would rest on
+        comps["talker_input"]["speaker_max_abs"] = float(np.abs(a - b).max())
+    if not wrong:
+        return []
+    at_one = inputs_of(ev.control)
+    wrong_at_one = {m.field for m in compare_inputs(at_one, theirs)[0]} if at_one is not None else None
+    m = wrong[0]
+    right_at_one = wrong_at_one is not None and m.field not in wrong_at_one
+    where = " at concurrency N (right at 1)" if right_at_one else " at concurrency 1 as well" if wrong_at_one else ""
+    also = f"; also: {', '.join(x.name for x in wrong[1:])}" if len(wrong) > 1 else ""
+    donor = donor_of(m, mine, ev.other_inputs, set(ev.peer_ref_codes), right_at_one)
+    if donor:
+        return [_Finding("contamination", f"the talker was prompted with {donor}'s {m.name}{where}{also}",
+                         frame=0, chunk=0, stage="talker_input", donor=donor, donor_kind=DONOR_KIND[m.field])]
+    theirs_ref = ev.reference.ref_codes
+    if [x.field for x in wrong] == ["input_speaker_embedding"] and len(theirs_ref) and not _same(encoded, theirs_ref):
+        # both of the engine's encoders disagree with qwen-tts's on this voice: the audio that reached them
+        return [_Finding("reference_encoder_defect",
+                         f"the voice's speaker embedding and its reference codes both differ from what qwen-tts's "
+                         f"encoders make of it: the reference audio reached the engine changed{where}",
+                         frame=0, chunk=0, stage="reference_encoder")]
+    return [_Finding("talker_defect", f"the talker's input differs from qwen-tts's in its {m.name}, at position {m.at}: "
+                     f"{m.mine} against {m.theirs}{where}{also}", frame=0, chunk=0, stage="talker_input")]
+
+
 def _concurrency_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict, kind: str = "concurrency_defect",
                           later: str = "at concurrency N", first: str = "concurrency 1",
                           key: str = "concurrency") -> list[_Finding]:
@@ -673,7 +719,7 @@ def classify(ev: Evidence, policy: Policy) -> SegmentVerdict:
         voc = _vocoder_findings(ev, policy, comps, mels) if ev.cross_own is not None and cand.has_codes else []
         if cand.has_codes:
             handoff = _handoff_findings(ev, comps, notes, voc)
-            findings += handoff + _stage_findings(ev, comps)
+            findings += handoff + _stage_findings(ev, comps) + _input_findings(ev, comps, notes)
             if handoff and talker_stage(cand) is not None:
                 voc = []  # the audio's departure is the hand-off's wrong prefix, already placed above
             elif talker_stage(cand) is None:

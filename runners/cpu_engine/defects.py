@@ -89,6 +89,19 @@ reports what the request asked for, so only teacher forcing can see them:
   draws from its top 5 instead of the top-k asked. Sampled requests only.
   Acts in: engine._generate_kwargs.
 
+Defects in what the talker's prompt is made of (issue #29). The talker's input is captured
+(schema v3), so these are named at stage `talker_input`, the field with them:
+
+- `speaker-scaled` (a clone's speaker embedding altered on its way to the prompt: a dtype or
+  normalisation slip). The x-vector is scaled by 0.9 before the talker; the reference codes are
+  untouched. Voice clones. Acts in: engine._talker.
+- `speaker-leak` (one request's speaker embedding conditions another's: the seed's family, on the
+  speaker instead of the reference codes). Every voice clone of a batch gets the first one's
+  x-vector. Invisible at concurrency 1. Acts in: engine._talker.
+- `text-word-dropped` (text lost on its way to the prompt, as a truncation or a wrong slice
+  would). The last word of each text is dropped before it is tokenised. Every task with two words
+  or more. Acts in: engine._talker.
+
 Where each lives upstream: docs/cpu-engine.md.
 """
 
@@ -175,9 +188,25 @@ DEFECTS: dict[str, dict] = {
         "summary": "a sampled request's talker draws from its top 5",
         "concurrency_only": False, "talker": True,
     },
+    "speaker-scaled": {
+        "family": ["speaker embedding altered before the prompt"],
+        "summary": "a clone's speaker embedding is scaled by 0.9 before the talker",
+        "concurrency_only": False, "talker": True,
+    },
+    "speaker-leak": {
+        "family": ["another request's speaker embedding in the prompt"],
+        "summary": "every clone of a batch is prompted with the first one's speaker embedding",
+        "concurrency_only": True, "talker": True,
+    },
+    "text-word-dropped": {
+        "family": ["text lost before the prompt"],
+        "summary": "the last word of each text is dropped before tokenisation",
+        "concurrency_only": False, "talker": True,
+    },
 }
 
 TRUNCATED_REF_FRAMES = 2
+SPEAKER_SCALE = 0.9
 HOT_TEMPERATURE = 1.5
 NARROW_TOP_K = 5
 WRONG_RATE = 22050

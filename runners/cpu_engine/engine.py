@@ -70,12 +70,14 @@ class SubtalkerSampling:
         return d
 
 
-def talker_side(codes: np.ndarray, ref: np.ndarray | None) -> dict:
-    """What this request's talker was prompted with and generated, before the hand-off: its own
-    reference codes and its codebook-0 tokens, closed by the final token that never becomes a frame
-    (qwen-tts builds its prompt as it goes, so nothing is reserved: reserved = built = 0)."""
+def talker_side(codes: np.ndarray, ref: np.ndarray | None, inputs: dict) -> dict:
+    """What this request's talker was prompted with and generated, before the hand-off: what its
+    prompt was made of (`inputs`, as qwen-tts's generate got them), its own reference codes and its
+    codebook-0 tokens, closed by the final token that never becomes a frame (qwen-tts builds its
+    prompt as it goes, so nothing is reserved: reserved = built = 0)."""
     ref = np.zeros((0, 16), np.int64) if ref is None else np.asarray(ref, np.int64).reshape(-1, 16)
-    return {"talker_ref_codes": ref, "talker_prompt": np.array([0, 0, len(ref) if len(ref) else -1], np.int64),
+    return {**inputs, "talker_ref_codes": ref,
+            "talker_prompt": np.array([0, 0, len(ref) if len(ref) else -1], np.int64),
             "talker_tokens": np.append(np.asarray(codes, np.int64)[:, 0], FINAL_TOKEN)}
 
 
@@ -112,7 +114,7 @@ class BatchEngine:
                     raise RuntimeError(f"injected engine failure for input {j.text!r} (DIFFTEST_ENGINE_FAIL_ON)")
         with MODEL_LOCK:
             t0 = time.perf_counter()
-            codes, refs, at_max = self._talker(jobs)
+            codes, refs, at_max, inputs = self._talker(jobs)
             t1 = time.perf_counter()
             payload = handoff.make_omni_output(codes, refs, stopped_at_max=at_max,
                                                ref_leak=self.defect == "ref-leak")
@@ -126,8 +128,8 @@ class BatchEngine:
             t2 = time.perf_counter()
         timings = {"talker_s": round(t1 - t0, 4), "vocoder_s": round(t2 - t1, 4), "batch_size": len(jobs)}
         return [Output(codes=s["codes"], ref_codes=s["ref_codes"], wav=w, sample_rate=sr,
-                       generated_frames=int(c.shape[0]), timings=dict(timings), talker=talker_side(c, r))
-                for s, w, c, r in zip(stage_inputs, wavs, codes, refs)]
+                       generated_frames=int(c.shape[0]), timings=dict(timings), talker=talker_side(c, r, i))
+                for s, w, c, r, i in zip(stage_inputs, wavs, codes, refs, inputs)]
 
     # -- step 1: the talker ---------------------------------------------
     def _prompt(self, tts, job: SpeechJob):
@@ -183,8 +185,14 @@ class BatchEngine:
             if self.defect == "prompt-truncated":  # the hand-off and the capture keep `refs` whole
                 items = [it if it.ref_code is None else replace(it, ref_code=it.ref_code[:defects.TRUNCATED_REF_FRAMES])
                          for it in items]
+            elif self.defect == "speaker-scaled":
+                items = [replace(it, ref_spk_embedding=it.ref_spk_embedding * defects.SPEAKER_SCALE) for it in items]
+            elif self.defect == "speaker-leak":
+                items = [replace(it, ref_spk_embedding=items[0].ref_spk_embedding) for it in items]
         if self.defect == "language-dropped":
             languages = ["Auto"] * len(jobs)
+        if self.defect == "text-word-dropped":
+            texts = [t.rsplit(None, 1)[0] if len(t.split()) > 1 else t for t in texts]
 
         vocoder_calls = []
 
@@ -198,7 +206,7 @@ class BatchEngine:
         st.decode = talker_only_decode  # an instance attribute shadows the bound method
         if self.defect == "prompt-padded":
             _pad_talker_prompt(tts.model.talker, defects.PADDED_ROWS)
-        capture.codes = None
+        capture.codes = capture.inputs = None
         try:
             # Clean: a sampled request is always alone here, seeded with its own seed, which is
             # exactly the reference's `torch.manual_seed(seed)` before the call. shared-rng: a
@@ -224,7 +232,7 @@ class BatchEngine:
             codes = [np.concatenate([c[:, :1], np.roll(c[:, 1:], 1, axis=1)], axis=1) for c in codes]
         # qwen-tts gives N-1 frames for N talker tokens when no EOS came: a max-length stop.
         at_max = [c.shape[0] >= j.max_new_tokens - 1 for c, j in zip(codes, jobs)]
-        return codes, refs, at_max
+        return codes, refs, at_max, capture.inputs
 
     # -- step 3: the vocoder --------------------------------------------
     def _vocoder(self, task: str, stage_inputs: list[dict]) -> tuple[list[np.ndarray], int]:

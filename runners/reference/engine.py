@@ -18,6 +18,7 @@ import numpy as np
 
 from runners.reference.checkpoint import Checkpoint
 from runners.reference.environment import import_qwen_tts, log
+from runners.reference.prompt_inputs import PromptInputs
 
 # Decode parameters passed to qwen-tts by name (`seed` and `non_streaming_mode` are handled apart).
 GENERATE_KWARGS = ("do_sample", "subtalker_dosample", "repetition_penalty", "max_new_tokens", "top_k", "top_p",
@@ -46,18 +47,23 @@ class Synthesis:
     timings: dict = field(default_factory=dict)
     generate_kwargs: dict = field(default_factory=dict)
     ref_codes_bf16: np.ndarray | None = None  # the same voice through qwen-tts's encoder in bf16 (float32 runs)
+    inputs: dict = field(default_factory=dict)  # what the talker's prompt was made of (capture v3's input_*)
 
 
 class _Capture:
-    """Records what the instance's `generate` returned for the latest call."""
+    """Records what the instance's `generate` returned for the latest call, and what each
+    request's talker prompt was made of (`inputs`: capture schema v3's input_* arrays)."""
 
     def __init__(self, tts):
         self.codes = None
+        self.inputs = None
         inner_generate = tts.model.generate
+        recorder = PromptInputs()
 
         def generate_and_capture(*args, **kwargs):
-            codes_list, hidden_list = inner_generate(*args, **kwargs)
+            codes_list, hidden_list = recorder.observe(tts.model, inner_generate, *args, **kwargs)
             self.codes = [c.detach().to("cpu").clone() for c in codes_list]
+            self.inputs = recorder.items
             return codes_list, hidden_list
 
         tts.model.generate = generate_and_capture  # an instance attribute shadows the class method
@@ -140,7 +146,7 @@ class QwenTTSEngine:
         codes = capture.codes[0].numpy()
         return Synthesis(codes=codes, ref_codes=np.zeros((0, 16), np.int64) if ref_codes is None else ref_codes,
                          wav=np.asarray(wavs[0], dtype=np.float32), sample_rate=int(sr), timings=timings,
-                         generate_kwargs=kwargs, ref_codes_bf16=ref_codes_bf16)
+                         generate_kwargs=kwargs, ref_codes_bf16=ref_codes_bf16, inputs=capture.inputs[0])
 
     def _bf16_ref_codes(self, tts, u: Utterance) -> np.ndarray | None:
         """The voice's reference codes from a bf16 copy of qwen-tts's own speech encoder.

@@ -95,7 +95,8 @@ class ReferenceService:
                         codes=syn.codes, ref_codes=syn.ref_codes, provenance=provenance, timings=timings,
                         meta={"runner": LABEL, "concurrency": 1,
                               "lead_samples": lead_of(len(syn.wav), len(syn.codes))},
-                        extra={} if syn.ref_codes_bf16 is None else {"ref_codes_bf16": syn.ref_codes_bf16})
+                        extra={**syn.inputs,
+                               **({} if syn.ref_codes_bf16 is None else {"ref_codes_bf16": syn.ref_codes_bf16})})
         side = write_result(stem, result)
         emit("result", segment=sid, path=str(side), cached=False, seconds=seconds, audio_seconds=audio_s)
 

@@ -1,0 +1,116 @@
+"""The talker's input against qwen-tts's, field by field (capture schema v3, issue #29).
+
+What a prompt is made of (text ids, instruction ids, an in-context clone's reference text ids, the
+codec prefill with its language id, a custom voice's speaker id, a clone's speaker embedding, the
+layout) is a deterministic function of the request, so it is compared exactly, on any model and at
+any sensitivity, and a defect is placed where it enters: stage `talker_input`, naming the field and
+its first differing position. The codes only show such a defect as far as the model listens to it
+(on the seeded checkpoint the language moves the forced log-probabilities little).
+
+The speaker embedding is compared exactly where both sides computed it in the same dtype on the
+same device kind (the encoder's numerics are then the same: the CPU test engine's float32 against
+the float32 reference gives the same bits). In another dtype (vLLM-Omni's bf16 encoder) no
+tolerance has been measured yet: it is not judged, and the segment's notes say so.
+
+A field that is wrong and equal to another request's of the run is that request's: `contamination`
+with the donor, `donor_kind` naming the field. Only fields that identify a request by themselves
+(text, reference text and codes, speaker embedding) name donors from anywhere in the run; a low-entropy field
+(the language's prefill, a speaker id, the layout) names one only when it is right at concurrency 1
+and equals a co-batched request's at N (otherwise two requests of one language would look alike).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from ..engines.capture import INPUT
+from ..results import Result
+
+NAMES = {"input_text_ids": "text ids", "input_instruct_ids": "instruction ids",
+         "input_ref_text_ids": "reference text ids", "input_ref_codes": "reference codes",
+         "input_codec_prefill": "codec prefill (language)",
+         "input_speaker_id": "speaker id", "input_speaker_embedding": "speaker embedding",
+         "input_non_streaming": "non-streaming layout"}
+DONOR_KIND = {"input_text_ids": "text", "input_instruct_ids": "instruction", "input_ref_text_ids": "reference text",
+              "input_ref_codes": "prompt codes", "input_codec_prefill": "language", "input_speaker_id": "speaker id",
+              "input_speaker_embedding": "speaker embedding", "input_non_streaming": "layout"}
+IDENTIFYING = ("input_text_ids", "input_ref_text_ids", "input_ref_codes", "input_speaker_embedding")
+
+
+def inputs_of(r: Result | None) -> dict | None:
+    """A result's talker input (a capture's, or the reference's), None where it was not recorded."""
+    if r is None or any(n not in r.extra for n in INPUT):
+        return None
+    return {n: np.asarray(r.extra[n]) for n in INPUT}
+
+
+@dataclass
+class Mismatch:
+    field: str
+    at: int  # first differing position (the shorter length where one is a prefix of the other)
+    mine: str
+    theirs: str
+    donor: str | None = None
+
+    @property
+    def name(self) -> str:
+        return NAMES[self.field]
+
+
+def _dtype(inputs: dict) -> str:
+    return str(inputs["input_speaker_dtype"].reshape(-1)[0]) if inputs["input_speaker_dtype"].size else ""
+
+
+def _equal(a: np.ndarray, b: np.ndarray) -> bool:
+    return a.shape == b.shape and bool(np.array_equal(a, b))
+
+
+def _first_diff(a: np.ndarray, b: np.ndarray) -> int:
+    a, b = a.reshape(-1), b.reshape(-1)
+    n = min(len(a), len(b))
+    d = np.flatnonzero(a[:n] != b[:n])
+    return int(d[0]) if len(d) else n
+
+
+def _show(a: np.ndarray, at: int) -> str:
+    if a.ndim == 2:  # codes: (frames, 16), `at` a frame
+        return f"{len(a)} frames" + (f", frame {at} = {a[at, :4].tolist()}..." if at < len(a) else "")
+    a = a.reshape(-1)
+    if a.dtype.kind == "f":
+        return f"{len(a)} values, norm {float(np.linalg.norm(a)):.4g}" + (f", [{at}] = {a[at]:.4g}" if at < len(a) else "")
+    part = a[max(0, at - 2):at + 3]
+    return f"{len(a)} ids, [{max(0, at - 2)}:{at + 3}] = {part.tolist()}" if len(a) > 5 else str(a.tolist())
+
+
+def compare(mine: dict, theirs: dict, same_device: bool = True) -> tuple[list[Mismatch], list[str]]:
+    """Fields of `mine` (a candidate's) that differ from `theirs` (qwen-tts's), and notes on the
+    fields that could not be judged."""
+    out, notes = [], []
+    for field in NAMES:
+        a, b = mine[field], theirs[field]
+        if field == "input_speaker_embedding" and a.size and b.size:
+            da, db = _dtype(mine), _dtype(theirs)
+            if da != db or not same_device:
+                notes.append(f"speaker embedding not judged: the candidate's is {da or 'of unknown dtype'}, "
+                             f"qwen-tts's {db}{'' if same_device else ' on another device'}, and no tolerance "
+                             f"is measured between them")
+                continue
+        if not _equal(a, b):
+            at = _first_diff(a, b) // (a.shape[1] if a.ndim == 2 and a.shape[1] else 1)  # codes: a frame
+            out.append(Mismatch(field, at, _show(a, at), _show(b, at)))
+    return out, notes
+
+
+def donor_of(m: Mismatch, mine: dict, others: dict[str, dict], peers: set, right_at_one: bool) -> str | None:
+    """The other request whose qwen-tts input this wrong field equals, if any (see the module's
+    rule on low-entropy fields)."""
+    a = mine[m.field]
+    if not a.size:
+        return None
+    pool = sorted(others) if m.field in IDENTIFYING else sorted(p for p in others if p in peers) if right_at_one else []
+    for sid in pool:
+        if _equal(a, others[sid][m.field]):
+            return sid
+    return None

@@ -1,0 +1,43 @@
+"""`difftest selfcheck` for the defects in what the talker's prompt is made of (issue #29): the CPU
+test engine writes its talker's input as qwen-tts's generate got it (capture schema v3), the
+reference runner qwen-tts's own, and each planted defect is named at stage talker_input with its
+field; the leak of a speaker embedding with its donor, checked against the captures. Real
+qwen-tts (a file of its own, so a second test worker can take it)."""
+
+import json
+import subprocess
+import sys
+
+from reference_support import reference_python
+
+DEFECTS = ("language-dropped", "speaker-scaled", "text-word-dropped", "speaker-leak")
+
+
+def test_selfcheck_names_each_prompt_defect_at_talker_input_with_its_field(tmp_path):
+    reference_python()
+    p = subprocess.run([sys.executable, "-m", "difftest", "selfcheck", "--defects", ",".join(DEFECTS),
+                        "--out", str(tmp_path / "sc"), "--store", str(tmp_path / "store")],
+                       capture_output=True, text=True, timeout=1500, cwd=tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    rows = {r["check"]: r for r in json.loads((tmp_path / "sc" / "selfcheck.json").read_text())["checks"]}
+    assert set(rows) == {"clean", *DEFECTS}
+    clean = json.loads((tmp_path / "sc" / "clean" / "report.json").read_text())
+    assert rows["clean"]["ok"] and clean["verdict"] == "pass"
+    # the clean engine's input was compared, field by field, and equal: not a check that never ran
+    assert all(s["comparisons"]["talker_input"] == {"differ": [], "speaker_max_abs": 0.0}
+               for s in clean["segments"]), [s["comparisons"].get("talker_input") for s in clean["segments"]]
+    field = {"language-dropped": "codec prefill (language)", "speaker-scaled": "speaker embedding",
+             "text-word-dropped": "text ids"}
+    for name, what in field.items():
+        r = rows[name]
+        assert r["ok"] and r["stage"] == "talker_input" and r["at_concurrency_1"] == "fail", r
+        report = json.loads((tmp_path / "sc" / name / "report.json").read_text())
+        for s in report["segments"]:
+            assert (s["verdict"], s["stage"]) == ("talker_defect", "talker_input"), s
+            assert s["summary"].startswith(f"the talker's input differs from qwen-tts's in its {what}, at position "), s["summary"]
+    leak = rows["speaker-leak"]
+    assert leak["ok"] and leak["at_concurrency_1"] == "pass" and leak["donor"] and leak["donor_right"], leak
+    report = json.loads((tmp_path / "sc" / "speaker-leak" / "report.json").read_text())
+    hit = [s for s in report["segments"] if s["verdict"] == "contamination"]
+    assert hit and all((s["stage"], s["donor_kind"]) == ("talker_input", "speaker embedding") for s in hit), hit
+    assert all("speaker embedding at concurrency N (right at 1)" in s["summary"] for s in hit)
