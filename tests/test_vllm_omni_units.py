@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import yaml
 
+from difftest.engines import capture
 from difftest.engines import vllm_omni as vo
 from difftest.errors import BadInput, InfraError
 from difftest.suites.suite import load_suite
@@ -219,7 +220,7 @@ def test_capture_store_merges_stages_and_replaces_a_reused_tag(tmp_path):
     store.update("t-1", replace=True, codes=codes, ref_codes=ref)
     store.update("t-1", wav=np.zeros(3840, np.float32))  # the vocoder's process
     with np.load(tmp_path / "t-1.npz", allow_pickle=False) as z:
-        assert sorted(z.files) == ["codes", "ref_codes", "schema_version", "wav"] and int(z["schema_version"]) == 2
+        assert sorted(z.files) == ["codes", "ref_codes", "schema_version", "wav"] and int(z["schema_version"]) == capture.SCHEMA_VERSION
         assert z["codes"].shape == (2, 16) and z["ref_codes"].shape == (3, 16) and z["wav"].dtype == np.float32
     store.update("t-1", replace=True, codes=codes[:1], ref_codes=ref)  # the tag's next request
     with np.load(tmp_path / "t-1.npz", allow_pickle=False) as z:
