@@ -16,7 +16,6 @@ DT=.venv/bin/difftest
 
 echo "== installing side by side (cold: about 7 min, the vLLM-Omni environment is most of it)"
 install_bg tester install_tester '.[mlflow]'
-wait_installs || exit 1
 install_bg reference bash runners/reference/make_env.sh
 install_bg vllm-omni bash runners/vllm_omni/make_env.sh
 wait_installs || exit 1

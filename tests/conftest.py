@@ -56,3 +56,16 @@ def mlflow_cwd(tmp_path, monkeypatch, _empty_mlflow_store):
     monkeypatch.chdir(cwd)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     return cwd
+
+
+def pytest_collection_modifyitems(config, items):
+    """Slowest files first (tests/durations.txt, measured), the rest after in their own order: with
+    `--dist loadfile --no-loadscope-reorder` (scripts/test.sh) xdist hands files out in this order,
+    so no long file starts last while the other worker idles. Only the order changes."""
+    table = Path(__file__).with_name("durations.txt")
+    seconds = {}
+    for line in table.read_text().splitlines() if table.exists() else []:
+        if line and not line.startswith("#"):
+            s, name = line.split(maxsplit=1)
+            seconds[name] = float(s)
+    items.sort(key=lambda item: -seconds.get(item.path.name, 0.0))  # stable: a file's tests keep their order

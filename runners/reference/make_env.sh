@@ -68,7 +68,10 @@ fi
 
 say "installing this repo (editable, no deps) with numpy and PyYAML"
 "${pip[@]}" numpy PyYAML
-"${pip[@]}" --no-deps -e "$repo"
+# The lock: every environment installs this repository editable, and two such installs at once
+# race on its difftest.egg-info (scripts/test.sh starts them side by side).
+mkdir -p "$repo/.cache"
+{ flock 9; "${pip[@]}" --no-deps -e "$repo"; } 9> "$repo/.cache/editable-install.lock"
 
 check_imports
 # librosa's numba kernels compile on first use (about 20 s) and cache into

@@ -399,8 +399,15 @@ fi
 plugins=(-e "$repo" -e "$here/difftest_capture")
 [[ "$device" != cpu ]] || plugins+=(-e "$here/difftest_cpu_platform")
 say "difftest and its plugins (editable): difftest, difftest-capture${plugins[5]:+, difftest-cpu-platform}"
-# An overlay builds them with the base's setuptools: no build environment to download.
-pip_install --no-deps ${base:+--no-build-isolation} "${plugins[@]}"
+# An overlay builds them with the base's setuptools: no build environment to download. The lock:
+# every environment installs this repository editable, and two such installs at once race on its
+# difftest.egg-info (scripts/test.sh starts them side by side).
+if (( dry )); then
+    pip_install --no-deps ${base:+--no-build-isolation} "${plugins[@]}"
+else
+    mkdir -p "$repo/.cache"
+    { flock 9; pip_install --no-deps ${base:+--no-build-isolation} "${plugins[@]}"; } 9> "$repo/.cache/editable-install.lock"
+fi
 
 if (( dry )); then
     [[ -z "$source" ]] || echo "# write $info_file (repo, rev, sha, version)"
