@@ -123,3 +123,49 @@ def test_a_capture_round_trips_the_input_and_refuses_a_broken_one(tmp_path):
         capture.load(capture.write(tmp_path / "neg.npz", {**good, "input_text_ids": np.array([-1, 3])}))
     with pytest.raises(capture.CaptureError, match="input_speaker_embedding must be a row of finite floats"):
         capture.load(capture.write(tmp_path / "nan.npz", {**good, "input_speaker_embedding": np.array([np.nan])}))
+
+
+def _bf16(a):
+    """float32 values rounded to bf16 (round-to-nearest-even on the top 16 bits), as float32."""
+    u = a.astype(np.float32).view(np.uint32)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).view(np.float32)
+
+
+def test_a_bf16_speaker_embedding_is_judged_exactly_against_qwen_tts_in_bf16(policy):
+    """vLLM-Omni's x-vector is bf16; the reference carries qwen-tts's own in bf16 (its twin): equal
+    passes, scaled is named, and another request's twin names that request."""
+    theirs = {**inputs(), "speaker_embedding_bf16": _bf16(inputs()["input_speaker_embedding"])}
+    own = {**inputs(dtype="bfloat16"), "input_speaker_embedding": theirs["speaker_embedding_bf16"]}
+    v = classify(ev(own, control=own, theirs=theirs), policy)
+    assert v.verdict == "identical", v.summary
+    assert v.comparisons["talker_input"]["speaker_max_abs_bf16"] == 0.0
+    assert v.comparisons["talker_input"]["speaker_max_abs"] > 0  # against the float32 one: bf16's rounding
+    scaled = {**own, "input_speaker_embedding": _bf16(theirs["input_speaker_embedding"] * 0.9)}
+    v = classify(ev(scaled, theirs=theirs), policy)
+    assert (v.verdict, v.stage) == ("talker_defect", "talker_input") and "speaker embedding" in v.summary
+    b = {**inputs(emb_seed=5), "speaker_embedding_bf16": _bf16(inputs(emb_seed=5)["input_speaker_embedding"])}
+    leaked = {**own, "input_speaker_embedding": b["speaker_embedding_bf16"]}
+    v = classify(ev(leaked, control=own, others={"b": b}, theirs=theirs), policy)
+    assert (v.verdict, v.donor, v.donor_kind) == ("contamination", "b", "speaker embedding"), v.summary
+    # without a twin (a reference from before it was recorded) the bf16 embedding is not judged
+    v = classify(ev(scaled, control=scaled), policy)
+    assert v.verdict == "identical" and any("speaker embedding not judged" in n for n in v.notes), v.notes
+
+
+def test_a_bf16_speaker_embedding_may_be_as_far_from_the_twin_as_bf16_moves_qwen_tts_and_no_further(policy):
+    """The allowance is max |twin - float32| for this voice (here 0.1): a rounding flip inside it
+    passes (vLLM-Omni 0.30.0 on smoke: 0.0625 against 0.102), a shift just outside it is named."""
+    f32 = inputs()["input_speaker_embedding"]
+    twin = f32.copy()
+    twin[3] += 0.1
+    theirs = {**inputs(), "speaker_embedding_bf16": twin}
+    flip = twin.copy()
+    flip[7] += 0.0625
+    v = classify(ev({**inputs(dtype="bfloat16"), "input_speaker_embedding": flip}, theirs=theirs), policy)
+    assert v.verdict == "identical", v.summary
+    assert v.comparisons["talker_input"]["speaker_allowed_bf16"] == pytest.approx(0.1, abs=1e-6)
+    off = twin.copy()
+    off[7] += 0.11
+    v = classify(ev({**inputs(dtype="bfloat16"), "input_speaker_embedding": off}, theirs=theirs), policy)
+    assert (v.verdict, v.stage) == ("talker_defect", "talker_input"), v.summary
+    assert "speaker embedding, at position 7" in v.summary and "(qwen-tts in bf16)" in v.summary

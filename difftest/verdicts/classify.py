@@ -29,7 +29,7 @@ from ..compare.audio import ChunkMetrics, frame_metrics, log_mel, non_finite, re
 from ..compare.codes import diff_codes
 from ..results import Result
 from .policy import TIERS, Policy, chunk_tiers
-from .talker_input import DONOR_KIND, compare as compare_inputs, donor_of, inputs_of
+from .talker_input import DONOR_KIND, bf16_allowance, compare as compare_inputs, donor_of, inputs_of
 
 # Most serious first; the verdict is the finding of lowest rank.
 RANK = ("error", "contamination", "handoff_defect", "talker_defect", "reference_encoder_defect", "vocoder_length",
@@ -433,6 +433,9 @@ def _input_findings(ev: Evidence, comps: dict, notes: list) -> list[_Finding]:
     a, b = mine["input_speaker_embedding"], theirs["input_speaker_embedding"]
     if a.size and a.shape == b.shape:  # measured in every run: what a tolerance would rest on
         comps["talker_input"]["speaker_max_abs"] = float(np.abs(a - b).max())
+    twin, allowed = theirs.get("speaker_embedding_bf16"), bf16_allowance(mine, theirs)
+    if a.size and twin is not None and a.shape == twin.shape and allowed is not None:  # qwen-tts's own, in bf16
+        comps["talker_input"] |= {"speaker_max_abs_bf16": float(np.abs(a - twin).max()), "speaker_allowed_bf16": allowed}
     if not wrong:
         return []
     at_one = inputs_of(ev.control)

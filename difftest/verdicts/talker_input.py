@@ -9,8 +9,14 @@ its first differing position. The codes only show such a defect as far as the mo
 
 The speaker embedding is compared exactly where both sides computed it in the same dtype on the
 same device kind (the encoder's numerics are then the same: the CPU test engine's float32 against
-the float32 reference gives the same bits). In another dtype (vLLM-Omni's bf16 encoder) no
-tolerance has been measured yet: it is not judged, and the segment's notes say so.
+the float32 reference gives the same bits). A bf16 candidate's (vLLM-Omni's encoder runs in bf16)
+is compared with qwen-tts's own x-vector from a bf16 copy of its encoder (the reference's
+`speaker_embedding_bf16`, its twin in the candidate's numerics), allowed as far from it as bf16
+moves qwen-tts's own on this voice (max |twin - float32|, measured per voice in the same reference
+run): two bf16 implementations of one encoder part by rounding flips (vLLM-Omni 0.30.0 against the
+twin on smoke: 0 and 0.0625, a 1-2 ulp flip in 4 of 32 values of one voice, whose allowance is
+0.102), a scaled or another voice's x-vector by far more. Without the twin it is not judged, and
+the segment's notes say so.
 
 A field that is wrong and equal to another request's of the run is that request's: `contamination`
 with the donor, `donor_kind` naming the field. Only fields that identify a request by themselves
@@ -36,6 +42,7 @@ NAMES = {"input_text_ids": "text ids", "input_instruct_ids": "instruction ids",
 DONOR_KIND = {"input_text_ids": "text", "input_instruct_ids": "instruction", "input_ref_text_ids": "reference text",
               "input_ref_codes": "prompt codes", "input_codec_prefill": "language", "input_speaker_id": "speaker id",
               "input_speaker_embedding": "speaker embedding", "input_non_streaming": "layout"}
+TWIN = "speaker_embedding_bf16"
 IDENTIFYING = ("input_text_ids", "input_ref_text_ids", "input_ref_codes", "input_speaker_embedding")
 
 
@@ -43,7 +50,10 @@ def inputs_of(r: Result | None) -> dict | None:
     """A result's talker input (a capture's, or the reference's), None where it was not recorded."""
     if r is None or any(n not in r.extra for n in INPUT):
         return None
-    return {n: np.asarray(r.extra[n]) for n in INPUT}
+    out = {n: np.asarray(r.extra[n]) for n in INPUT}
+    if TWIN in r.extra:  # the reference's x-vector in bf16
+        out[TWIN] = np.asarray(r.extra[TWIN], np.float32)
+    return out
 
 
 @dataclass
@@ -84,6 +94,26 @@ def _show(a: np.ndarray, at: int) -> str:
     return f"{len(a)} ids, [{max(0, at - 2)}:{at + 3}] = {part.tolist()}" if len(a) > 5 else str(a.tolist())
 
 
+def bf16_allowance(mine: dict, theirs: dict) -> float | None:
+    """How far a bf16 x-vector may be from qwen-tts's bf16 twin: as far as bf16 moves qwen-tts's
+    own (max |twin - float32|) on this voice; None where there is no twin to judge by."""
+    twin, f32 = theirs.get(TWIN), theirs["input_speaker_embedding"]
+    if _dtype(mine) != "bfloat16" or _dtype(theirs) == "bfloat16" or twin is None or twin.shape != f32.shape:
+        return None
+    return float(np.abs(twin - f32).max()) if twin.size else 0.0
+
+
+def _matches(field: str, mine: dict, theirs: dict) -> bool:
+    """Whether `mine`'s field is `theirs` (qwen-tts's), as the field is judged."""
+    a = mine[field]
+    if field == "input_speaker_embedding" and a.size:
+        allowed = bf16_allowance(mine, theirs)
+        if allowed is not None:
+            twin = theirs[TWIN]
+            return a.shape == twin.shape and float(np.abs(a - twin).max()) <= allowed
+    return _equal(a, theirs[field])
+
+
 def compare(mine: dict, theirs: dict, same_device: bool = True) -> tuple[list[Mismatch], list[str]]:
     """Fields of `mine` (a candidate's) that differ from `theirs` (qwen-tts's), and notes on the
     fields that could not be judged."""
@@ -92,6 +122,11 @@ def compare(mine: dict, theirs: dict, same_device: bool = True) -> tuple[list[Mi
         a, b = mine[field], theirs[field]
         if field == "input_speaker_embedding" and a.size and b.size:
             da, db = _dtype(mine), _dtype(theirs)
+            if da != db and bf16_allowance(mine, theirs) is not None and same_device:
+                if not _matches(field, mine, theirs):
+                    at = int(np.argmax(np.abs(a - theirs[TWIN]))) if a.shape == theirs[TWIN].shape else 0
+                    out.append(Mismatch(field, at, _show(a, at), _show(theirs[TWIN], at) + " (qwen-tts in bf16)"))
+                continue
             if da != db or not same_device:
                 notes.append(f"speaker embedding not judged: the candidate's is {da or 'of unknown dtype'}, "
                              f"qwen-tts's {db}{'' if same_device else ' on another device'}, and no tolerance "
@@ -111,6 +146,6 @@ def donor_of(m: Mismatch, mine: dict, others: dict[str, dict], peers: set, right
         return None
     pool = sorted(others) if m.field in IDENTIFYING else sorted(p for p in others if p in peers) if right_at_one else []
     for sid in pool:
-        if _equal(a, others[sid][m.field]):
+        if _matches(m.field, mine, others[sid]):
             return sid
     return None

@@ -25,7 +25,8 @@ from runners.reference.environment import cuda_device_name, host, log, package_v
 from runners.reference.service import LABEL, ReferenceService
 
 # Bump when the runner's own behaviour changes what it writes for the same inputs.
-RUNNER_VERSION = 4  # 2: results record meta.lead_samples; 3: and ref_codes_bf16; 4: the talker's input_*
+RUNNER_VERSION = 5  # 2: results record meta.lead_samples; 3: and ref_codes_bf16; 4: the talker's input_*;
+#                     5: speaker_embedding_bf16
 FINGERPRINT_PACKAGES = ("qwen-tts", "transformers", "torch", "librosa")
 
 

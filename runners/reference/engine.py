@@ -10,6 +10,7 @@ package's source is never changed.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +39,22 @@ class Utterance:
     instructions: str | None = None
 
 
+def _in_dtype(module, dtype):
+    """`module` behind a cast of its input to `dtype`: qwen-tts's `extract_speaker_embedding` casts
+    the mels to the model's dtype, which is not a bf16 copy's."""
+    import torch
+
+    class InDtype(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inner = module
+
+        def forward(self, x, *args, **kwargs):
+            return self.inner(x.to(dtype), *args, **kwargs)
+
+    return InDtype()
+
+
 @dataclass
 class Synthesis:
     codes: np.ndarray  # (T, 16) generated
@@ -48,6 +65,7 @@ class Synthesis:
     generate_kwargs: dict = field(default_factory=dict)
     ref_codes_bf16: np.ndarray | None = None  # the same voice through qwen-tts's encoder in bf16 (float32 runs)
     inputs: dict = field(default_factory=dict)  # what the talker's prompt was made of (capture v3's input_*)
+    speaker_embedding_bf16: np.ndarray | None = None  # the clone's x-vector from a bf16 copy of the encoder
 
 
 class _Capture:
@@ -129,10 +147,10 @@ class QwenTTSEngine:
             ref_codes = prompt[0].ref_code.detach().to("cpu").numpy()
         if prompt is not None:
             timings["prompt_s"] = time.perf_counter() - t0
-        ref_codes_bf16 = None
-        if ref_codes is not None and self.dtype != "bfloat16":
+        ref_codes_bf16 = spk_bf16 = None
+        if prompt is not None and self.dtype != "bfloat16":
             t_bf16 = time.perf_counter()
-            ref_codes_bf16 = self._bf16_ref_codes(tts, u)
+            ref_codes_bf16, spk_bf16 = self._bf16_prompt(tts, u)
             timings["prompt_bf16_s"] = time.perf_counter() - t_bf16  # counted in the result's `seconds`
         capture.codes = None
         torch.manual_seed(int(u.decode["seed"]))
@@ -146,28 +164,33 @@ class QwenTTSEngine:
         codes = capture.codes[0].numpy()
         return Synthesis(codes=codes, ref_codes=np.zeros((0, 16), np.int64) if ref_codes is None else ref_codes,
                          wav=np.asarray(wavs[0], dtype=np.float32), sample_rate=int(sr), timings=timings,
-                         generate_kwargs=kwargs, ref_codes_bf16=ref_codes_bf16, inputs=capture.inputs[0])
+                         generate_kwargs=kwargs, ref_codes_bf16=ref_codes_bf16, inputs=capture.inputs[0],
+                         speaker_embedding_bf16=spk_bf16)
 
-    def _bf16_ref_codes(self, tts, u: Utterance) -> np.ndarray | None:
-        """The voice's reference codes from a bf16 copy of qwen-tts's own speech encoder.
+    def _bf16_prompt(self, tts, u: Utterance) -> tuple[np.ndarray | None, np.ndarray | None]:
+        """The voice's reference codes and x-vector from bf16 copies of qwen-tts's own speech and
+        speaker encoders, through its own `create_voice_clone_prompt` (None where the prompt has none).
 
-        vLLM-Omni encodes reference audio in bf16; qwen-tts here in `--dtype`. Residual codes are
-        sensitive to that: on a CPU with AMX, 10-13% of (frame, codebook) entries of the tiny
-        checkpoint's float32 and bf16 encodings agree, 78% without AMX. The verdict compares the
-        candidate's codes with both (classify.py, `_encoder_finding`)."""
-        import copy
-
+        vLLM-Omni encodes reference audio and computes the x-vector in bf16; qwen-tts here in
+        `--dtype`. Residual codes are sensitive to that: on a CPU with AMX, 10-13% of (frame,
+        codebook) entries of the tiny checkpoint's float32 and bf16 encodings agree, 78% without
+        AMX. The verdict compares the candidate's codes with both (classify.py, `_encoder_finding`),
+        and a bf16 speaker embedding with the bf16 one (talker_input.py)."""
         torch = self._torch
-        tokenizer = tts.model.speech_tokenizer.model
+        tokenizer, model = tts.model.speech_tokenizer.model, tts.model
         if u.task not in self._bf16_encoders:
-            self._bf16_encoders[u.task] = copy.deepcopy(tokenizer.encoder).to(torch.bfloat16)
-        own = tokenizer.encoder
-        tokenizer.encoder = self._bf16_encoders[u.task]  # an instance attribute, swapped back below
+            self._bf16_encoders[u.task] = (
+                copy.deepcopy(tokenizer.encoder).to(torch.bfloat16),
+                _in_dtype(copy.deepcopy(model.speaker_encoder).to(torch.bfloat16), torch.bfloat16))
+        own = tokenizer.encoder, model.speaker_encoder
+        tokenizer.encoder, model.speaker_encoder = self._bf16_encoders[u.task]  # swapped back below
         try:
-            prompt = self._voice_prompt(tts, u)
+            prompt = self._voice_prompt(tts, u)[0]
         finally:
-            tokenizer.encoder = own
-        return prompt[0].ref_code.detach().to("cpu").numpy()
+            tokenizer.encoder, model.speaker_encoder = own
+        codes = None if prompt.ref_code is None else prompt.ref_code.detach().to("cpu").numpy()
+        spk = prompt.ref_spk_embedding
+        return codes, None if spk is None else spk.detach().to("cpu").float().reshape(-1).numpy()
 
     def _voice_prompt(self, tts, u: Utterance):
         if u.task != "voice_clone":

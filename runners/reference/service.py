@@ -96,7 +96,9 @@ class ReferenceService:
                         meta={"runner": LABEL, "concurrency": 1,
                               "lead_samples": lead_of(len(syn.wav), len(syn.codes))},
                         extra={**syn.inputs,
-                               **({} if syn.ref_codes_bf16 is None else {"ref_codes_bf16": syn.ref_codes_bf16})})
+                               **({} if syn.ref_codes_bf16 is None else {"ref_codes_bf16": syn.ref_codes_bf16}),
+                               **({} if syn.speaker_embedding_bf16 is None
+                                  else {"speaker_embedding_bf16": syn.speaker_embedding_bf16})})
         side = write_result(stem, result)
         emit("result", segment=sid, path=str(side), cached=False, seconds=seconds, audio_seconds=audio_s)
 

@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 from runners.vllm_omni.difftest_capture.difftest_capture import TAG_KEY, UNTAGGED_ENV, request_id_tag
+from runners.vllm_omni.difftest_capture.difftest_capture import prompt_inputs
 from runners.vllm_omni.difftest_capture.difftest_capture.store import TOP_K, CaptureStore, valid_tag
 
 logger = logging.getLogger("vllm.difftest_capture")
@@ -57,6 +58,7 @@ PROC_MODULE = "vllm_omni.model_executor.stage_input_processors.qwen3_tts"
 CODE2WAV_MODULE = "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_code2wav"
 SAMPLER_MODULE = "vllm.v1.sample.sampler"
 TALKER_MODULE = "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_talker"
+BUILDER_MODULE = "vllm_omni.model_executor.models.qwen3_tts.prompt_embeds_builder"
 
 _warned: set[str] = set()
 
@@ -168,14 +170,17 @@ class Capture:
         update = result[2] if isinstance(result, tuple) and len(result) == 3 else None
         prefill = _get(update, "embed", "prefill")
         rid = info.get("request_id")
+        inputs = prompt_inputs.take()  # what the prompt builder used in this call (prompt_inputs.py)
         if prefill is None or not rid:
             return
+        if not isinstance(inputs, dict):
+            inputs = {"input_missing": np.array(inputs or "the prompt builder was not seen building this prompt")}
         ref = _get(update, "codes", "ref")
         ref = (_numpy(ref, np.int64).reshape(-1, NUM_CODE_GROUPS) if ref is not None and ref.numel()
                else np.zeros((0, NUM_CODE_GROUPS), np.int64))
         ref_len = _get(update, "meta", "ref_code_len")
         prompt = [_int(info.get("_omni_prompt_len")), int(prefill.shape[0]), -1 if ref_len is None else _int(ref_len)]
-        self.store.file_talker(str(rid), talker_ref_codes=ref, talker_prompt=np.array(prompt, np.int64))
+        self.store.file_talker(str(rid), talker_ref_codes=ref, talker_prompt=np.array(prompt, np.int64), **inputs)
 
     def _talker_side(self, request, finished: bool = True) -> dict:
         """The talker's side of a request for its capture file: its input (filed by the worker)
@@ -437,6 +442,9 @@ def install(root: str | Path) -> Capture:
         talker.compute_logits = _observe_method(talker.compute_logits, _name_rows(_capture), "logits",
                                                 "could not name the talker's logits rows")
         wrapped.append("Qwen3TTSTalkerForConditionalGeneration.compute_logits")
+    builder = importlib.import_module(BUILDER_MODULE)
+    if prompt_inputs.observe_builder(builder.Qwen3TTSPromptEmbedsBuilder, builder):
+        wrapped.append("Qwen3TTSPromptEmbedsBuilder.build_prompt_embeds")
     sampler = importlib.import_module(SAMPLER_MODULE).Sampler
     if not getattr(sampler.apply_logits_processors, MARK, False):
         sampler.apply_logits_processors = _observe_method(sampler.apply_logits_processors, _sampled(_capture), "topk",
