@@ -38,7 +38,7 @@ from reference_support import (
 from difftest.compare import align
 from difftest.engines import capture
 from difftest.engines.http import run_candidate
-from difftest.engines.launcher import ServerProcess, free_port
+from difftest.engines.launcher import ServerProcess, free_port, free_ports
 from difftest.engines.speech_client import SpeechClient, SpeechError, speech_request
 from difftest.results import read_result
 from difftest.suites import wavio
@@ -115,12 +115,12 @@ def world(tiny, tmp_path_factory):
     model_args = [a for m in models for a in ("--model", m)]
     env = dict(os.environ, DIFFTEST_CAPTURE_DIR=str(capture), HF_HUB_OFFLINE="1",
                DIFFTEST_CPU_ENGINE_FAIL_ON="FAIL-ME")
-    clean_port = free_port()
+    clean_port, *others = free_ports(len(DEFECTS) + 1)
     clean = ServerProcess([python, "-m", "runners.cpu_engine", "--port", str(clean_port),
                            "--batch-window-ms", str(WINDOW_MS), *model_args],
                           f"http://127.0.0.1:{clean_port}", d / "clean.log", env=env, cwd=REPO,
                           health_timeout=300, name="the clean CPU engine")
-    ports = {name: free_port() for name in DEFECTS}
+    ports = dict(zip(DEFECTS, others))
     multi = ServerProcess([python, "-m", "runners.cpu_engine.multi", "--batch-window-ms", str(WINDOW_MS),
                            *model_args, *[a for n, p in ports.items() for a in ("--serve", f"{n}={p}")]],
                           f"http://127.0.0.1:{ports['off-by-one']}", d / "defects.log", env=env, cwd=REPO,

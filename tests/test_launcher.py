@@ -83,3 +83,18 @@ def test_free_ports_lie_below_the_kernels_ephemeral_range():
     lo, _ = _ephemeral_range()
     ports = {free_port() for _ in range(20)}
     assert all(10000 <= p < lo for p in ports) and len(ports) > 1
+
+
+def test_ports_drawn_together_are_distinct_even_when_the_draw_repeats(monkeypatch):
+    """Twenty listeners of one process, each its own port: a draw that repeats an earlier port is
+    drawn again (forced here: the generator offers the same two ports over and over)."""
+    import random
+
+    from difftest.engines import launcher
+
+    offers = iter([11111, 11111, 11111, 12222] * 10)
+    monkeypatch.setattr(random.SystemRandom, "randrange", lambda self, a, b: next(offers))
+    assert launcher.free_ports(2) == [11111, 12222]
+    monkeypatch.undo()
+    got = launcher.free_ports(20)
+    assert len(set(got)) == 20

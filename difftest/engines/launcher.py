@@ -40,25 +40,39 @@ def _ephemeral_range() -> tuple[int, int]:
         return 32768, 60999  # Linux's default
 
 
-def free_port() -> int:
+def free_ports(n: int) -> list[int]:
+    """`n` distinct ports, each free now (see free_port): drawn one by one, two draws of one port
+    would give two servers of one process the same (seen: one of 20 CPU-engine listeners dying with
+    EADDRINUSE at start)."""
+    out: list[int] = []
+    while len(out) < n:
+        out.append(free_port(exclude=set(out)))
+    return out
+
+
+def free_port(exclude: set[int] = frozenset()) -> int:
     """A port free now, for a server started next, drawn below the ephemeral range: a port the
     kernel picks (bind to 0) is one it also hands to outgoing connections, and on a busy machine one
     of them can take it before the server binds (seen: a CPU engine dying with EADDRINUSE, its
-    health then answered by another test's server)."""
+    health then answered by another test's server). `exclude`: ports already handed out."""
     lo, _ = _ephemeral_range()
     if lo > 12000:
         rng = random.SystemRandom()
         for _ in range(100):
             port = rng.randrange(10000, lo)
+            if port in exclude:
+                continue
             with socket.socket() as s:
                 try:
                     s.bind(("127.0.0.1", port))
                 except OSError:
                     continue
                 return port
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            if s.getsockname()[1] not in exclude:
+                return s.getsockname()[1]
 
 
 def log_tail(path: Path, lines: int = 40) -> str:

@@ -26,7 +26,7 @@ from ..suites.suite import Suite
 from . import identity as ident
 from .base import Engine
 from .http import HttpCandidate
-from .launcher import ServerProcess, free_port
+from .launcher import ServerProcess, free_port, free_ports
 from .runner_candidate import RunnerCandidate
 from .speech_client import SpeechClient
 
@@ -246,7 +246,7 @@ def start_candidate(spec: CandidateSpec, setup: Setup, stack: ExitStack, run_tag
 def start_cpu_engines(defects: list[str | None], setup: Setup, stack: ExitStack) -> dict:
     """Several CPU test engines in one process (`difftest selfcheck`: one model load for all):
     defect (None: clean) -> a URL CandidateSpec declaring what it serves."""
-    ports = {d: free_port() for d in defects}
+    ports = dict(zip(defects, free_ports(len(defects))))
     urls, capture, _ = _cpu_engines(setup, stack, ports, name="cpu-engines")
     return {d: CandidateSpec(URL, url=urls[d], capture_dir=capture,
                              declared={"label": "difftest-cpu-engine" + (f":{d}" if d else ""),
