@@ -4,7 +4,7 @@
 
 Prints the files, slowest first, with the sum and the two-worker lower bound (the larger of half the
 sum and the slowest file). `--write` saves the order conftest.py schedules by: xdist hands out the
-slowest files first, so no long file starts last and leaves one worker waiting (see docs/ci.md).
+slowest files first, so no long file starts last and leaves one worker waiting (docs/ci.md).
 """
 
 from __future__ import annotations
