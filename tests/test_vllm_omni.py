@@ -154,7 +154,8 @@ def test_capture_wrappers_leave_the_real_handoff_functions_unchanged(tmp_path):
     # The talker's side, filed by request id by its worker and taken by the hand-off under the tag.
     f0, f1, f2 = (full["requests"][t] for t in ("full-0", "full-1", "full-2"))
     assert f0["talker_ref_match"] and f0["talker_prompt"] == [30, 30, 3] and f0["talker_tokens"] == list(range(7))
-    assert f2["talker_ref_match"] and f2["talker_prompt"] == [30, 31, 4]  # a prompt one row past its reservation
+    # r2 filed under model runner v2's key (`req_id`): a prompt one row past its reservation
+    assert f2["talker_ref_match"] and f2["talker_prompt"] == [30, 31, 4]
     assert f1["talker_tokens"] is None and f1["talker_missing"] == "no talker input filed for request r1"
     chunked = result["async_chunk"]
     assert chunked["returned_identical"] and chunked["chunks"] == {"a0": 3, "a1": 3}

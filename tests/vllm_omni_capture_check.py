@@ -88,7 +88,8 @@ def full_payload_batch(proc, hooks, root: Path) -> dict:
         if rid != "r1":  # the talker's first prefill, as preprocess returns it; r1's is never filed
             update = {"embed": {"prefill": torch.zeros(30 + rid.count("2"), 8)}, "codes": {"ref": ref.clone()},
                       "meta": {"ref_code_len": int(ref.shape[0])}}
-            cap.talker_input({"request_id": rid, "_omni_prompt_len": 30}, (None, None, update))
+            key = "req_id" if rid == "r2" else "request_id"  # r2 as model runner v2 names it (worker_v2)
+            cap.talker_input({key: rid, "_omni_prompt_len": 30}, (None, None, update))
         pooling = {"codes.audio": audio.clone(), "codes.ref": [ref.clone() if ref is not None else torch.empty(0)],
                    "meta.ref_code_len": torch.tensor([ref.shape[0] if ref is not None else 0])}
         req = request(rid, tag, n_out=audio.shape[0] + 1)

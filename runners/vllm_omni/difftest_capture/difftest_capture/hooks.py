@@ -169,7 +169,8 @@ class Capture:
         what the talker was prompted with under the request's id."""
         update = result[2] if isinstance(result, tuple) and len(result) == 3 else None
         prefill = _get(update, "embed", "prefill")
-        rid = info.get("request_id")
+        # model runner v1 names the request `request_id`; v2 hands `preprocess` its intermediate buffer, `req_id`
+        rid = info.get("request_id") or info.get("req_id")
         inputs = prompt_inputs.take()  # what the prompt builder used in this call (prompt_inputs.py)
         if prefill is None or not rid:
             return
