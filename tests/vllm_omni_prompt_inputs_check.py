@@ -3,13 +3,15 @@ real `Qwen3TTSPromptEmbedsBuilder` on a tiny checkpoint's config and tokenizer, 
 embedding tables in the talker's bf16, building prompts for every task and layout, wrapped by
 difftest's prompt-input observer (runners/vllm_omni/difftest_capture/.../prompt_inputs.py).
 
-    .venv-vllm-omni/bin/python tests/vllm_omni_prompt_inputs_check.py TINY_DIR   -> one JSON line
+    .venv-vllm-omni/bin/python tests/vllm_omni_prompt_inputs_check.py TINY_DIR [CASES.json]   -> one JSON line
 
 Per case: whether the wrapped build returned the same tensors as the unwrapped one, and the
 observed input_* arrays next to what they must be (the tokenizer on the chat templates, the ids
 from the config, the embedding as given, cast to bf16). One case plants a defect in the builder's
 config (English's language id moved) to show the capture reports what was used, not what should
-have been. Nothing here needs a server.
+have been. With CASES.json (`{name: {"path", "task_type", "info"}}`, tests/test_prompt_builders_agree.py)
+it also builds those requests' prompts and reports what they were made of under `cross`, to be
+compared with what qwen-tts's prompt code made of the same requests. Nothing here needs a server.
 """
 
 from __future__ import annotations
@@ -118,8 +120,22 @@ def main() -> int:
             observed = arrays if not isinstance(arrays, dict) else {k: v.tolist() for k, v in arrays.items()}
             out[name + ("_planted" if planted else "")] = {
                 "same_output": bool(same), "precomputed": precomputed, "observed": observed, "expect": expect, "english_id": english}
+    if len(sys.argv) > 2:
+        out["cross"] = cross(json.loads(Path(sys.argv[2]).read_text()))
     print(json.dumps(out))
     return 0
+
+
+def cross(cases: dict) -> dict:
+    """Each request's prompt inputs as the (wrapped) builder observed them."""
+    out = {}
+    for name, c in cases.items():
+        b = builder(Path(c["path"]))
+        with torch.inference_mode():
+            b.build_prompt_embeds(task_type=c["task_type"], info_dict=copy.deepcopy(c["info"]))
+        arrays = prompt_inputs.take()
+        out[name] = {k: v.tolist() for k, v in arrays.items()} if isinstance(arrays, dict) else str(arrays)
+    return out
 
 
 if __name__ == "__main__":
