@@ -383,16 +383,18 @@ def encode(arrays: dict) -> bytes:
     return buf.getvalue()
 
 
-def write(path: Path, arrays: dict) -> Path:
+def write(path: Path, arrays: dict, durable: bool = True) -> Path:
     """Write a capture file atomically (a temporary file renamed over it: a reader never sees half
-    of one), readable by the tester whatever the writer's umask."""
+    of one), readable by the tester whatever the writer's umask. `durable=False` skips the fsync:
+    for files rewritten within one request, where a power cut loses the run anyway."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(encode(arrays))
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
     except BaseException:

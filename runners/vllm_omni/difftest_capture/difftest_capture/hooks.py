@@ -47,6 +47,7 @@ import numpy as np
 
 from runners.vllm_omni.difftest_capture.difftest_capture import TAG_KEY, UNTAGGED_ENV, request_id_tag
 from runners.vllm_omni.difftest_capture.difftest_capture import prompt_inputs
+from runners.vllm_omni.difftest_capture.difftest_capture.cost import COST
 from runners.vllm_omni.difftest_capture.difftest_capture.store import TOP_K, CaptureStore, valid_tag
 
 logger = logging.getLogger("vllm.difftest_capture")
@@ -342,8 +343,9 @@ def _wrap_handoff(original, observe):
     def wrapper(*args, **kwargs):
         result = original(*args, **kwargs)
         try:
-            if result is not None:
-                observe(sig.bind(*args, **kwargs).arguments, result)
+            with COST.timed():
+                if result is not None:
+                    observe(sig.bind(*args, **kwargs).arguments, result)
         except Exception:
             _warn_once(f"handoff-{original.__name__}", "could not capture %s", original.__name__)
         return result
@@ -366,7 +368,8 @@ def _wrap_forward(original, capture: Capture):
                        "torch.compile (set the vocoder stage's enforce_eager: true)")
             return result
         try:
-            capture.vocoder(self, sig.bind(self, *args, **kwargs), result)
+            with COST.timed():
+                capture.vocoder(self, sig.bind(self, *args, **kwargs), result)
         except Exception:
             _warn_once("vocoder", "could not capture the vocoder output")
         return result
@@ -382,7 +385,8 @@ def _observe_method(original, observe, kind: str, what: str):
     def method(self, *args, **kwargs):
         result = original(self, *args, **kwargs)
         try:
-            observe(self, args, kwargs, result)
+            with COST.timed():
+                observe(self, args, kwargs, result)
         except Exception:
             _warn_once(kind, what)
         return result
@@ -425,6 +429,7 @@ def install(root: str | Path) -> Capture:
     global _capture
     if _capture is None:
         _capture = Capture(root)
+        COST.configure(_capture.store.side)
     import importlib
 
     proc = importlib.import_module(PROC_MODULE)

@@ -23,8 +23,11 @@ from __future__ import annotations
 
 import functools
 import threading
+import time
 
 import numpy as np
+
+from runners.vllm_omni.difftest_capture.difftest_capture.cost import COST
 
 MARK = "_difftest_inputs"
 TEXT_KEY = "_qwen3_tts_text_ids"  # prompt_embeds_builder.PRECOMPUTED_TEXT_IDS_KEY
@@ -148,6 +151,7 @@ def observe_builder(cls, module) -> bool:
 
     @functools.wraps(original)
     def build_prompt_embeds(self, *args, **kwargs):
+        began = time.perf_counter()
         info, task = kwargs.get("info_dict") or {}, kwargs.get("task_type")
         try:
             rec = _Recording(info, task, int(self._talker_config.codec_pad_id))
@@ -170,9 +174,11 @@ def observe_builder(cls, module) -> bool:
         self.get_text_tokenizer = lambda: _Tokenizer(inner["get_text_tokenizer"](), rec)
         self._codec_embed, self._generate_icl_prompt = codec_embed, icl_prompt
         _state.rec, _state.done = rec, None
+        t = time.perf_counter()
         try:
             result = original(self, *args, **kwargs)
         finally:
+            building = time.perf_counter() - t
             _state.rec = None
             for n in names:
                 if n in own:
@@ -183,6 +189,7 @@ def observe_builder(cls, module) -> bool:
             _state.done = rec.arrays(info)
         except Exception as e:  # noqa: BLE001
             _state.done = f"{type(e).__name__}: {e}" if not isinstance(e, _Unread) else str(e)
+        COST.add(time.perf_counter() - began - building)  # the observer's own time, not the build's
         return result
 
     setattr(build_prompt_embeds, MARK, True)
