@@ -2,6 +2,8 @@
 concurrency, a near-tie flip between concurrency 1 and N, sampled decoding's support.
 Score files are built by hand here; tests/test_reference_scoring.py checks the real scorer."""
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import yaml
@@ -103,6 +105,19 @@ def test_a_concurrency_flip_on_a_near_tie_does_not_fail(policy):
     assert v.verdict == "code_divergence", v.summary
     assert v.comparisons["near_tie"] == {"frame": 10, "codebook": 0, "ranks": [0, 1], "gaps": [0.0, 0.004],
                                          "margin": 0.01, "near_tie": True, "candidate_own": "not captured"}
+
+
+def test_a_near_tie_at_n_and_a_repeat_that_differs_is_a_history_defect_without_the_near_tie_note(policy):
+    """The concurrency check's near-tie answer (no "why": it was one) is not the history check's:
+    found by the planted speaker-scaled-0.9 on the real server, where it crashed the run."""
+    at_n = CODES.copy()
+    at_n[10:, 0] += 1
+    again = CODES.copy()
+    again[20:, 1] += 1  # served again after the others: other codes from frame 20
+    ev = evidence(at_n, CODES, scores({(10, 0): 1}, {(10, 0): 0.004}), scores())
+    v = classify(replace(ev, repeat=toy_result("a", again, REF)), policy)
+    assert (v.verdict, v.first_divergent_frame) == ("history_defect", 20), v.summary
+    assert "not a near-tie" not in v.summary and v.comparisons["near_tie"]["near_tie"] is True
 
 
 def own_topk(codes, runner_up_gap=0.01, other=None):

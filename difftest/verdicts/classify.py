@@ -472,6 +472,9 @@ def _concurrency_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict,
             f = d.first_divergent_frame
             chunk = _chunk_of(f, max(d.len_a, d.len_b), ev)
             tie = _near_tie(ev, policy, comps) if key == "concurrency" else None
+            # why the flip is no near-tie: only where this check asked (the repeat check never does, and
+            # comps["near_tie"] may hold the concurrency check's answer, a near-tie without a "why")
+            why = comps["near_tie"].get("why") if key == "concurrency" and "near_tie" in comps else None
             if tie:
                 out.append(_Finding("code_divergence", f"codes {later} part from {first} at frame {f} on a near-tie "
                                                        f"under qwen-tts ({tie}), and stay plausible after it",
@@ -479,7 +482,7 @@ def _concurrency_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict,
                 return out
             out.append(_Finding(kind, f"codes {later} differ from {first} from frame {f} "
                                       f"({d.len_b} against {d.len_a} frames)"
-                                + (f": not a near-tie ({comps['near_tie']['why']})" if "near_tie" in comps else ""),
+                                + (f": not a near-tie ({why})" if why else ""),
                                 frame=f, chunk=chunk, stage="talker"))
             return out
     audio = _Audio(ctrl, cand, ev, policy, mels)
