@@ -169,3 +169,19 @@ def test_a_bf16_speaker_embedding_may_be_as_far_from_the_twin_as_bf16_moves_qwen
     v = classify(ev({**inputs(dtype="bfloat16"), "input_speaker_embedding": off}, theirs=theirs), policy)
     assert (v.verdict, v.stage) == ("talker_defect", "talker_input"), v.summary
     assert "speaker embedding, at position 7" in v.summary and "(qwen-tts in bf16)" in v.summary
+
+
+def test_a_scaled_bf16_x_vector_beside_bf16_encoder_codes_is_the_talker_input_not_the_encoder(policy):
+    """vLLM-Omni's shape (the planted speaker-scaled-0.9 on the real server): its bf16 encoder's
+    reference codes differ from float32 qwen-tts's by numerics, within the encoder check's line,
+    so a scaled x-vector is the prompt's defect, not audio that reached both encoders changed."""
+    near = OWN.copy()
+    near[::10, 3] = (near[::10, 3] + 1) % 2048  # 5% of frames move one entry: ~99.7% agree
+    theirs = {**inputs(), "speaker_embedding_bf16": _bf16(inputs()["input_speaker_embedding"])}
+    scaled = {**inputs(dtype="bfloat16", ref=near),
+              "input_speaker_embedding": _bf16(theirs["input_speaker_embedding"] * 0.9)}
+    cand = toy_result("a", CODES, near, extra={**talker(near), **scaled})
+    ref = toy_result("a", CODES, OWN, extra=theirs)
+    v = classify(Evidence("a", ref, cand, None, toy_result("a", CODES, near), {}, {"b": OWN}), policy)
+    assert (v.verdict, v.stage) == ("talker_defect", "talker_input"), v.summary
+    assert "speaker embedding" in v.summary

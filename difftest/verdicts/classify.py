@@ -412,7 +412,7 @@ def _stage_findings(ev: Evidence, comps: dict) -> list[_Finding]:
     return out
 
 
-def _input_findings(ev: Evidence, comps: dict, notes: list) -> list[_Finding]:
+def _input_findings(ev: Evidence, comps: dict, notes: list, policy: Policy) -> list[_Finding]:
     """What the talker's prompt was made of against what qwen-tts made it of (verdicts/talker_input)."""
     theirs, mine = inputs_of(ev.reference), inputs_of(ev.candidate)
     if mine is None:
@@ -449,8 +449,10 @@ def _input_findings(ev: Evidence, comps: dict, notes: list) -> list[_Finding]:
         return [_Finding("contamination", f"the talker was prompted with {donor}'s {m.name}{where}{also}",
                          frame=0, chunk=0, stage="talker_input", donor=donor, donor_kind=DONOR_KIND[m.field])]
     theirs_ref = ev.reference.ref_codes
-    if [x.field for x in wrong] == ["input_speaker_embedding"] and len(theirs_ref) and not _same(encoded, theirs_ref):
-        # both of the engine's encoders disagree with qwen-tts's on this voice: the audio that reached them
+    if ([x.field for x in wrong] == ["input_speaker_embedding"] and len(theirs_ref)
+            and _encoder_disagrees(theirs_ref, encoded, policy, ev.reference.extra.get("ref_codes_bf16"))):
+        # both of the engine's encoders disagree with qwen-tts's on this voice, each beyond what the encoder
+        # check allows (a bf16 encoder's codes always differ some from float32's): the audio that reached them
         return [_Finding("reference_encoder_defect",
                          f"the voice's speaker embedding and its reference codes both differ from what qwen-tts's "
                          f"encoders make of it: the reference audio reached the engine changed{where}",
@@ -667,6 +669,22 @@ def _headline_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) ->
     return out
 
 
+def _encoder_agreement(theirs: np.ndarray, mine: np.ndarray, theirs_bf16=None) -> tuple[float, float | None]:
+    """The share of reference-code entries agreeing with qwen-tts's encoder's, in its dtype and in bf16."""
+    def agreement(ref: np.ndarray) -> float:
+        n = min(len(ref), len(mine))
+        return float((ref[:n] == mine[:n]).mean()) if n else 0.0
+
+    bf16 = agreement(np.asarray(theirs_bf16)) if theirs_bf16 is not None and len(theirs_bf16) == len(theirs) else None
+    return agreement(theirs), bf16
+
+
+def _encoder_disagrees(theirs: np.ndarray, mine: np.ndarray, policy: Policy, theirs_bf16=None) -> bool:
+    """The encoder check's line: other length, or fewer entries agreeing (the closer dtype) than the policy allows."""
+    agree, agree_bf16 = _encoder_agreement(theirs, mine, theirs_bf16)
+    return len(theirs) != len(mine) or max(agree, agree_bf16 or 0.0) < policy.encoder_min_agreement
+
+
 def _encoder_finding(theirs: np.ndarray, mine: np.ndarray, policy: Policy, comps: dict, at_talker: bool,
                      theirs_bf16: np.ndarray | None = None) -> _Finding:
     """The candidate's reference codes (what its talker was prompted with) against qwen-tts's encoder's
@@ -675,17 +693,12 @@ def _encoder_finding(theirs: np.ndarray, mine: np.ndarray, policy: Policy, comps
     audio moves them all. The closer of the two decides. Measured on vLLM-Omni 0.30.0's bf16 encoder,
     tiny checkpoint: against float32 78-91% agree on a CPU without AMX, 10-13% with AMX; against
     qwen-tts's own encoder in bf16, 93% with AMX; another voice's codes agree by chance (1 in 2048)."""
-    def agreement(ref: np.ndarray) -> float:
-        n = min(len(ref), len(mine))
-        return float((ref[:n] == mine[:n]).mean()) if n else 0.0
-
-    agree = agreement(theirs)
+    agree, agree_bf16 = _encoder_agreement(theirs, mine, theirs_bf16)
     comps["codes"]["ref_codes_agreement"] = round(agree, 4)
-    if theirs_bf16 is not None and len(theirs_bf16) == len(theirs):
-        agree_bf16 = agreement(np.asarray(theirs_bf16))
+    if agree_bf16 is not None:
         comps["codes"]["ref_codes_agreement_bf16"] = round(agree_bf16, 4)
         agree = max(agree, agree_bf16)
-    if len(theirs) != len(mine) or agree < policy.encoder_min_agreement:
+    if _encoder_disagrees(theirs, mine, policy, theirs_bf16):
         what = (f"{len(mine)} frames where qwen-tts's encoder makes {len(theirs)} of the same voice"
                 if len(theirs) != len(mine) else
                 f"only {agree:.0%} of their entries agree with qwen-tts's"
@@ -725,7 +738,7 @@ def classify(ev: Evidence, policy: Policy) -> SegmentVerdict:
         voc = _vocoder_findings(ev, policy, comps, mels) if ev.cross_own is not None and cand.has_codes else []
         if cand.has_codes:
             handoff = _handoff_findings(ev, comps, notes, voc)
-            findings += handoff + _stage_findings(ev, comps) + _input_findings(ev, comps, notes)
+            findings += handoff + _stage_findings(ev, comps) + _input_findings(ev, comps, notes, policy)
             if handoff and talker_stage(cand) is not None:
                 voc = []  # the audio's departure is the hand-off's wrong prefix, already placed above
             elif talker_stage(cand) is None:
