@@ -134,3 +134,23 @@ def test_caught_needs_the_verdict_the_stage_and_the_donor(tmp_path):
     assert exit_code([{"status": "caught"}, {"status": "missed"}, {"status": "error", "exit_code": 3}]) == 1
     assert exit_code([{"status": "error", "exit_code": 3}, {"status": "error", "exit_code": 2}]) == 2
     shutil.rmtree(tmp_path)
+
+
+@pytest.mark.parametrize("corpus", ["cases/bugs", "cases/planted"])
+def test_every_shipped_entry_loads_and_its_patch_applies_to_the_release(corpus):
+    """The shipped corpora, as `difftest bugs` would build them: each entry loads, names the
+    release's own sources, and its patch applies there (checked, nothing written)."""
+    from difftest.bugs.mutant import _apply, check_source
+
+    root = Path(__file__).resolve().parents[1] / corpus
+    entries = load_corpus(root)
+    assert entries, f"{corpus} holds no entry"
+    site, version = release_site(omni_python())
+    for e in entries:
+        if e.patch is None:
+            assert e.release_carries_bug, e.id
+            continue
+        check_source(e, site, version)
+        _apply(e.patch, site, e, check=True)
+    if corpus == "cases/planted":
+        assert {e.expect["stage"] for e in entries} == {"talker_input"} and all(not e.upstream for e in entries)
