@@ -47,6 +47,25 @@ def test_quantised_audio_reaches_within_quantisation(policy):
     assert v.comparisons["audio"]["worst_tier"] == "close"
 
 
+def test_the_log_mel_is_computed_only_where_it_can_decide_a_tier(policy, monkeypatch):
+    """A chunk's log-mel matters only above close_max_abs (chunk_tiers): identical and close audio
+    skip it (the common case, bench_compare), and say so; a divergence computes it."""
+    import difftest.verdicts.classify as classify_module
+
+    calls = []
+    real = classify_module.log_mel
+    monkeypatch.setattr(classify_module, "log_mel", lambda *a, **k: calls.append(1) or real(*a, **k))
+    wav = toy_decode(CODES, REF_A) + np.float32(3e-5)
+    v = classify(ev(toy_result("a", CODES, REF_A, wav=wav), toy_result("a", CODES, REF_A, wav=wav)), policy)
+    assert v.verdict == "numeric_drift" and calls == []
+    assert v.comparisons["audio"]["logmel_computed"] is False and set(v.comparisons["audio"]["chunks"]["logmel"]) == {0.0}
+    garbled = toy_decode(CODES, REF_A)
+    garbled[28 * 1920:] = np.flip(garbled[28 * 1920:])
+    v = classify(ev(toy_result("a", CODES, REF_A, wav=garbled), toy_result("a", CODES, REF_A)), policy)
+    assert v.verdict == "vocoder_defect" and calls
+    assert v.comparisons["vocoder"]["logmel_computed"] is True and max(v.comparisons["vocoder"]["chunks"]["logmel"]) > 0
+
+
 def test_code_divergence_not_caused_by_concurrency(policy):
     c = CODES.copy()
     c[30, 2] += 1

@@ -103,11 +103,17 @@ class _Audio:
 
     def __init__(self, a: Result, b: Result, ev: Evidence, policy: Policy, mels: dict | None = None):
         mels = {} if mels is None else mels  # id(result) -> log-mel, shared across one segment's comparisons
-        for r in (a, b):
-            if id(r) not in mels:
-                mels[id(r)] = log_mel(r.grid_wav, r.sample_rate)
         # Both sides from their frame 0: qwen-tts's cut can leave one sample in front (difftest.compare.align).
-        self.fm = frame_metrics(a.grid_wav, b.grid_wav, a.sample_rate, mel_a=mels[id(a)], mel_b=mels[id(b)])
+        self.fm = frame_metrics(a.grid_wav, b.grid_wav, a.sample_rate, with_mel=False)
+        # The log-mel decides a chunk's tier only where its max |diff| is above close_max_abs (chunk_tiers):
+        # where no frame's is (identical or quantisation-level audio, the common case) it is not computed,
+        # and its chunk values read 0 with `logmel_computed: false`.
+        self.logmel_computed = bool(len(self.fm.max_abs)) and float(self.fm.max_abs.max()) > policy.close_max_abs
+        if self.logmel_computed:
+            for r in (a, b):
+                if id(r) not in mels:
+                    mels[id(r)] = log_mel(r.grid_wav, r.sample_rate)
+            self.fm = frame_metrics(a.grid_wav, b.grid_wav, a.sample_rate, mel_a=mels[id(a)], mel_b=mels[id(b)])
         n_frames = len(self.fm.max_abs)
         self.bounds = align.chunk_frame_bounds(n_frames, ev.initial_frames, ev.chunk_frames)
         self.chunks: ChunkMetrics = reduce_frames(self.fm, self.bounds)
@@ -142,7 +148,7 @@ class _Audio:
     def to_json(self) -> dict:
         return {"tiers": [TIERS[t] for t in self.tiers], "worst_tier": TIERS[self.worst],
                 "samples": [self.len_a, self.len_b], "quantised": self.quantised,
-                "chunks": self.chunks.as_lists()}
+                "logmel_computed": self.logmel_computed, "chunks": self.chunks.as_lists()}
 
 
 def _code_json(d) -> dict:
