@@ -72,6 +72,9 @@ def test_server_is_healthy_and_says_what_it_is(server):
     log = Path(info["servers"][0]["log"]).read_text(errors="replace")
     assert "OmniPlatform plugin difftest_cpu is activated" in log
     assert "difftest capture: writing to" in log
+    # the default CPU executor "uni" ran: the stages' workers live in the stage processes (no worker
+    # process of its own logs), as vLLM runs a one-device stage on a GPU
+    assert "StageEngineCoreProc_stage1" in log and "(Worker pid=" not in log
 
 
 def test_overlay_written_and_used(server):

