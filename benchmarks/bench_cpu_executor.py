@@ -33,6 +33,8 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from bench_vllm_omni import process_tree  # noqa: E402
+
 from difftest.engines import vllm_omni as vo  # noqa: E402
 from difftest.engines.http import run_candidate  # noqa: E402
 from difftest.suites.suite import load_suite  # noqa: E402
@@ -50,23 +52,6 @@ def checkpoint(explicit: str | None, work: Path) -> Path:
     return out
 
 
-def processes_under(pid: int) -> int:
-    kids: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
-            kids.setdefault(ppid, []).append(int(d.name))
-    n, todo = 0, [pid]
-    while todo:
-        p = todo.pop()
-        n += 1
-        todo += kids.get(p, [])
-    return n
-
-
 def serve_and_run(executor: str, ck: Path, work: Path, levels: list[int], rounds: int) -> tuple[dict, dict]:
     opts = vo.VllmOmniOptions(max_num_seqs=max(levels), repetition_penalty=1.0, cpu_executor=executor,
                               talker_kv_cache_bytes=64 << 20, vocoder_kv_cache_bytes=16 << 20)
@@ -78,7 +63,7 @@ def serve_and_run(executor: str, ck: Path, work: Path, levels: list[int], rounds
         pid = int(next(p for p in Path("/proc").iterdir() if p.name.isdigit()
                        and info["url"].rsplit(":", 1)[1] in (p / "cmdline").read_bytes().decode(errors="replace")
                        and "serve" in (p / "cmdline").read_bytes().decode(errors="replace")).name)
-        nproc = processes_under(pid)
+        nproc = len(process_tree(pid))
         for name in SUITES:
             segments = [s for s in load_suite(REPO / "cases" / "suites" / f"{name}.yaml").segments
                         if s.task == "voice_clone"]  # what the Base checkpoint serves

@@ -38,8 +38,8 @@ TEXTS = ["Good morning, how are you today?", "The weather is lovely this afterno
 VOICES = ["alba", "bruno"]
 
 
-def tree_rss_mb(pid: int) -> float:
-    """RSS of a process and all its descendants, from /proc (MB)."""
+def process_tree(pid: int) -> list[int]:
+    """A process and all its descendants, from /proc."""
     children: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -48,10 +48,18 @@ def tree_rss_mb(pid: int) -> float:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(d.name))
-    total, todo = 0, [pid]
+    found, todo = [], [pid]
     while todo:
         p = todo.pop()
+        found.append(p)
         todo += children.get(p, [])
+    return found
+
+
+def tree_rss_mb(pid: int) -> float:
+    """RSS of a process and all its descendants, from /proc (MB)."""
+    total = 0
+    for p in process_tree(pid):
         try:
             for line in Path(f"/proc/{p}/status").read_text().splitlines():
                 if line.startswith("VmRSS:"):
