@@ -56,6 +56,7 @@ from .records.report import build_report, overall, summary_lines, write_report
 from .results import CorruptResult, Result, ResultStore, _ext, atomic_write, read_result
 from .suites.checkpoints import check_suite
 from .suites.suite import Suite, content_hash, hf_cached
+from .verdicts import null as measured_null
 from .verdicts import sampling
 from .verdicts.classify import Evidence, classify, talker_stage
 from .verdicts.policy import Policy
@@ -78,6 +79,7 @@ class RunOptions:
     replace: bool = False  # discard a run folder's results that another candidate or configuration produced
     repeat: bool = True  # serve every segment once more at concurrency 1, after the others (history check)
     ray: dict | None = None  # {"address": ..., "workers": N}: the reference side on Ray (difftest.scale)
+    candidate_dtype: str | None = None  # the candidate talker's dtype, declared (the measured null's numerics)
 
 
 def _segments_with_codes(results: dict) -> dict:
@@ -268,6 +270,27 @@ def score_streams(scorer: Scorer, suite: Suite, outcomes: dict) -> tuple[dict, d
     return scores, errors
 
 
+def null_finding(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine, ref_run, control: dict,
+                 identity: dict, policy: Policy, declared: str | None = None,
+                 results: dict | None = None) -> tuple[dict | None, list[str]]:
+    """The measured null's run-level test of the candidate's streams at concurrency 1 (`control`:
+    segment -> ScoreFile), and warnings for the segments it could not decode or score. The null is
+    qwen-tts in the candidate talker's dtype: the reference itself when that is the reference's own,
+    else decoded (and cached in the store) now; none at all when no greedy token needs explaining."""
+    dtype, source = measured_null.talker_dtype(identity, declared, results)
+    numerics = {"dtype": dtype, "from": source}
+    if not measured_null.needed(control):
+        return measured_null.judge(control, None, policy.null, numerics), []
+    segments = [s for s in suite.segments if s.id in control]
+    own = dtype == ref_run.fingerprint.get("dtype")
+    null_run = ref_run if own else ref_engine.generate(segments, dtype=dtype)
+    numerics["null"] = "the reference itself" if own else f"qwen-tts in {dtype}, cached at {null_run.config_dir}"
+    got, errors = score_streams(scorer, suite, {"null": null_run})
+    warnings = [f"{sid}: measured null: {e['message']}" for sid, e in null_run.errors.items() if sid in control]
+    warnings += [f"{sid}: measured null, teacher forcing: {m}" for sid, m in errors["null"].items()]
+    return measured_null.judge(control, got["null"], policy.null, numerics), warnings
+
+
 def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy, again=None,
            scores: tuple[dict, dict] | None = None) -> dict:
     """Every segment's verdict: cross-decodes through the reference vocoder, the classifier, and
@@ -397,7 +420,12 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
             roles = {"candidate": cand, "control": ctrl}
             if any(s.decode.get("do_sample") or s.decode.get("subtalker_dosample") for s in suite.segments):
                 roles["reference"] = ref_run  # qwen-tts's own samples: the sampling test's calibration
-            scores = score_streams(Scorer(runner, store.root, opts.reference.timeout), suite, roles)
+            scorer = Scorer(runner, store.root, opts.reference.timeout)
+            scores = score_streams(scorer, suite, roles)
+        with timings("null_s"):
+            null, null_warnings = null_finding(suite, scorer, ReferenceEngine(runner, store.root, opts.reference.timeout),
+                                               ref_run, scores[0]["control"], engine, policy, opts.candidate_dtype,
+                                               ctrl.results)
         print(f"cross-decodes: {len(_segments_with_codes(cand.results))} segments through the reference vocoder",
               file=sys.stderr, flush=True)
         with timings("cross_decode_s"):
@@ -424,12 +452,13 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         concurrency=opts.concurrency,
         provenance={"difftest": __version__, "timings": {k: round(v, 3) for k, v in timings.items()}},
         warnings=[f"{sid}: reference: {e['message']}" for sid, e in ref_run.errors.items()]
-        + [f"{sid}: teacher forcing of qwen-tts's own sample: {m}" for sid, m in scores[1].get("reference", {}).items()],
-        sampling=sampling.judge(scores[0], policy.forced.sampling_max_z),
+        + [f"{sid}: teacher forcing of qwen-tts's own sample: {m}" for sid, m in scores[1].get("reference", {}).items()]
+        + null_warnings,
+        sampling=sampling.judge(scores[0], policy.forced.sampling_max_z), null=null,
     )
+    one = sampling.judge({k: v for k, v in scores[0].items() if k != "candidate"}, policy.forced.sampling_max_z)
     report["at_concurrency_1"] = {
-        "verdict": overall(at_one, policy, [one] if (one := sampling.judge(
-            {k: v for k, v in scores[0].items() if k != "candidate"}, policy.forced.sampling_max_z)) else [])[0],
+        "verdict": overall(at_one, policy, [f for f in (one, null) if f])[0],
         "segments": [{"id": v.id, "verdict": v.verdict, "first_divergent_chunk": v.first_divergent_chunk,
                       "summary": v.summary} for v in at_one],
     }
@@ -539,7 +568,7 @@ def cmd_run(args) -> int:
                       reference=ReferenceOptions(models=args.reference_model, python=args.reference_python,
                                                  device=args.device, dtype=args.dtype),
                       vllm_omni=vllm_omni_settings(args),
-                      replace=args.replace, repeat=args.repeat,
+                      replace=args.replace, repeat=args.repeat, candidate_dtype=args.candidate_dtype,
                       ray=None if args.ray is None else {"address": args.ray, "workers": args.ray_workers,
                                                          "candidate": args.ray_candidate,
                                                          "candidate_gpus": args.ray_candidate_gpus})
@@ -583,6 +612,10 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
                         "instead of one decode per request")
     add_engine_arguments(r)
     r.add_argument("--capture-dir", help="where a URL candidate writes its capture files (DIFFTEST_CAPTURE_DIR)")
+    r.add_argument("--candidate-dtype", choices=("float32", "bfloat16"),
+                   help="the candidate talker's dtype, for the measured null (default: the deploy overlay's stage 0 "
+                        "for engines difftest starts, else the dtype of the speaker embedding its capture reports, "
+                        "else float32: judged as exact)")
     r.add_argument("--concurrency", "-n", type=int, default=4,
                    help="requests in flight at once for the candidate under test (default 4); it also runs at 1")
     r.add_argument("--pattern", default="barrier", choices=("barrier", "pool", "staggered"),

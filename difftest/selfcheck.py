@@ -64,6 +64,8 @@ CHECKS = (
     # docs/verdicts.md, blind spots.)
     Check("top-k-narrowed", "top-k-narrowed", "sampled", frozenset({"sampling_defect"}), False, True),
     Check("top-k-ignored", "top-k-ignored", "sampled", frozenset({"talker_defect"}), False, True),
+    # below every per-token line: only the whole run against the measured null shows it (#28)
+    Check("prompt-embeds-scaled", "prompt-embeds-scaled", "greedy", frozenset({"talker_defect"}), False, True),
     # a consistently wrong reference encoder: only qwen-tts's encoder of the same voice shows it
     Check("ref-audio-rate", "ref-audio-rate", "greedy", frozenset({"reference_encoder_defect"}), False, True),
 )
@@ -120,14 +122,13 @@ def _leak_truth(out: Path, n: int) -> dict[tuple[str, str], list[str]]:
 
 def judge(check: Check, report: dict, out: Path) -> dict:
     segs = report["segments"]
-    sampling_failed = (report.get("sampling") or {}).get("verdict") == "sampling_defect"
-    verdicts = sorted({s["verdict"] for s in segs} | ({"sampling_defect"} if sampling_failed else set()))
+    # run-level findings (the sampling test, the measured null) name no segment
+    run_level = [f["verdict"] for f in (report.get("sampling"), report.get("measured_null")) if f and f["verdict"] != "pass"]
+    verdicts = sorted({s["verdict"] for s in segs} | set(run_level))
     at_one = report.get("at_concurrency_1", {}).get("verdict")
     hits = [s for s in segs if s["verdict"] in check.expect]
-    run_level = (report.get("sampling") or {}).get("verdict")
-    if run_level in check.expect:  # a run-level finding (the sampling test) names no segment
-        hits.append({"id": "(run)", "verdict": run_level, "first_divergent_chunk": None, "stage": "talker",
-                     "donor": None})
+    hits += [{"id": "(run)", "verdict": v, "first_divergent_chunk": None, "stage": "talker", "donor": None}
+             for v in run_level if v in check.expect]
     row = {"check": check.name, "defect": check.defect, "verdict": report["verdict"], "verdicts": verdicts,
            "at_concurrency_1": at_one, "chunk": None, "stage": None, "donor": None, "donor_right": None}
     if hits:

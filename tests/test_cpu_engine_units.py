@@ -112,7 +112,8 @@ def test_defect_names():
     assert set(DEFECTS) == {"ref-leak", "shared-rng", "batch-mixup", "chunk-boundary", "ref-in-output", "off-by-one",
                             "prompt-truncated", "prompt-padded", "sampled-greedy", "codebook-shift",
                             "language-dropped", "streaming-layout", "temperature-ignored", "top-k-narrowed",
-                            "top-k-ignored", "ref-audio-rate", "speaker-scaled", "speaker-leak", "text-word-dropped"}
+                            "top-k-ignored", "ref-audio-rate", "speaker-scaled", "speaker-leak", "text-word-dropped",
+                            "prompt-embeds-scaled"}
     assert check("none") is None and check(None) is None
     with pytest.raises(ValueError, match="unknown defect"):
         check("everything")

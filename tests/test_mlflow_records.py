@@ -41,6 +41,18 @@ def test_canonical_tags_from_a_run_report():
     assert rec.experiment_name(RUN_REPORT) == "difftest/smoke" and rec.experiment_name({"suite": None}) == "difftest/adhoc"
 
 
+def test_the_measured_null_beside_the_candidate():
+    null = {"verdict": "talker_defect", "sites": {
+        "talker": {"p_value": 0.3, "candidate": {"rate": 0.02}, "null": {"rate": 0.01}},
+        "code_predictor": {"p_value": 0.001, "candidate": {"rate": 0.05}, "null": {"rate": 0.02}}}}
+    m = rec.parent_metrics({**RUN_REPORT, "measured_null": null})
+    assert {k: v for k, v in m.items() if k.startswith("null.")} == {
+        "null.talker.p_value": 0.3, "null.talker.candidate_rate": 0.02, "null.talker.null_rate": 0.01,
+        "null.code_predictor.p_value": 0.001, "null.code_predictor.candidate_rate": 0.05,
+        "null.code_predictor.null_rate": 0.02, "null.pass": 0.0}
+    assert not any(k.startswith("null.") for k in rec.parent_metrics(RUN_REPORT))
+
+
 def test_missing_facts_are_left_out():
     t = rec.canonical_tags({"verdict": "pass", "candidate": {"label": "x"}, "suite": None})
     assert t == {"candidate.label": "x", "verdict": "pass"}

@@ -13,17 +13,18 @@ def test_selfcheck_catches_talker_defects_at_concurrency_1_by_teacher_forcing(tm
     """Three talker defects and an encoder defect the capture cannot see (it reports what the request
     asked for): a padded prompt (greedy: tokens far down qwen-tts's ranking), sampling from the whole
     codebook (tokens outside the support), sampling from the top 5 of 50 (every token inside the
-    support; only the suite's likelihood shows it) and a voice encoded at the wrong sample rate. Each
-    must fail at concurrency 1 alone, the clean engines not at all."""
+    support; only the suite's likelihood shows it), a voice encoded at the wrong sample rate, and the
+    prompt's embeddings scaled by 0.97 after the builder (every token plausible: only the run against
+    the measured null shows it). Each must fail at concurrency 1 alone, the clean engines not at all."""
     reference_python()
     p = subprocess.run([sys.executable, "-m", "difftest", "selfcheck", "--defects",
-                        "prompt-padded,top-k-ignored,top-k-narrowed,ref-audio-rate",
+                        "prompt-padded,top-k-ignored,top-k-narrowed,ref-audio-rate,prompt-embeds-scaled",
                         "--out", str(tmp_path / "sc"), "--store", str(tmp_path / "store")],
                        capture_output=True, text=True, timeout=1500, cwd=tmp_path)
     assert p.returncode == 0, p.stdout + p.stderr[-3000:]
     rows = {r["check"]: r for r in json.loads((tmp_path / "sc" / "selfcheck.json").read_text())["checks"]}
     assert list(rows) == ["clean", "clean, sampled", "prompt-padded", "top-k-narrowed", "top-k-ignored",
-                          "ref-audio-rate"]
+                          "prompt-embeds-scaled", "ref-audio-rate"]
     for clean in ("clean", "clean, sampled"):
         assert rows[clean]["ok"] and rows[clean]["verdict"] == "pass" and rows[clean]["at_concurrency_1"] == "pass"
     for name, verdict, chunk in (("prompt-padded", "talker_defect", 0), ("top-k-ignored", "talker_defect", 0),
@@ -38,3 +39,17 @@ def test_selfcheck_catches_talker_defects_at_concurrency_1_by_teacher_forcing(tm
     sampled = json.loads((tmp_path / "sc" / "top-k-narrowed" / "report.json").read_text())["sampling"]
     assert sampled["verdict"] == "sampling_defect" and sampled["statistics"]["candidate"]["parts"]["talker"]["z"] > 4
     assert abs(sampled["statistics"]["reference"]["parts"]["talker"]["z"]) <= 4  # the test itself calibrated
+    # prompt-embeds-scaled: no segment is a talker_defect (each token within the per-token lines); the
+    # run is, against qwen-tts's own float32 stream (the CPU engine's numerics), which never leaves its top-1
+    r = rows["prompt-embeds-scaled"]
+    assert r["ok"] and r["verdict"] == "fail" and r["at_concurrency_1"] == "fail" and r["stage"] == "talker", r
+    rep = json.loads((tmp_path / "sc" / "prompt-embeds-scaled" / "report.json").read_text())
+    assert {s["verdict"] for s in rep["segments"]} == {"code_divergence"}
+    null = rep["measured_null"]
+    assert null["verdict"] == "talker_defect" and null["numerics"]["dtype"] == "float32"
+    assert null["numerics"]["null"] == "the reference itself"
+    site = null["sites"][null["site"]]
+    assert site["null"]["off_top1"] == 0 and site["candidate"]["off_top1"] >= 11 and site["p_value"] < site["alpha"]
+    for clean in ("clean", "clean, sampled"):  # the clean engine's codes are qwen-tts's: no null was needed
+        rep = json.loads((tmp_path / "sc" / clean.replace(", ", "-") / "report.json").read_text())
+        assert rep["measured_null"] is None or not rep["measured_null"]["null_decoded"], clean

@@ -206,6 +206,13 @@ def test_difftest_run_end_to_end_against_the_real_server(server, voice_clone_che
     rep = json.loads((tmp_path / "run" / "report.json").read_text())
     assert rep["verdict"] == "pass" and rep["at_concurrency_1"]["verdict"] == "pass"
     assert {s["verdict"] for s in rep["segments"]} <= {"identical", "numeric_drift", "code_divergence"}
+    # the measured null: a URL candidate's numerics read from its capture (the speaker embedding it built
+    # its prompts with), qwen-tts decoded in that dtype, and the bf16 talker no noisier than qwen-tts's bf16
+    null = rep["measured_null"]
+    assert null["numerics"]["dtype"] == "bfloat16" and null["numerics"]["from"] == "the capture's speaker embedding"
+    assert null["null_decoded"] and null["verdict"] == "pass" and set(null["sites"]) == {"talker", "code_predictor"}
+    cp = null["sites"]["code_predictor"]
+    assert cp["candidate"]["off_top1"] > 0 and cp["null"]["off_top1"] > 0, cp  # bf16 both: the test had work
     for s in rep["segments"]:
         assert s["comparisons"]["concurrency_codes"]["frames_differing"] == 0  # N agrees with 1
         assert s["comparisons"]["vocoder"]["worst_tier"] in ("identical", "within_quantisation", "close")

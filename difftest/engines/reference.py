@@ -159,15 +159,26 @@ class ReferenceEngine:
         self.info = runner.hello.get("provenance", {})
 
     def generate(self, segments: list, *, concurrency: int = 1, out_dir: Path | None = None,
-                 identity_key: str | None = None, progress: Progress | None = None) -> ReferenceRun:
+                 identity_key: str | None = None, progress: Progress | None = None,
+                 dtype: str | None = None) -> ReferenceRun:
         """Cached results from the store, the rest computed. A runner that dies mid-suite does not
         raise: the segments it did not answer are infrastructure errors naming its exit status and
-        log tail, and the results it wrote stay in the store."""
+        log tail, and the results it wrote stay in the store. `dtype`: qwen-tts in another dtype
+        than the runner's own (the measured null, difftest/verdicts/null.py), stored under that
+        configuration's own key."""
         if concurrency != 1:
             raise BadInput(f"the reference runs at concurrency 1, not {concurrency}")
-        config_dir = self.store.config_dir(LABEL, self.fingerprint)
-        run = ReferenceRun(config_dir=config_dir, fingerprint=self.fingerprint, provenance=self.info)
-        progress = progress or Progress(len(segments), label="reference")
+        fingerprint, info = self.fingerprint, self.info
+        if dtype is not None and dtype != fingerprint.get("dtype"):
+            if dtype not in self.runner.hello.get("generate_dtypes", ()):
+                raise InfraError(f"the reference runner cannot decode in {dtype} (an older runner?): restart it "
+                                 f"from this checkout")
+            fingerprint, info = {**fingerprint, "dtype": dtype}, {**info, "dtype": dtype}
+        else:
+            dtype = None
+        config_dir = self.store.config_dir(LABEL, fingerprint)
+        run = ReferenceRun(config_dir=config_dir, fingerprint=fingerprint, provenance=info)
+        progress = progress or Progress(len(segments), label="reference" if dtype is None else f"null ({dtype})")
         try:
             todo = []
             for seg in segments:
@@ -179,13 +190,14 @@ class ReferenceEngine:
                     run.cached.add(seg.id)
                     progress.segment(seg.id, cached=True)
             if todo:
-                self._generate(todo, config_dir, run, progress)
+                self._generate(todo, config_dir, run, progress, dtype)
         finally:
             progress.close()
         run.batches = [[s.id] for s in segments]  # one at a time
         return run
 
-    def _generate(self, todo: list, config_dir: Path, run: ReferenceRun, progress: Progress) -> None:
+    def _generate(self, todo: list, config_dir: Path, run: ReferenceRun, progress: Progress,
+                  dtype: str | None = None) -> None:
         pending = {s.id: s for s in todo}
 
         def fail(sid, kind, message):
@@ -194,7 +206,8 @@ class ReferenceEngine:
 
         try:
             for ev in self.runner.request("generate", timeout=self.timeout, segments=[s.to_job() for s in todo],
-                                          out_dir=str(config_dir), concurrency=1):
+                                          out_dir=str(config_dir), concurrency=1,
+                                          **({"dtype": dtype} if dtype else {})):
                 sid, kind = ev.get("segment"), ev.get("event")
                 if kind == "progress":
                     progress.note(f"{sid}: {ev.get('message', '')}")

@@ -187,6 +187,14 @@ def parent_metrics(report: dict) -> dict[str, float]:
     for k, v in (_at(report, "provenance.timings") or {}).items():  # what `difftest run` measured
         if (x := finite(k, v)) is not None:
             out[_key(f"timing.{k}")] = x
+    null = report.get("measured_null") or {}
+    for site, e in (null.get("sites") or {}).items():  # the candidate beside the measured null
+        out[f"null.{site}.p_value"] = float(e["p_value"])
+        out[f"null.{site}.candidate_rate"] = float(e["candidate"]["rate"])
+        if "null" in e:
+            out[f"null.{site}.null_rate"] = float(e["null"]["rate"])
+    if null:
+        out["null.pass"] = 1.0 if null.get("verdict") == "pass" else 0.0
     return out
 
 

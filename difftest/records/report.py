@@ -34,9 +34,10 @@ def overall(verdicts: list[SegmentVerdict], policy: Policy, run_findings: list |
 def build_report(verdicts: list[SegmentVerdict], policy: Policy, *, suite: dict | None = None,
                  reference: dict | None = None, candidate: dict | None = None,
                  concurrency: int | None = None, provenance: dict | None = None,
-                 warnings: list[str] | None = None, sampling: dict | None = None) -> dict:
-    """`sampling`: the run-level sampling test (difftest/verdicts/sampling.py), None when nothing was sampled."""
-    verdict, code = overall(verdicts, policy, [sampling] if sampling else [])
+                 warnings: list[str] | None = None, sampling: dict | None = None, null: dict | None = None) -> dict:
+    """`sampling`: the run-level sampling test (difftest/verdicts/sampling.py), None when nothing was
+    sampled; `null`: the measured null's test (difftest/verdicts/null.py), None when nothing was greedy."""
+    verdict, code = overall(verdicts, policy, [f for f in (sampling, null) if f])
     counts = Counter(v.verdict for v in verdicts)
     return {
         "format": FORMAT,
@@ -54,6 +55,7 @@ def build_report(verdicts: list[SegmentVerdict], policy: Policy, *, suite: dict 
         "failing": [v.id for v in verdicts if policy.fails(v.verdict)],
         "segments": [v.to_json() for v in verdicts],
         "sampling": sampling,
+        "measured_null": null,
         "warnings": list(warnings or []),
     }
 
@@ -64,7 +66,8 @@ _SEGMENT_FIELDS = {"id": (str,), "verdict": (str,), "summary": (str,), "first_di
                    "donor": (str, type(None)), "notes": (list,), "comparisons": (dict,), "artifacts": (dict,)}
 _TOP_FIELDS = {"verdict": (str,), "segments": (list,), "suite": (dict, type(None)), "candidate": (dict, type(None)),
                "reference": (dict, type(None)), "concurrency": (int, type(None)), "provenance": (dict,),
-               "counts": (dict,), "warnings": (list,), "sampling": (dict, type(None))}
+               "counts": (dict,), "warnings": (list,), "sampling": (dict, type(None)),
+               "measured_null": (dict, type(None))}
 
 
 def check_report(report, where: str | Path) -> dict:
@@ -110,6 +113,9 @@ def summary_lines(report: dict, limit: int = 20) -> list[str]:
     sampling = report.get("sampling")
     if sampling:
         lines.append(f"  sampling: {sampling['verdict']}: {sampling['summary']}")
+    null = report.get("measured_null")
+    if null and null["verdict"] != "pass":
+        lines.append(f"  measured null: {null['verdict']}: {null['summary']}")
     shown = 0
     for s in segs:
         if s["verdict"] in ("identical", "numeric_drift"):

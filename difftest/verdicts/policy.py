@@ -13,6 +13,7 @@ from .. import yamlfile
 from ..compare.audio import ChunkMetrics
 from ..compare.forced import ForcedPolicy
 from ..errors import BadInput
+from .null import NullPolicy
 
 DEFAULT_POLICY = Path(__file__).with_name("default_policy.yaml")
 
@@ -42,6 +43,7 @@ class Policy:
     forced: ForcedPolicy = ForcedPolicy()  # teacher-forced scoring thresholds
     # the candidate's reference codes against qwen-tts's: the share of (frame, codebook) entries that must agree
     encoder_min_agreement: float = 0.5
+    null: NullPolicy = NullPolicy()  # the measured null's run-level test
 
     def tier_index(self, comparison: str) -> int:
         return TIERS.index(self.require[comparison])
@@ -58,6 +60,7 @@ class Policy:
             "baseline": {"verdicts": sorted(self.baseline_verdicts), "known_failures_fail": self.known_failures_fail},
             "forced": dict(self.forced.__dict__),
             "reference_encoder": {"min_agreement": self.encoder_min_agreement},
+            "measured_null": dict(self.null.__dict__),
             "source": self.source,
         }
 
@@ -71,6 +74,7 @@ SCHEMA = {
     "baseline": {"verdicts", "known_failures_fail"},
     "forced": set(ForcedPolicy.__dataclass_fields__),
     "reference_encoder": {"min_agreement"},
+    "measured_null": set(NullPolicy.__dataclass_fields__),
 }
 
 
@@ -151,10 +155,19 @@ def load_policy(path: str | Path | None = None) -> Policy:
     agreement = (raw.get("reference_encoder") or {}).get("min_agreement", Policy.encoder_min_agreement)
     if isinstance(agreement, bool) or not isinstance(agreement, (int, float)) or not 0 <= agreement <= 1:
         bad("reference_encoder.min_agreement", f"expected a number in [0, 1], got {yamlfile.quote(agreement)}")
+    null = {}
+    for key, default in NullPolicy().__dict__.items():
+        v = (raw.get("measured_null") or {}).get(key, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            bad(f"measured_null.{key}", f"expected a number, got {yamlfile.quote(v)}")
+        if (key == "false_flag_rate" and not 0 < v < 1) or (key == "rate_margin" and v < 1):
+            bad(f"measured_null.{key}", f"out of range: {yamlfile.quote(v)} "
+                               f"({'in (0, 1)' if key == 'false_flag_rate' else 'at least 1'})")
+        null[key] = float(v)
     return Policy(vals["quantisation_max_abs"], vals["close_max_abs"], vals["close_snr_db"],
                   vals["close_logmel"], {c: require[c] for c in ("concurrency", "vocoder", "drift")},
                   float(ratio), frozenset(fail_on), str(path), frozenset(run_verdicts), known_fail,
-                  ForcedPolicy(**forced), float(agreement))
+                  ForcedPolicy(**forced), float(agreement), NullPolicy(**null))
 
 
 def chunk_tiers(m: ChunkMetrics, policy: Policy, quantised: bool = False) -> np.ndarray:

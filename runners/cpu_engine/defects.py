@@ -102,6 +102,14 @@ Defects in what the talker's prompt is made of (issue #29). The talker's input i
   would). The last word of each text is dropped before it is tokenised. Every task with two words
   or more. Acts in: engine._talker.
 
+A defect below every per-token line (issue #28), for the measured null (difftest/verdicts/null.py):
+
+- `prompt-embeds-scaled` (the talker's prompt altered after the builder, where the capture does not
+  look: a normalisation applied twice, an embedding cast through a narrower dtype, the family of
+  #2274's fused kernels that made a release sound worse while every token stayed plausible). The
+  prompt embeddings are scaled by 0.97 on their way into the talker; the builder's inputs, the
+  capture and the hand-off are untouched. Every task. Acts in: engine._talker.
+
 Where each lives upstream: docs/cpu-engine.md.
 """
 
@@ -203,9 +211,15 @@ DEFECTS: dict[str, dict] = {
         "summary": "the last word of each text is dropped before tokenisation",
         "concurrency_only": False, "talker": True,
     },
+    "prompt-embeds-scaled": {
+        "family": ["the talker's prompt altered after the builder (numerics worse, every token plausible)"],
+        "summary": "the talker's prompt embeddings are scaled by 0.97 on their way in",
+        "concurrency_only": False, "talker": True,
+    },
 }
 
 TRUNCATED_REF_FRAMES = 2
+EMBEDS_SCALE = 0.97
 SPEAKER_SCALE = 0.9
 HOT_TEMPERATURE = 1.5
 NARROW_TOP_K = 5

@@ -206,6 +206,8 @@ class BatchEngine:
         st.decode = talker_only_decode  # an instance attribute shadows the bound method
         if self.defect == "prompt-padded":
             _pad_talker_prompt(tts.model.talker, defects.PADDED_ROWS)
+        elif self.defect == "prompt-embeds-scaled":
+            _scale_talker_prompt(tts.model.talker, defects.EMBEDS_SCALE)
         capture.codes = capture.inputs = None
         try:
             # Clean: a sampled request is always alone here, seeded with its own seed, which is
@@ -222,7 +224,7 @@ class BatchEngine:
                                           **kwargs)
         finally:
             del st.decode
-            if self.defect == "prompt-padded":
+            if self.defect in ("prompt-padded", "prompt-embeds-scaled"):
                 del tts.model.talker.generate
         if capture.codes is None or len(capture.codes) != len(jobs):
             raise RuntimeError(f"qwen-tts returned {0 if capture.codes is None else len(capture.codes)} code "
@@ -281,3 +283,14 @@ def _pad_talker_prompt(talker, rows: int) -> None:
                      tts_pad_embed=tts_pad_embed, **kwargs)
 
     talker.generate = padded_generate
+
+
+def _scale_talker_prompt(talker, scale: float) -> None:
+    """prompt-embeds-scaled: shadow `talker.generate` (an instance attribute; the caller deletes it)
+    so that the prompt's embeddings reach it scaled."""
+    inner = type(talker).generate
+
+    def scaled_generate(inputs_embeds=None, **kwargs):
+        return inner(talker, inputs_embeds=inputs_embeds * scale, **kwargs)
+
+    talker.generate = scaled_generate

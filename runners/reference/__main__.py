@@ -22,7 +22,7 @@ from runners.reference.checkpoint import CheckpointError, open_checkpoints
 from runners.reference.engine import QwenTTSEngine
 from runners.reference.scoring import VERSION as SCORE_VERSION
 from runners.reference.environment import cuda_device_name, host, log, package_versions, repo_commit, visible_gpu
-from runners.reference.service import LABEL, ReferenceService
+from runners.reference.service import DTYPES, LABEL, ReferenceService
 
 # Bump when the runner's own behaviour changes what it writes for the same inputs.
 RUNNER_VERSION = 5  # 2: results record meta.lead_samples; 3: and ref_codes_bf16; 4: the talker's input_*;
@@ -92,7 +92,8 @@ def main(argv: list[str] | None = None) -> int:
     log("serving " + ", ".join(f"{c.model_type} from {c.path}" for c in checkpoints.values())
         + f" on {args.device} in {args.dtype}")
     return serve({"generate": service.generate, "decode": service.decode, "score": service.score},
-                 {"label": LABEL, "fingerprint": fingerprint, "provenance": provenance, "score_version": SCORE_VERSION})
+                 {"label": LABEL, "fingerprint": fingerprint, "provenance": provenance, "score_version": SCORE_VERSION,
+                  "generate_dtypes": list(DTYPES)})
 
 
 if __name__ == "__main__":

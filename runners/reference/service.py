@@ -26,6 +26,9 @@ from runners.reference.environment import log
 
 LABEL = "qwen-tts"
 REQUIRED_DECODE = ("seed", "max_new_tokens")
+# A generate job's `dtype`: qwen-tts in another dtype than the runner's own (the measured null,
+# difftest/verdicts/null.py), a second copy of the models loaded on first use.
+DTYPES = ("float32", "bfloat16")
 
 
 class BadInput(ValueError):
@@ -37,14 +40,27 @@ class ReferenceService:
         self.checkpoints = checkpoints
         self.engine = engine
         self.provenance = provenance  # shared by every result this runner writes
+        self._in_dtype: dict[str, QwenTTSEngine] = {}
+
+    def _engine(self, dtype: str | None) -> QwenTTSEngine:
+        if dtype in (None, self.engine.dtype):
+            return self.engine
+        if dtype not in self._in_dtype:
+            e = self.engine
+            self._in_dtype[dtype] = QwenTTSEngine(e.checkpoints, device=e.device, dtype=dtype, threads=e.threads)
+        return self._in_dtype[dtype]
 
     # -- generate ------------------------------------------------------
     def generate(self, job: dict, emit) -> None:
         segments = job.get("segments") or []
         concurrency = job.get("concurrency", 1)
         out_dir = job.get("out_dir")
+        dtype = job.get("dtype")
         for seg in segments:
             sid = seg.get("id", "?") if isinstance(seg, dict) else "?"
+            if dtype is not None and dtype not in DTYPES:
+                emit("error", segment=sid, kind="bad_input", message=f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+                continue
             if concurrency != 1:
                 emit("error", segment=sid, kind="bad_input",
                      message=f"the reference runs at concurrency 1 only (asked for {concurrency})")
@@ -53,14 +69,14 @@ class ReferenceService:
                 emit("error", segment=sid, kind="bad_input", message="generate job has no out_dir")
                 continue
             try:
-                self._generate_one(seg, Path(out_dir), emit)
+                self._generate_one(seg, Path(out_dir), emit, self._engine(dtype))
             except BadInput as e:
                 emit("error", segment=sid, kind="bad_input", message=str(e))
             except Exception as e:  # the model failed on this segment; go on with the next
                 log(f"segment {sid}: {type(e).__name__}: {e}")
                 emit("error", segment=sid, kind="engine", message=f"{type(e).__name__}: {e}")
 
-    def _generate_one(self, seg: dict, out_dir: Path, emit) -> None:
+    def _generate_one(self, seg: dict, out_dir: Path, emit, engine: QwenTTSEngine) -> None:
         sid, shash = _segment_key(seg)
         stem = ResultStore.stem(out_dir, sid, shash)
         cached = _valid_result(stem, shash)
@@ -69,13 +85,13 @@ class ReferenceService:
                  seconds=float(cached.timings.get("seconds", 0.0)), audio_seconds=cached.seconds)
             return
         utt, voice = self._utterance(seg)
-        if not self.engine.is_loaded(utt.task):
+        if not engine.is_loaded(utt.task):
             emit("progress", segment=sid, stage="load",
-                 message=f"loading the {MODEL_TYPE_OF_TASK[utt.task]} model")
+                 message=f"loading the {MODEL_TYPE_OF_TASK[utt.task]} model in {engine.dtype}")
         t0 = time.perf_counter()
-        self.engine.model(utt.task)
+        engine.model(utt.task)
         load_s = time.perf_counter() - t0
-        syn = self.engine.synthesize(utt)
+        syn = engine.synthesize(utt)
         ckpt = self.checkpoints[utt.task]
         audio_s = len(syn.wav) / syn.sample_rate
         seconds = sum(syn.timings.values())
@@ -85,6 +101,7 @@ class ReferenceService:
             timings["load_s"] = load_s
         provenance = {
             **self.provenance,
+            "dtype": engine.dtype,
             "checkpoint": {"path": str(ckpt.path), "model": ckpt.spec, "sha256": ckpt.sha256,
                            "tts_model_type": ckpt.model_type},
             "decode": {**syn.generate_kwargs, "seed": utt.decode["seed"]},

@@ -1,0 +1,158 @@
+"""The measured null: is the candidate's greedy code stream as close to qwen-tts as a correct
+implementation in the candidate's own numerics gets?
+
+A bf16 engine's greedy codes leave float32 qwen-tts's top-1 at near-ties, a few percent of the
+tokens; a defect that alters the talker's conditioning a little (a wrong language tag, an embedding
+scaled on its way in) does the same more often while each token stays plausible, so no per-token
+line can tell them apart. A whole run can: qwen-tts itself decodes every segment again in the
+candidate's talker dtype (the null: a correct implementation with those numerics), and both streams
+are teacher-forced under float32 qwen-tts. Per sampler site (the talker's codebook 0, the code
+predictor's codebooks 1-15) the off-top-1 tokens are counted over the run:
+
+    candidate k_c of n_c tokens, null k_0 of n_0.
+
+H0: the candidate's off-top-1 rate is at most `rate_margin` times the null's. Taking each count as
+Poisson, given K = k_c + k_0 the candidate's share is Binomial(K, pi) with
+pi = m n_c / (m n_c + n_0) at the boundary of H0, so the p-value is P(X >= k_c). The run's
+false-flag rate is split over the sites tested (Bonferroni). A float32 candidate's null is the
+float32 reference itself, whose own stream takes its own top-1 everywhere (k_0 = 0): there the
+test flags from log(alpha/2) / log(pi) off-top-1 tokens on, 11 at the defaults. Tokens are not
+independent (each is scored in the stream's own context); the margin, measured against the real
+engine (docs/verdicts.md), absorbs what that and the kernels' differences leave.
+
+Where the candidate takes qwen-tts's top-1 at every greedy position there is nothing to explain
+and no null is decoded (k_c = 0 gives p = 1).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from scipy.stats import binom
+
+from ..scores import ScoreFile
+
+SITES = {"talker": slice(0, 1), "code_predictor": slice(1, None)}  # codebook 0; codebooks 1-15
+SAMPLED_FLAG = {"talker": "do_sample", "code_predictor": "subtalker_dosample"}
+
+
+@dataclass(frozen=True)
+class NullPolicy:
+    false_flag_rate: float = 0.01  # per run, over the sites tested
+    rate_margin: float = 1.5  # H0: the candidate's off-top-1 rate <= this x the null's
+
+
+def counts(sf: ScoreFile) -> dict[str, tuple[int, int, float]]:
+    """Per greedy site: (off-top-1 tokens, tokens, summed gap to the top-1 in nats). Sampled
+    sites are the sampling test's (difftest/verdicts/sampling.py) and are left out."""
+    out = {}
+    rank, gap = sf.arrays["rank"], sf.gap
+    for site, cols in SITES.items():
+        if sf.settings.get(SAMPLED_FLAG[site]):
+            continue
+        r, g = rank[:, cols], gap[:, cols]
+        out[site] = (int((r > 0).sum()), int(r.size), float(g.sum()))
+    return out
+
+
+def needed(scores: dict[str, ScoreFile]) -> bool:
+    """Whether a null must be decoded to judge these streams: some greedy token is off the top-1."""
+    return any(k > 0 for sf in scores.values() for k, _, _ in counts(sf).values())
+
+
+def p_value(k_c: int, n_c: int, k_0: int, n_0: int, margin: float) -> float:
+    """P(X >= k_c), X ~ Binomial(k_c + k_0, pi), pi = m n_c / (m n_c + n_0): the chance of a share
+    this large if the candidate's rate were `margin` times the null's."""
+    if k_c == 0 or n_c == 0:
+        return 1.0
+    pi = margin * n_c / (margin * n_c + n_0)
+    return float(binom.sf(k_c - 1, k_c + k_0, pi))
+
+
+def judge(candidate: dict[str, ScoreFile], null: dict[str, ScoreFile] | None, policy: NullPolicy,
+          numerics: dict, role: str = "control") -> dict | None:
+    """The run-level finding for the candidate's streams (segment -> ScoreFile) against the null's:
+    None when no greedy position was scored, else {"verdict": "talker_defect" | "pass", ...}.
+    `null` None: not decoded, because nothing needed it (every candidate token the top-1)."""
+    per_seg = {sid: counts(sf) for sid, sf in sorted(candidate.items())}
+    sites = sorted({s for c in per_seg.values() for s in c}, key=list(SITES).index)
+    if not sites:
+        return None
+    null_per = {sid: counts(sf) for sid, sf in (null or {}).items()}
+    alpha = policy.false_flag_rate / len(sites)
+    out_sites, segments, flagged = {}, {}, []
+    for site in sites:
+        paired = [sid for sid, c in per_seg.items() if site in c and (null is None or site in null_per.get(sid, {}))]
+        kc = sum(per_seg[s][site][0] for s in paired)
+        nc = sum(per_seg[s][site][1] for s in paired)
+        k0 = sum(null_per[s][site][0] for s in paired) if null is not None else 0
+        n0 = sum(null_per[s][site][1] for s in paired) if null is not None else 0
+        if null is not None and not paired:
+            continue
+        p = p_value(kc, nc, k0, n0, policy.rate_margin) if null is not None else 1.0
+        entry = {"candidate": {"tokens": nc, "off_top1": kc, "rate": _rate(kc, nc),
+                               "excess_nats": round(sum(per_seg[s][site][2] for s in paired), 4)},
+                 "p_value": float(f"{p:.4g}"), "alpha": alpha, "segments": len(paired)}
+        if null is not None:
+            entry["null"] = {"tokens": n0, "off_top1": k0, "rate": _rate(k0, n0),
+                             "excess_nats": round(sum(null_per[s][site][2] for s in paired), 4)}
+        out_sites[site] = entry
+        if p < alpha:
+            flagged.append(site)
+        for s in paired:
+            segments.setdefault(s, {})[site] = [per_seg[s][site][0], null_per[s][site][0] if null is not None else None,
+                                                per_seg[s][site][1]]
+    missing = sorted(set(per_seg) - set(null_per)) if null is not None else []
+    base = {"role": role, "numerics": numerics, "false_flag_rate": policy.false_flag_rate,
+            "rate_margin": policy.rate_margin, "sites": out_sites, "segments": segments,
+            "null_decoded": null is not None, "null_missing": missing}
+    where = {"control": "at concurrency 1", "candidate": "at concurrency N"}.get(role, role)
+    if flagged:
+        worst = min(flagged, key=lambda s: out_sites[s]["p_value"])
+        e = out_sites[worst]
+        return {**base, "verdict": "talker_defect", "site": worst,
+                "summary": f"the candidate's greedy {worst.replace('_', ' ')} tokens {where} leave qwen-tts's "
+                           f"top-1 {e['candidate']['off_top1']} times in {e['candidate']['tokens']} "
+                           f"({e['candidate']['rate']:.2%}) where qwen-tts in {numerics['dtype']} does "
+                           f"{e['null']['off_top1']} times in {e['null']['tokens']} ({e['null']['rate']:.2%}): "
+                           f"p = {e['p_value']:.3g} against a rate up to {policy.rate_margin}x the null's "
+                           f"(alpha {alpha:.3g}); no single token is implausible, the whole run is"}
+    if null is not None and not out_sites:
+        return {**base, "verdict": "pass", "judged": False,
+                "summary": f"not judged against a null: qwen-tts in {numerics['dtype']} gave no stream to compare"}
+    if null is None:
+        if any(e["candidate"]["off_top1"] for e in out_sites.values()):
+            raise ValueError("a null is needed: some greedy token is off the top-1")
+        return {**base, "verdict": "pass",
+                "summary": f"greedy tokens {where} all qwen-tts's top-1: no null needed"}
+    return {**base, "verdict": "pass",
+            "summary": f"greedy tokens {where} off qwen-tts's top-1 as often as qwen-tts in {numerics['dtype']}: "
+                       + ", ".join(f"{s.replace('_', ' ')} {e['candidate']['off_top1']}/{e['candidate']['tokens']} "
+                                   f"against {e['null']['off_top1']}/{e['null']['tokens']} (p = {e['p_value']:.3g})"
+                                   for s, e in out_sites.items())}
+
+
+def _rate(k: int, n: int) -> float:
+    return round(k / n, 5) if n else 0.0
+
+
+def talker_dtype(identity: dict | None, declared: str | None = None, results: dict | None = None) -> tuple[str, str]:
+    """The candidate talker's numerics, and where that came from: declared (--candidate-dtype); a
+    vLLM-Omni overlay's stage 0; the CPU test engine's identity (float32); the dtype of the speaker
+    embedding the candidate's capture reports it built its prompt with (`results`: segment ->
+    Result); else float32, judged as exact (no allowance)."""
+    if declared:
+        return declared, "declared (--candidate-dtype)"
+    identity = identity or {}
+    for stage in (identity.get("overlay") or {}).get("stages") or []:
+        if stage.get("stage_id") == 0 and stage.get("dtype"):
+            return str(stage["dtype"]), "the deploy overlay's stage 0"
+    if identity.get("dtype"):
+        return str(identity["dtype"]), "the engine's identity"
+    seen = sorted({str(np.asarray(r.extra["input_speaker_dtype"]).reshape(-1)[0]).removeprefix("torch.")
+                   for r in (results or {}).values() if (r.extra or {}).get("input_speaker_dtype") is not None})
+    seen = [d for d in seen if d]  # "" where the prompt had no embedding (custom voice, voice design)
+    if len(seen) == 1:
+        return seen[0], "the capture's speaker embedding"
+    return "float32", "not declared: judged as exact"

@@ -1,0 +1,102 @@
+"""The measured null's run-level test (difftest/verdicts/null.py), on score files built here: the
+counts it reads, its p-value against known binomial tails, and its decisions."""
+
+import numpy as np
+import pytest
+from scipy.stats import binom
+
+from difftest.scores import ScoreFile
+from difftest.verdicts import null
+from difftest.verdicts.null import NullPolicy
+from difftest.verdicts.policy import load_policy
+
+
+def _sf(off0: int, off_sub: int, frames: int = 40, settings=None, sid="s") -> ScoreFile:
+    """A stream of `frames` frames whose first `off0` codebook-0 and `off_sub` codebook-1-15 tokens are
+    qwen-tts's rank 1, 0.02 nats below its top-1; every other token its top-1."""
+    rank = np.zeros((frames, 16), np.int64)
+    rank[:off0, 0] = 1
+    rank.reshape(-1)[[i for i in range(frames * 16) if i % 16][:off_sub]] = 1
+    top1 = np.zeros((frames, 16), np.float32)
+    logprob = np.where(rank > 0, -0.02, 0.0).astype(np.float32)
+    arrays = {"rank": rank, "top1_logprob": top1, "logprob": logprob}
+    return ScoreFile(sid, "h", arrays, settings=settings or {})
+
+
+NUMERICS = {"dtype": "bfloat16", "from": "test"}
+
+
+def test_counts_take_the_greedy_sites_only():
+    assert null.counts(_sf(3, 7)) == {"talker": (3, 40, pytest.approx(0.06)), "code_predictor": (7, 600, pytest.approx(0.14))}
+    assert set(null.counts(_sf(3, 7, settings={"do_sample": True}))) == {"code_predictor"}
+    assert null.counts(_sf(3, 7, settings={"do_sample": True, "subtalker_dosample": True})) == {}
+    assert not null.needed({"a": _sf(0, 0)}) and null.needed({"a": _sf(0, 1)})
+
+
+def test_p_value_is_the_binomial_tail_at_the_margin():
+    # k_c = 30 of n_c = 1000, k_0 = 10 of n_0 = 1000, margin 1.5: pi = 1500 / 2500
+    assert null.p_value(30, 1000, 10, 1000, 1.5) == pytest.approx(binom.sf(29, 40, 0.6))
+    assert null.p_value(0, 1000, 10, 1000, 1.5) == 1.0
+    # a null that never leaves its top-1 (float32 against itself): p = pi ** k_c
+    assert null.p_value(11, 1860, 0, 1860, 1.5) == pytest.approx(0.6 ** 11)
+    assert null.p_value(11, 1860, 0, 1860, 1.5) < 0.005 < null.p_value(10, 1860, 0, 1860, 1.5)
+
+
+def test_a_candidate_as_noisy_as_the_null_passes_and_a_noisier_one_is_a_talker_defect():
+    policy = NullPolicy()
+    null_scores = {f"s{i}": _sf(1, 10, sid=f"s{i}") for i in range(4)}
+    same = null.judge({f"s{i}": _sf(1, 12, sid=f"s{i}") for i in range(4)}, null_scores, policy, NUMERICS)
+    assert same["verdict"] == "pass" and same["null_decoded"]
+    assert same["sites"]["code_predictor"]["candidate"]["off_top1"] == 48
+    assert same["sites"]["code_predictor"]["null"]["off_top1"] == 40
+    assert same["sites"]["talker"]["alpha"] == pytest.approx(0.005)  # 1% over two sites
+    worse = null.judge({f"s{i}": _sf(1, 30, sid=f"s{i}") for i in range(4)}, null_scores, policy, NUMERICS)
+    assert worse["verdict"] == "talker_defect" and worse["site"] == "code_predictor"
+    assert "120 times in 2400" in worse["summary"] and "40 times in 2400" in worse["summary"]
+    assert worse["segments"]["s0"]["code_predictor"] == [30, 10, 600]
+    # the margin is what lets a 1.3x rate pass on a long run and a 2x rate fail
+    assert null.judge({f"s{i}": _sf(1, 13, sid=f"s{i}") for i in range(4)},
+                      {f"s{i}": _sf(1, 10, sid=f"s{i}") for i in range(4)}, policy, NUMERICS)["verdict"] == "pass"
+
+
+def test_without_a_null_only_a_candidate_that_never_leaves_the_top1_passes():
+    ok = null.judge({"a": _sf(0, 0)}, None, NullPolicy(), NUMERICS)
+    assert ok["verdict"] == "pass" and not ok["null_decoded"] and "no null needed" in ok["summary"]
+    with pytest.raises(ValueError, match="a null is needed"):
+        null.judge({"a": _sf(0, 1)}, None, NullPolicy(), NUMERICS)
+    # a null that could not be decoded for any segment: not judged, said so (the run warns per segment)
+    nothing = null.judge({"a": _sf(2, 5)}, {}, NullPolicy(), NUMERICS)
+    assert nothing["verdict"] == "pass" and nothing["judged"] is False and nothing["null_missing"] == ["a"]
+    assert null.judge({"a": _sf(1, 1, settings={"do_sample": True, "subtalker_dosample": True})}, None,
+                      NullPolicy(), NUMERICS) is None
+
+
+def test_the_candidates_numerics():
+    overlay = {"overlay": {"stages": [{"stage_id": 1, "dtype": "float32"}, {"stage_id": 0, "dtype": "bfloat16"}]}}
+    assert null.talker_dtype(overlay) == ("bfloat16", "the deploy overlay's stage 0")
+    assert null.talker_dtype({"kind": "cpu-engine", "dtype": "float32"})[0] == "float32"
+    assert null.talker_dtype({"kind": "url"}) == ("float32", "not declared: judged as exact")
+    assert null.talker_dtype(overlay, "float32") == ("float32", "declared (--candidate-dtype)")
+
+    class R:  # a URL candidate's results, their capture's speaker embedding dtype
+        def __init__(self, dt):
+            self.extra = {"input_speaker_dtype": np.array(dt)} if dt is not None else {}
+
+    got = {"a": R("bfloat16"), "b": R(""), "c": R(None)}
+    assert null.talker_dtype({"kind": "url"}, None, got) == ("bfloat16", "the capture's speaker embedding")
+    assert null.talker_dtype({"kind": "url"}, None, {**got, "d": R("float32")})[0] == "float32"  # two: not read
+
+
+def test_the_policy_holds_the_rate_and_the_margin(tmp_path):
+    p = load_policy()
+    assert (p.null.false_flag_rate, p.null.rate_margin) == (0.01, 1.5)
+    assert p.as_dict()["measured_null"] == {"false_flag_rate": 0.01, "rate_margin": 1.5}
+    text = (load_policy.__globals__["DEFAULT_POLICY"]).read_text()
+    for bad, msg in (("rate_margin: 0.5", "measured_null.rate_margin: out of range: 0.5 (at least 1)"),
+                     ("false_flag_rate: 0", "measured_null.false_flag_rate: out of range: 0 (in (0, 1))"),
+                     ("false_flag_rate: x", "measured_null.false_flag_rate: expected a number")):
+        key = bad.split(":")[0]
+        f = tmp_path / "p.yaml"
+        f.write_text("\n".join(f"  {bad}" if line.strip().startswith(key + ":") else line for line in text.splitlines()))
+        with pytest.raises(Exception, match=msg.replace("(", r"\(").replace(")", r"\)")):
+            load_policy(f)
