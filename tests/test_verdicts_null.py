@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 from scipy.stats import binom
 
+from difftest.records.report import overall
 from difftest.scores import ScoreFile
 from difftest.verdicts import null
 from difftest.verdicts.null import NullPolicy
@@ -64,9 +65,11 @@ def test_without_a_null_only_a_candidate_that_never_leaves_the_top1_passes():
     assert ok["verdict"] == "pass" and not ok["null_decoded"] and "no null needed" in ok["summary"]
     with pytest.raises(ValueError, match="a null is needed"):
         null.judge({"a": _sf(0, 1)}, None, NullPolicy(), NUMERICS)
-    # a null that could not be decoded for any segment: not judged, said so (the run warns per segment)
-    nothing = null.judge({"a": _sf(2, 5)}, {}, NullPolicy(), NUMERICS)
-    assert nothing["verdict"] == "pass" and nothing["judged"] is False and nothing["null_missing"] == ["a"]
+    # a null that could not be decoded for a segment: never a pass, an infrastructure error (exit 3)
+    for got in ({}, {"b": _sf(1, 5, sid="b")}):
+        nothing = null.judge({"a": _sf(2, 5), "b": _sf(1, 5, sid="b")}, got, NullPolicy(), NUMERICS)
+        assert nothing["verdict"] == "error" and "a" in nothing["null_missing"] and "a" in nothing["summary"]
+        assert overall([], load_policy(), [nothing]) == ("error", 3)
     assert null.judge({"a": _sf(1, 1, settings={"do_sample": True, "subtalker_dosample": True})}, None,
                       NullPolicy(), NUMERICS) is None
 

@@ -22,8 +22,8 @@ def overall(verdicts: list[SegmentVerdict], policy: Policy, run_findings: list |
     else `fail` (exit 1) when the policy says so of a segment's verdict or a run-level finding
     (`{"verdict": ...}`, e.g. the sampling test); else `pass` (exit 0)."""
     kinds = {v.error_kind for v in verdicts if v.verdict == "error"}
-    if "infrastructure" in kinds:
-        return "error", EXIT_INFRA
+    if "infrastructure" in kinds or any(f["verdict"] == "error" for f in run_findings):
+        return "error", EXIT_INFRA  # a run-level finding that could not be made (the measured null missing)
     if "bad_input" in kinds:
         return "error", EXIT_BAD_INPUT
     if any(policy.fails(v.verdict) for v in verdicts) or any(policy.fails(f["verdict"]) for f in run_findings):

@@ -73,7 +73,8 @@ def p_value(k_c: int, n_c: int, k_0: int, n_0: int, margin: float) -> float:
 def judge(candidate: dict[str, ScoreFile], null: dict[str, ScoreFile] | None, policy: NullPolicy,
           numerics: dict, role: str = "control") -> dict | None:
     """The run-level finding for the candidate's streams (segment -> ScoreFile) against the null's:
-    None when no greedy position was scored, else {"verdict": "talker_defect" | "pass", ...}.
+    None when no greedy position was scored, else {"verdict": "talker_defect" | "pass" | "error", ...}
+    ("error": the null is missing for a segment, so the run cannot be judged).
     `null` None: not decoded, because nothing needed it (every candidate token the top-1)."""
     per_seg = {sid: counts(sf) for sid, sf in sorted(candidate.items())}
     sites = sorted({s for c in per_seg.values() for s in c}, key=list(SITES).index)
@@ -118,9 +119,10 @@ def judge(candidate: dict[str, ScoreFile], null: dict[str, ScoreFile] | None, po
                            f"{e['null']['off_top1']} times in {e['null']['tokens']} ({e['null']['rate']:.2%}): "
                            f"p = {e['p_value']:.3g} against a rate up to {policy.rate_margin}x the null's "
                            f"(alpha {alpha:.3g}); no single token is implausible, the whole run is"}
-    if null is not None and not out_sites:
-        return {**base, "verdict": "pass", "judged": False,
-                "summary": f"not judged against a null: qwen-tts in {numerics['dtype']} gave no stream to compare"}
+    if missing:  # never a pass on a null that is not there: the run is an infrastructure error (exit 3)
+        return {**base, "verdict": "error",
+                "summary": f"the measured null (qwen-tts in {numerics['dtype']}) has no scored stream for "
+                           f"{', '.join(missing)}: the run's warnings say why"}
     if null is None:
         if any(e["candidate"]["off_top1"] for e in out_sites.values()):
             raise ValueError("a null is needed: some greedy token is off the top-1")
