@@ -277,6 +277,41 @@ def test_concurrency_other_than_1_is_refused(tiny, segments, tmp_path):
     assert err["kind"] == "bad_input" and "concurrency 1" in err["message"]
 
 
+def test_waves_are_decoded_as_batches_codes_only(first_run, tiny, segments, voices, tmp_path):
+    """The measured null at N: a wave through one batched qwen-tts call, codes only (no vocoder). In
+    float32 qwen-tts batched is qwen-tts alone, code for code (the null's own batch noise is none);
+    a wave qwen-tts cannot batch (other decode parameters, sampling) is refused, naming the wave."""
+    sampled = segment("hot", "Sampled.", voice=voice(voices["good"]), decode={**DECODE, "do_sample": True})
+    runner = start_runner([str(tiny / "base")])
+    try:
+        assert runner.hello["generate_waves"] and runner.hello["generate_codes_only"]
+        alone = generate(runner, [segments["icl"]], tmp_path / "alone", codes_only=True)
+        pair = [segments["icl"], segments["xvec"]]
+        batched = generate(runner, pair, tmp_path / "batched", codes_only=True, waves=[["icl", "xvec"]])
+        again = generate(runner, pair, tmp_path / "batched", codes_only=True, waves=[["icl", "xvec"]])
+        mixed = generate(runner, [segments["icl"], segments["icl2"]], tmp_path / "mixed", waves=[["icl", "icl2"]])
+        hot = generate(runner, [segments["icl"], sampled], tmp_path / "hot", waves=[["icl", "hot"]])
+        partial = generate(runner, pair, tmp_path / "partial", waves=[["icl"]])
+    finally:
+        runner.close()
+    one = read_result(by_segment(alone, "result")["icl"]["path"])
+    assert one.wav.size == 0 and one.meta["codes_only"] and one.meta["concurrency"] == 1
+    assert np.array_equal(one.codes, _result(first_run, segments["icl"]).codes)  # the full decode's codes
+    got = by_segment(batched, "result")
+    assert set(got) == {"icl", "xvec"} and not any(e["cached"] for e in got.values())
+    for sid in ("icl", "xvec"):
+        r = read_result(got[sid]["path"])
+        assert r.meta["batch"] == ["icl", "xvec"] and r.meta["concurrency"] == 2 and r.wav.size == 0
+        assert np.array_equal(r.codes, _result(first_run, segments[sid]).codes), sid
+        assert np.array_equal(r.ref_codes, _result(first_run, segments[sid]).ref_codes), sid
+    assert all(e["cached"] for e in by_segment(again, "result").values())
+    for events, why in ((mixed, "share its task and decode parameters"), (hot, "must be greedy"),
+                        (partial, "every segment once")):
+        errs = by_segment(events, "error")
+        assert errs and all(e["kind"] == "bad_input" and why in e["message"] for e in errs.values()), events
+        assert not by_segment(events, "result")
+
+
 def test_checkpoint_without_weights_is_refused_at_start(tiny, tmp_path):
     broken = tmp_path / "broken"
     shutil.copytree(tiny / "base", broken)

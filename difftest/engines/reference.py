@@ -160,14 +160,59 @@ class ReferenceEngine:
 
     def generate(self, segments: list, *, concurrency: int = 1, out_dir: Path | None = None,
                  identity_key: str | None = None, progress: Progress | None = None,
-                 dtype: str | None = None) -> ReferenceRun:
+                 dtype: str | None = None, codes_only: bool = False) -> ReferenceRun:
         """Cached results from the store, the rest computed. A runner that dies mid-suite does not
         raise: the segments it did not answer are infrastructure errors naming its exit status and
         log tail, and the results it wrote stay in the store. `dtype`: qwen-tts in another dtype
-        than the runner's own (the measured null, difftest/verdicts/null.py), stored under that
-        configuration's own key."""
+        than the runner's own, and `codes_only`: no vocoder (the measured null,
+        difftest/verdicts/null.py), each stored under that configuration's own key."""
         if concurrency != 1:
             raise BadInput(f"the reference runs at concurrency 1, not {concurrency}")
+        fingerprint, info, dtype = self._configuration(dtype, codes_only)
+        config_dir = self.store.config_dir(LABEL, fingerprint)
+        run = ReferenceRun(config_dir=config_dir, fingerprint=fingerprint, provenance=info)
+        label = "reference" if dtype is None and not codes_only else f"null ({dtype or fingerprint['dtype']})"
+        progress = progress or Progress(len(segments), label=label)
+        try:
+            todo = self._cached(segments, config_dir, run, progress)
+            if todo:
+                self._generate(todo, config_dir, run, progress, {**({"dtype": dtype} if dtype else {}),
+                                                                  **({"codes_only": True} if codes_only else {})})
+        finally:
+            progress.close()
+        run.batches = [[s.id] for s in segments]  # one at a time
+        return run
+
+    def generate_waves(self, waves: list[list], dtype: str | None = None) -> ReferenceRun:
+        """qwen-tts's codes for each wave of segments decoded as one batch (its own batched
+        generation; the runner's `waves`): the measured null at concurrency N. A wave's segments must
+        share a task and decode parameters and be greedy (difftest/verdicts/null.py groups them).
+        Each wave is stored under its own key (the configuration, codes only, and the wave's segment
+        hashes in order: its mates decide its codes); a wave of one is the codes-only decode at 1."""
+        fingerprint, info, dtype = self._configuration(dtype, True)
+        run = ReferenceRun(fingerprint=fingerprint, provenance=info)
+        progress = Progress(sum(len(w) for w in waves), label=f"null at N ({dtype or fingerprint['dtype']}, batched)")
+        opts = {**({"dtype": dtype} if dtype else {}), "codes_only": True}
+        try:
+            for wave in waves:
+                alone = len(wave) == 1  # a wave of one is the codes-only decode at 1, under that key
+                config_dir = self.store.config_dir(LABEL, fingerprint if alone else
+                                                   {**fingerprint, "batch": [s.hash for s in wave]})
+                if not alone and any(self.store.get(config_dir, s.id, s.hash) is None for s in wave):
+                    todo = list(wave)  # one missing: the whole wave again (its mates decide its codes)
+                else:
+                    todo = self._cached(wave, config_dir, run, progress)
+                if todo:
+                    self._generate(todo, config_dir, run, progress,
+                                   opts if alone else {**opts, "waves": [[s.id for s in wave]]})
+        finally:
+            progress.close()
+        run.batches = [[s.id for s in w] for w in waves]
+        return run
+
+    def _configuration(self, dtype: str | None, codes_only: bool) -> tuple[dict, dict, str | None]:
+        """The fingerprint and provenance of qwen-tts in `dtype` (None: the runner's own), codes only or
+        not; and `dtype` as the runner's job takes it (None for its own)."""
         fingerprint, info = self.fingerprint, self.info
         if dtype is not None and dtype != fingerprint.get("dtype"):
             if dtype not in self.runner.hello.get("generate_dtypes", ()):
@@ -176,28 +221,28 @@ class ReferenceEngine:
             fingerprint, info = {**fingerprint, "dtype": dtype}, {**info, "dtype": dtype}
         else:
             dtype = None
-        config_dir = self.store.config_dir(LABEL, fingerprint)
-        run = ReferenceRun(config_dir=config_dir, fingerprint=fingerprint, provenance=info)
-        progress = progress or Progress(len(segments), label="reference" if dtype is None else f"null ({dtype})")
-        try:
-            todo = []
-            for seg in segments:
-                hit = self.store.get(config_dir, seg.id, seg.hash)
-                if hit is None:
-                    todo.append(seg)
-                else:
-                    run.results[seg.id] = hit
-                    run.cached.add(seg.id)
-                    progress.segment(seg.id, cached=True)
-            if todo:
-                self._generate(todo, config_dir, run, progress, dtype)
-        finally:
-            progress.close()
-        run.batches = [[s.id] for s in segments]  # one at a time
-        return run
+        if codes_only:
+            if not self.runner.hello.get("generate_codes_only"):
+                raise InfraError("the reference runner cannot decode codes only (an older runner?): restart it "
+                                 "from this checkout")
+            fingerprint = {**fingerprint, "output": "codes"}
+        return fingerprint, info, dtype
+
+    def _cached(self, segments: list, config_dir: Path, run: ReferenceRun, progress: Progress) -> list:
+        """The segments the store does not hold in `config_dir`; those it holds go into `run`."""
+        todo = []
+        for seg in segments:
+            hit = self.store.get(config_dir, seg.id, seg.hash)
+            if hit is None:
+                todo.append(seg)
+            else:
+                run.results[seg.id] = hit
+                run.cached.add(seg.id)
+                progress.segment(seg.id, cached=True)
+        return todo
 
     def _generate(self, todo: list, config_dir: Path, run: ReferenceRun, progress: Progress,
-                  dtype: str | None = None) -> None:
+                  options: dict | None = None) -> None:
         pending = {s.id: s for s in todo}
 
         def fail(sid, kind, message):
@@ -206,8 +251,7 @@ class ReferenceEngine:
 
         try:
             for ev in self.runner.request("generate", timeout=self.timeout, segments=[s.to_job() for s in todo],
-                                          out_dir=str(config_dir), concurrency=1,
-                                          **({"dtype": dtype} if dtype else {})):
+                                          out_dir=str(config_dir), concurrency=1, **(options or {})):
                 sid, kind = ev.get("segment"), ev.get("event")
                 if kind == "progress":
                     progress.note(f"{sid}: {ev.get('message', '')}")

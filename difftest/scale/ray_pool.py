@@ -407,7 +407,8 @@ class RayRunnerPool:
         ray = _ray()
         key = "segments" if op == "generate" else "items"
         items = list(job.get(key) or [])
-        size = ITEMS_PER_CHUNK.get(op, 1)
+        # a batched wave (the measured null at N) is decoded whole: its mates decide its codes
+        size = max(len(items), 1) if job.get("waves") else ITEMS_PER_CHUNK.get(op, 1)
         queue = deque((i, {**job, key: items[i:i + size]}) for i in range(0, len(items), size))
         tries: dict[int, int] = {}
         free = deque(self.actors)

@@ -167,6 +167,47 @@ class QwenTTSEngine:
                          generate_kwargs=kwargs, ref_codes_bf16=ref_codes_bf16, inputs=capture.inputs[0],
                          speaker_embedding_bf16=spk_bf16)
 
+    def synthesize_batch(self, utts: list[Utterance], codes_only: bool = False) -> list[Synthesis]:
+        """`utts` through one official batched call (qwen-tts's own batched generation): the measured
+        null at concurrency N, qwen-tts batched as a candidate's wave was (difftest/verdicts/null.py).
+        They share a task and decode parameters (the caller groups them); each voice prompt is built
+        alone, as a per-item prompt (a prompt built for the batch would encode the references
+        zero-padded together and change their last frame). `codes_only`: the vocoder is not run
+        (the null's audio is never read); the waveforms are then empty."""
+        torch = self._import()
+        task = utts[0].task
+        if any(u.task != task or u.decode != utts[0].decode | {"seed": u.decode["seed"]} for u in utts):
+            raise ValueError("a batch must share its task and decode parameters")
+        tts = self.model(task)
+        capture = self._models[task][1]
+        kwargs = {k: utts[0].decode[k] for k in GENERATE_KWARGS if k in utts[0].decode}
+        if "non_streaming_mode" in utts[0].decode:
+            kwargs["non_streaming_mode"] = utts[0].decode["non_streaming_mode"]
+        prompts = [self._voice_prompt(tts, u) for u in utts]
+        st = tts.model.speech_tokenizer
+        if codes_only:  # an instance attribute shadows the bound method; deleted below
+            st.decode = lambda encoded: ([np.zeros(0, np.float32) for _ in encoded], int(st.get_output_sample_rate()))
+        capture.codes = None
+        torch.manual_seed(int(utts[0].decode["seed"]))  # greedy batches: the seed draws nothing
+        t0 = time.perf_counter()
+        try:
+            wavs, sr = _batched_call(utts, prompts, kwargs)(tts)
+        finally:
+            if codes_only:
+                del st.decode
+        seconds = time.perf_counter() - t0
+        if capture.codes is None or len(capture.codes) != len(utts):
+            raise RuntimeError(f"qwen-tts returned {0 if capture.codes is None else len(capture.codes)} code "
+                               f"sequences for a batch of {len(utts)}")
+        out = []
+        for u, p, c, w, inputs in zip(utts, prompts, capture.codes, wavs, capture.inputs):
+            ref = None if p is None or p[0].ref_code is None else p[0].ref_code.detach().to("cpu").numpy()
+            out.append(Synthesis(codes=c.numpy(), ref_codes=np.zeros((0, 16), np.int64) if ref is None else ref,
+                                 wav=np.asarray(w, dtype=np.float32), sample_rate=int(sr),
+                                 timings={"generate_s": seconds / len(utts), "batch_size": len(utts)},
+                                 generate_kwargs=kwargs, inputs=inputs))
+        return out
+
     def _bf16_prompt(self, tts, u: Utterance) -> tuple[np.ndarray | None, np.ndarray | None]:
         """The voice's reference codes and x-vector from bf16 copies of qwen-tts's own speech and
         speaker encoders, through its own `create_voice_clone_prompt` (None where the prompt has none).
@@ -236,6 +277,21 @@ class QwenTTSEngine:
             cut = int(ref_len / max(total_len, 1) * wav.shape[0])
             wav = wav[cut:]
         return np.asarray(wav, dtype=np.float32), int(sr)
+
+
+def _batched_call(utts: list[Utterance], prompts: list, kwargs: dict):
+    """The official qwen-tts call for a batch of utterances (lists), as a function of the loaded model."""
+    task, langs, texts = utts[0].task, [u.language for u in utts], [u.text for u in utts]
+    if task == "voice_clone":
+        items = [p[0] for p in prompts]
+        return lambda tts: tts.generate_voice_clone(text=texts, language=langs, voice_clone_prompt=items, **kwargs)
+    if task == "custom_voice":
+        return lambda tts: tts.generate_custom_voice(text=texts, speaker=[u.speaker for u in utts], language=langs,
+                                                     instruct=[u.instructions for u in utts], **kwargs)
+    if task == "voice_design":
+        return lambda tts: tts.generate_voice_design(text=texts, instruct=[u.instructions for u in utts],
+                                                     language=langs, **kwargs)
+    raise ValueError(f"unknown task {task!r}")
 
 
 def _official_call(u: Utterance, prompt, kwargs: dict):

@@ -56,27 +56,35 @@ class ReferenceService:
         concurrency = job.get("concurrency", 1)
         out_dir = job.get("out_dir")
         dtype = job.get("dtype")
+        waves = job.get("waves")  # lists of segment ids, each decoded as one batch (the measured null at N)
+        codes_only = bool(job.get("codes_only"))  # the null's codes: no vocoder, no audio
+
+        def refuse(message):
+            for seg in segments:
+                emit("error", segment=seg.get("id", "?") if isinstance(seg, dict) else "?", kind="bad_input",
+                     message=message)
+
+        if dtype is not None and dtype not in DTYPES:
+            return refuse(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+        if concurrency != 1:
+            return refuse(f"the reference runs at concurrency 1 only (asked for {concurrency}); "
+                          f"`waves` decodes batches")
+        if not out_dir:
+            return refuse("generate job has no out_dir")
+        engine = self._engine(dtype)
+        if waves is not None:
+            return self._generate_waves(segments, waves, Path(out_dir), emit, engine, codes_only)
         for seg in segments:
             sid = seg.get("id", "?") if isinstance(seg, dict) else "?"
-            if dtype is not None and dtype not in DTYPES:
-                emit("error", segment=sid, kind="bad_input", message=f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
-                continue
-            if concurrency != 1:
-                emit("error", segment=sid, kind="bad_input",
-                     message=f"the reference runs at concurrency 1 only (asked for {concurrency})")
-                continue
-            if not out_dir:
-                emit("error", segment=sid, kind="bad_input", message="generate job has no out_dir")
-                continue
             try:
-                self._generate_one(seg, Path(out_dir), emit, self._engine(dtype))
+                self._generate_one(seg, Path(out_dir), emit, engine, codes_only)
             except BadInput as e:
                 emit("error", segment=sid, kind="bad_input", message=str(e))
             except Exception as e:  # the model failed on this segment; go on with the next
                 log(f"segment {sid}: {type(e).__name__}: {e}")
                 emit("error", segment=sid, kind="engine", message=f"{type(e).__name__}: {e}")
 
-    def _generate_one(self, seg: dict, out_dir: Path, emit, engine: QwenTTSEngine) -> None:
+    def _generate_one(self, seg: dict, out_dir: Path, emit, engine: QwenTTSEngine, codes_only: bool = False) -> None:
         sid, shash = _segment_key(seg)
         stem = ResultStore.stem(out_dir, sid, shash)
         cached = _valid_result(stem, shash)
@@ -85,16 +93,66 @@ class ReferenceService:
                  seconds=float(cached.timings.get("seconds", 0.0)), audio_seconds=cached.seconds)
             return
         utt, voice = self._utterance(seg)
-        if not engine.is_loaded(utt.task):
+        load_s = self._load(engine, utt.task, sid, emit)
+        syn = engine.synthesize_batch([utt], codes_only=True)[0] if codes_only else engine.synthesize(utt)
+        self._write(seg, utt, voice, syn, stem, emit, engine, load_s, {"concurrency": 1})
+
+    def _generate_waves(self, segments: list, waves, out_dir: Path, emit, engine: QwenTTSEngine,
+                        codes_only: bool) -> None:
+        """Each wave through one batched qwen-tts call (QwenTTSEngine.synthesize_batch): its segments
+        share a task and decode parameters and are greedy (a batch's one seed would draw for all). A
+        wave is decoded again whole unless every result of it is in `out_dir` (its mates decide its codes)."""
+        by_id = {s.get("id"): s for s in segments if isinstance(s, dict)}
+        if (not isinstance(waves, list) or not all(isinstance(w, list) and w for w in waves)
+                or sorted(i for w in waves for i in w) != sorted(by_id)):
+            for sid in by_id or ["?"]:
+                emit("error", segment=sid, kind="bad_input", message="`waves` must list every segment once, in lists")
+            return
+        for wave in waves:
+            segs = [by_id[i] for i in wave]
+            try:
+                parsed = [(_segment_key(seg), *self._utterance(seg)) for seg in segs]
+                utts = [u for _, u, _ in parsed]
+                if any(u.decode.get("do_sample") or u.decode.get("subtalker_dosample") for u in utts):
+                    raise BadInput("a batched wave must be greedy (one seed draws for the whole batch)")
+                stems = [ResultStore.stem(out_dir, sid, shash) for (sid, shash), _, _ in parsed]
+                cached = [_valid_result(stem, shash) for stem, ((_, shash), _, _) in zip(stems, parsed)]
+                if all(c is not None for c in cached):
+                    for stem, c, ((sid, _), _, _) in zip(stems, cached, parsed):
+                        emit("result", segment=sid, path=str(_sidecar(stem)), cached=True,
+                             seconds=float(c.timings.get("seconds", 0.0)), audio_seconds=c.seconds)
+                    continue
+                load_s = self._load(engine, utts[0].task, wave[0], emit)
+                try:
+                    syns = engine.synthesize_batch(utts, codes_only=codes_only)
+                except ValueError as e:  # mixed tasks or decode parameters
+                    raise BadInput(str(e)) from None
+                for seg, (_, utt, voice), syn, stem in zip(segs, parsed, syns, stems):
+                    self._write(seg, utt, voice, syn, stem, emit, engine, load_s, {"concurrency": len(wave),
+                                                                                  "batch": list(wave)})
+            except BadInput as e:
+                for sid in wave:
+                    emit("error", segment=sid, kind="bad_input", message=f"wave {', '.join(wave)}: {e}")
+            except Exception as e:
+                log(f"wave {wave}: {type(e).__name__}: {e}")
+                for sid in wave:
+                    emit("error", segment=sid, kind="engine", message=f"{type(e).__name__}: {e}")
+
+    @staticmethod
+    def _load(engine: QwenTTSEngine, task: str, sid: str, emit) -> float:
+        if not engine.is_loaded(task):
             emit("progress", segment=sid, stage="load",
-                 message=f"loading the {MODEL_TYPE_OF_TASK[utt.task]} model in {engine.dtype}")
+                 message=f"loading the {MODEL_TYPE_OF_TASK[task]} model in {engine.dtype}")
         t0 = time.perf_counter()
-        engine.model(utt.task)
-        load_s = time.perf_counter() - t0
-        syn = engine.synthesize(utt)
+        engine.model(task)
+        return time.perf_counter() - t0
+
+    def _write(self, seg: dict, utt: Utterance, voice: dict | None, syn, stem: Path, emit, engine: QwenTTSEngine,
+               load_s: float, meta: dict) -> None:
+        sid, shash = _segment_key(seg)
         ckpt = self.checkpoints[utt.task]
         audio_s = len(syn.wav) / syn.sample_rate
-        seconds = sum(syn.timings.values())
+        seconds = sum(v for k, v in syn.timings.items() if k.endswith("_s"))
         timings = {**syn.timings, "seconds": seconds, "audio_s": audio_s,
                    "rtf": seconds / audio_s if audio_s else None}
         if load_s > 0.01:
@@ -108,10 +166,11 @@ class ReferenceService:
             "task": utt.task,
             "voice": voice,
         }
+        codes_only = not len(syn.wav)
         result = Result(segment_id=sid, segment_hash=shash, wav=syn.wav, sample_rate=syn.sample_rate,
                         codes=syn.codes, ref_codes=syn.ref_codes, provenance=provenance, timings=timings,
-                        meta={"runner": LABEL, "concurrency": 1,
-                              "lead_samples": lead_of(len(syn.wav), len(syn.codes))},
+                        meta={"runner": LABEL, **meta, **({"codes_only": True} if codes_only else {}),
+                              "lead_samples": 0 if codes_only else lead_of(len(syn.wav), len(syn.codes))},
                         extra={**syn.inputs,
                                **({} if syn.ref_codes_bf16 is None else {"ref_codes_bf16": syn.ref_codes_bf16}),
                                **({} if syn.speaker_embedding_bf16 is None
