@@ -32,7 +32,8 @@ class Progress:
             parts.append(f"{self.cached} cached")
         if self.failed:
             parts.append(f"{self.failed} failed")
-        parts.append(f"{self.audio_seconds:.1f} s audio")
+        if self.audio_seconds or not self.compute_seconds:  # a codes-only decode (the measured null) makes none
+            parts.append(f"{self.audio_seconds:.1f} s audio")
         if self.rtf is not None:
             parts.append(f"RTF {self.rtf:.2f}")
         return f"{self.label}: " + ", ".join(parts)
@@ -71,8 +72,8 @@ class Progress:
             self.compute_seconds += seconds
             if not self.tty:
                 rtf = f", RTF {seconds / audio_seconds:.2f}" if audio_seconds else ""
-                self._write_line(f"{self.label} [{self.done}/{self.total}] {segment_id}: "
-                                 f"{audio_seconds:.2f} s audio in {seconds:.2f} s{rtf}")
+                made = f"{audio_seconds:.2f} s audio" if audio_seconds else "codes"
+                self._write_line(f"{self.label} [{self.done}/{self.total}] {segment_id}: {made} in {seconds:.2f} s{rtf}")
         self._show_status()
 
     def close(self) -> None:

@@ -249,13 +249,16 @@ def _conditioning(seg, r: Result) -> np.ndarray | None:
     return rc if len(rc) else None
 
 
-def score_streams(scorer: Scorer, suite: Suite, outcomes: dict) -> tuple[dict, dict]:
+def score_streams(scorer: Scorer, suite: Suite, outcomes: dict, only: set | None = None) -> tuple[dict, dict]:
     """Teacher-forced scores of every candidate stream with codes: (role -> sid -> ScoreFile,
-    role -> sid -> error message). `outcomes`: role -> the candidate's outcome at that role."""
+    role -> sid -> error message). `outcomes`: role -> the candidate's outcome at that role;
+    `only`: these segments' streams alone."""
     items = {}
     for role, o in outcomes.items():
         for seg in suite.segments:
             r = o.results.get(seg.id)
+            if only is not None and seg.id not in only:
+                continue
             if r is None or not r.has_codes or not len(r.codes):
                 continue
             # qwen-tts yields max_new_tokens - 1 frames when no EOS came (the last token never becomes one)
@@ -271,28 +274,71 @@ def score_streams(scorer: Scorer, suite: Suite, outcomes: dict) -> tuple[dict, d
 
 
 def null_finding(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine, ref_run, control: dict,
-                 identity: dict, policy: Policy, declared: str | None = None,
-                 results: dict | None = None) -> tuple[dict | None, list[str]]:
+                 numerics: dict, policy: Policy, share: float = 1.0) -> tuple[dict | None, list[str]]:
     """The measured null's run-level test of the candidate's streams at concurrency 1 (`control`:
     segment -> ScoreFile), and warnings for the segments it could not decode or score. The null is
-    qwen-tts in the candidate talker's dtype: the reference itself when that is the reference's own,
-    else decoded (and cached in the store) now; none at all when no greedy token needs explaining."""
-    dtype, source = measured_null.talker_dtype(identity, declared, results)
-    numerics = {"dtype": dtype, "from": source}
+    qwen-tts in the candidate talker's dtype (`numerics`): the reference itself when that is the
+    reference's own, else decoded (codes only, cached in the store) now; none at all when no greedy
+    token needs explaining. `share`: the part of the run's false-flag rate it spends."""
     if not measured_null.needed(control):
-        return measured_null.judge(control, None, policy.null, numerics), []
-    segments = [s for s in suite.segments if s.id in control]
+        return measured_null.judge(control, None, policy.null, numerics, share=share), []
+    null_run, null_scores, warnings = _null_alone(suite, scorer, ref_engine, ref_run, numerics,
+                                                  [s for s in suite.segments if s.id in control])
+    return measured_null.judge(control, null_scores, policy.null, numerics, share=share), warnings
+
+
+def _null_alone(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine, ref_run, numerics: dict, segments: list):
+    """qwen-tts in the null's dtype, each segment alone (the reference itself where that is its own
+    dtype), teacher-forced: (its run, segment -> ScoreFile, warnings). Sets numerics["null"]."""
+    dtype = numerics["dtype"]
     own = dtype == ref_run.fingerprint.get("dtype")
-    null_run = ref_run if own else ref_engine.generate(segments, dtype=dtype)
+    null_run = ref_run if own else ref_engine.generate(segments, dtype=dtype, codes_only=True)
     numerics["null"] = "the reference itself" if own else f"qwen-tts in {dtype}, cached at {null_run.config_dir}"
-    got, errors = score_streams(scorer, suite, {"null": null_run})
-    warnings = [f"{sid}: measured null: {e['message']}" for sid, e in null_run.errors.items() if sid in control]
+    got, errors = score_streams(scorer, suite, {"null": null_run}, {s.id for s in segments})
+    wanted = {s.id for s in segments}
+    warnings = [f"{sid}: measured null: {e['message']}" for sid, e in null_run.errors.items() if sid in wanted]
     warnings += [f"{sid}: measured null, teacher forcing: {m}" for sid, m in errors["null"].items()]
-    return measured_null.judge(control, got["null"], policy.null, numerics), warnings
+    return null_run, got["null"], warnings
+
+
+def null_at_n_finding(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine, ref_run, cand, ctrl,
+                      scores_n: dict, numerics: dict, policy: Policy,
+                      at_one: str | None) -> tuple[dict | None, dict | None, list[str]]:
+    """The run at concurrency N against the null batched as its waves (difftest/verdicts/null.py):
+    (the run-level finding, the null's batch noise for the near-tie rule, warnings). Nothing is
+    decoded where nothing needs explaining: no greedy segment's codes part between 1 and N, and
+    every greedy token at N is qwen-tts's top-1."""
+    groups = measured_null.batch_groups(suite.segments, cand.batches)
+    ids = [s.id for g in groups for s in g
+           if s.id in cand.results and s.id in ctrl.results and cand.results[s.id].has_codes
+           and ctrl.results[s.id].has_codes]
+    flips = {sid: at for sid in ids
+             if (at := measured_null.flip_at(ctrl.results[sid].codes, cand.results[sid].codes)) is not None}
+    scored = {sid: sf for sid, sf in scores_n.items() if sid in set(ids)}
+    numerics = dict(numerics)
+    if not flips and not measured_null.needed(scored):
+        return measured_null.judge_at_n(scored, None, None, {}, policy.null, numerics, at_one), None, []
+    segments = [s for g in groups for s in g if s.id in set(ids)]
+    alone, alone_scores, warnings = _null_alone(suite, scorer, ref_engine, ref_run, numerics, segments)
+    batched = ref_engine.generate_waves([[s for s in g if s.id in set(ids)] for g in groups
+                                         if any(s.id in set(ids) for s in g)], dtype=numerics["dtype"])
+    got, errors = score_streams(scorer, suite, {"null_n": batched}, set(ids))
+    warnings += [f"{sid}: measured null at N: {e['message']}" for sid, e in batched.errors.items()]
+    warnings += [f"{sid}: measured null at N, teacher forcing: {m}" for sid, m in errors["null_n"].items()]
+    both = [sid for sid in ids if sid in alone.results and sid in batched.results]
+    noise = measured_null.batch_noise(alone.results, batched.results, alone_scores, got["null_n"], both, numerics)
+    numerics["null_n"] = f"qwen-tts in {numerics['dtype']}, the candidate's waves as {len(groups)} batches"
+    finding = measured_null.judge_at_n(scored, got["null_n"], noise, {s: a for s, a in flips.items() if s in both},
+                                       policy.null, numerics, at_one)
+    missing = sorted(set(ids) - set(both))
+    if missing and finding["verdict"] == "pass":  # never a pass on a null that is not there
+        finding.update(verdict="error", summary=f"the measured null at N (qwen-tts in {numerics['dtype']}, batched) "
+                                                f"has no stream for {', '.join(missing)}: the run's warnings say why")
+    return finding, noise, warnings
 
 
 def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy, again=None,
-           scores: tuple[dict, dict] | None = None) -> dict:
+           scores: tuple[dict, dict] | None = None, noise: dict | None = None) -> dict:
     """Every segment's verdict: cross-decodes through the reference vocoder, the classifier, and
     where the vocoder check fails, the donor search with each co-batched request's reference."""
 
@@ -337,7 +383,7 @@ def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy,
                         errors, suite.chunks["initial_frames"], suite.chunks["frames"],
                         again.results.get(sid) if again is not None else None,
                         {role: got[sid] for role, got in score_ok.items() if sid in got},
-                        {p: i for p, i in ref_inputs.items() if p != sid})
+                        {p: i for p, i in ref_inputs.items() if p != sid}, noise)
 
     ref_inputs = {sid: i for sid, r in ref_run.results.items() if (i := inputs_of(r)) is not None}
     verdicts = {s.id: classify(evidence(s.id), policy) for s in suite.segments}
@@ -423,14 +469,23 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
             scorer = Scorer(runner, store.root, opts.reference.timeout)
             scores = score_streams(scorer, suite, roles)
         with timings("null_s"):
-            null, null_warnings = null_finding(suite, scorer, ReferenceEngine(runner, store.root, opts.reference.timeout),
-                                               ref_run, scores[0]["control"], engine, policy, opts.candidate_dtype,
-                                               ctrl.results)
+            dtype, source = measured_null.talker_dtype(engine, opts.candidate_dtype, ctrl.results)
+            numerics = {"dtype": dtype, "from": source}
+            ref_engine = ReferenceEngine(runner, store.root, opts.reference.timeout)
+            at_n = opts.concurrency > 1  # the run at N spends half the false-flag rate (null.judge_at_n)
+            null, null_warnings = null_finding(suite, scorer, ref_engine, ref_run, scores[0]["control"],
+                                               numerics, policy, share=0.5 if at_n else 1.0)
+            null_n, noise, warnings_n = (null_at_n_finding(suite, scorer, ref_engine, ref_run, cand, ctrl,
+                                                           scores[0]["candidate"], numerics, policy,
+                                                           null and null["verdict"])
+                                         if at_n else (None, None, []))
+            null_warnings += warnings_n
         print(f"cross-decodes: {len(_segments_with_codes(cand.results))} segments through the reference vocoder",
               file=sys.stderr, flush=True)
         with timings("cross_decode_s"):
             verdicts = _judge(suite, ref_run, cand, ctrl, _Vocoder(runner, out / "results" / "cross",
-                                                                    opts.reference.timeout), policy, again, scores)
+                                                                    opts.reference.timeout), policy, again, scores,
+                              noise)
 
     ordered = [verdicts[s.id] for s in suite.segments]
     # The candidate at concurrency 1 judged on its own against the reference: a defect that only
@@ -454,7 +509,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         warnings=[f"{sid}: reference: {e['message']}" for sid, e in ref_run.errors.items()]
         + [f"{sid}: teacher forcing of qwen-tts's own sample: {m}" for sid, m in scores[1].get("reference", {}).items()]
         + null_warnings,
-        sampling=sampling.judge(scores[0], policy.forced.sampling_max_z), null=null,
+        sampling=sampling.judge(scores[0], policy.forced.sampling_max_z), null=null, null_n=null_n,
     )
     one = sampling.judge({k: v for k, v in scores[0].items() if k != "candidate"}, policy.forced.sampling_max_z)
     report["at_concurrency_1"] = {

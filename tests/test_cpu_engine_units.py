@@ -113,7 +113,7 @@ def test_defect_names():
                             "prompt-truncated", "prompt-padded", "sampled-greedy", "codebook-shift",
                             "language-dropped", "streaming-layout", "temperature-ignored", "top-k-narrowed",
                             "top-k-ignored", "ref-audio-rate", "speaker-scaled", "speaker-leak", "text-word-dropped",
-                            "prompt-embeds-scaled"}
+                            "prompt-embeds-scaled", "cobatch-blend"}
     assert check("none") is None and check(None) is None
     with pytest.raises(ValueError, match="unknown defect"):
         check("everything")

@@ -103,3 +103,65 @@ def test_the_policy_holds_the_rate_and_the_margin(tmp_path):
         f.write_text("\n".join(f"  {bad}" if line.strip().startswith(key + ":") else line for line in text.splitlines()))
         with pytest.raises(Exception, match=msg.replace("(", r"\(").replace(")", r"\)")):
             load_policy(f)
+
+
+# -- the null at concurrency N ------------------------------------------------------------------
+
+class _Seg:
+    def __init__(self, sid, task="voice_clone", **decode):
+        self.id, self.task = sid, task
+        self.decode = {"seed": hash(sid) % 7, "max_new_tokens": 40, "do_sample": False, "subtalker_dosample": False,
+                       **decode}
+
+
+class _Res:
+    def __init__(self, codes):
+        self.codes = codes
+
+
+def test_batch_groups_split_each_wave_into_what_qwen_tts_can_batch():
+    segs = [_Seg("a"), _Seg("b", task="custom_voice"), _Seg("c"), _Seg("d", do_sample=True),
+            _Seg("e", max_new_tokens=20), _Seg("f")]
+    groups = null.batch_groups(segs, [["a", "b", "c", "d"], ["e", "f"]])
+    assert [[s.id for s in g] for g in groups] == [["a", "c"], ["b"], ["e"], ["f"]]  # seeds differ: one batch
+
+
+def test_flip_at_and_the_batch_noise_it_gives():
+    a = np.zeros((10, 16), np.int64)
+    b = a.copy()
+    b[4, 3] = 1
+    assert null.flip_at(a, a) is None and null.flip_at(a, b) == (4, 3) and null.flip_at(a, a[:8]) == (8, 0)
+    alone = {"x": _Res(a), "y": _Res(a), "z": _Res(a)}
+    batched = {"x": _Res(b), "y": _Res(a), "z": _Res(a[:8])}
+    gaps = np.zeros((10, 16), np.float32)
+    gaps[4, 3] = 0.02
+    sf = lambda g: ScoreFile("s", "h", {"rank": (g > 0).astype(np.int64), "top1_logprob": np.zeros((10, 16), np.float32),
+                                        "logprob": -g})
+    noise = null.batch_noise(alone, batched, {"x": sf(np.zeros((10, 16), np.float32))}, {"x": sf(gaps)},
+                             ["x", "y", "z"], NUMERICS)
+    assert noise["flips"] == 2 and noise["segments"] == 3 and noise["max_gap"] == pytest.approx(0.02)
+    assert noise["flipped"]["x"] == {"frame": 4, "codebook": 3, "gap": pytest.approx(0.02)}
+    assert noise["flipped"]["z"] == {"frame": 8, "codebook": 0, "gap": None}  # unscored: no gap is guessed
+    assert null.unexplained(noise, 0.02) is None and "0.03 nats" in null.unexplained(noise, 0.03)
+    assert null.unexplained(None, 5.0) is None  # not measured: the per-token rule alone decides
+
+
+def test_judge_at_n_counts_flips_against_the_nulls_own():
+    policy = NullPolicy()
+    clean = {f"s{i}": _sf(1, 10, sid=f"s{i}") for i in range(4)}
+    noise = {"dtype": "bfloat16", "segments": 20, "flips": 9, "max_gap": 0.04, "flipped": {}}
+    ok = null.judge_at_n(clean, clean, noise, {"s0": (3, 1)}, policy, NUMERICS)
+    assert ok["verdict"] == "pass" and ok["flips"]["candidate"] == 1 and ok["flips"]["null"] == 9
+    assert ok["role"] == "candidate" and ok["sites"]["talker"]["alpha"] == pytest.approx(0.01 / 6)
+    assert ok["flips"]["alpha"] == pytest.approx(0.01 / 6)  # half the run's rate, over three tests
+    many = {f"s{i}": (1, 0) for i in range(20)}
+    few = {**noise, "flips": 1}
+    bad = null.judge_at_n(clean, clean, few, many, policy, NUMERICS)
+    assert bad["verdict"] == "concurrency_defect" and "20 of 20 greedy segments" in bad["summary"]
+    assert null.judge_at_n(clean, clean, few, many, policy, NUMERICS, at_one="talker_defect")["verdict"] == "talker_defect"
+    worse = {f"s{i}": _sf(1, 30, sid=f"s{i}") for i in range(4)}
+    assert null.judge_at_n(worse, clean, noise, {}, policy, NUMERICS)["verdict"] == "concurrency_defect"
+    # nothing to explain: no null decoded, a pass that says so
+    top1 = {f"s{i}": _sf(0, 0, sid=f"s{i}") for i in range(4)}
+    none = null.judge_at_n(top1, None, None, {}, policy, NUMERICS)
+    assert none["verdict"] == "pass" and not none["null_decoded"] and "flips" not in none

@@ -34,10 +34,12 @@ def overall(verdicts: list[SegmentVerdict], policy: Policy, run_findings: list |
 def build_report(verdicts: list[SegmentVerdict], policy: Policy, *, suite: dict | None = None,
                  reference: dict | None = None, candidate: dict | None = None,
                  concurrency: int | None = None, provenance: dict | None = None,
-                 warnings: list[str] | None = None, sampling: dict | None = None, null: dict | None = None) -> dict:
+                 warnings: list[str] | None = None, sampling: dict | None = None, null: dict | None = None,
+                 null_n: dict | None = None) -> dict:
     """`sampling`: the run-level sampling test (difftest/verdicts/sampling.py), None when nothing was
-    sampled; `null`: the measured null's test (difftest/verdicts/null.py), None when nothing was greedy."""
-    verdict, code = overall(verdicts, policy, [f for f in (sampling, null) if f])
+    sampled; `null`: the measured null's test at concurrency 1 (difftest/verdicts/null.py), None when
+    nothing was greedy; `null_n`: its test of the run at N (null.judge_at_n), None at concurrency 1."""
+    verdict, code = overall(verdicts, policy, [f for f in (sampling, null, null_n) if f])
     counts = Counter(v.verdict for v in verdicts)
     return {
         "format": FORMAT,
@@ -56,6 +58,7 @@ def build_report(verdicts: list[SegmentVerdict], policy: Policy, *, suite: dict 
         "segments": [v.to_json() for v in verdicts],
         "sampling": sampling,
         "measured_null": null,
+        "measured_null_at_n": null_n,
         "warnings": list(warnings or []),
     }
 
@@ -67,7 +70,7 @@ _SEGMENT_FIELDS = {"id": (str,), "verdict": (str,), "summary": (str,), "first_di
 _TOP_FIELDS = {"verdict": (str,), "segments": (list,), "suite": (dict, type(None)), "candidate": (dict, type(None)),
                "reference": (dict, type(None)), "concurrency": (int, type(None)), "provenance": (dict,),
                "counts": (dict,), "warnings": (list,), "sampling": (dict, type(None)),
-               "measured_null": (dict, type(None))}
+               "measured_null": (dict, type(None)), "measured_null_at_n": (dict, type(None))}
 
 
 def check_report(report, where: str | Path) -> dict:
@@ -113,9 +116,10 @@ def summary_lines(report: dict, limit: int = 20) -> list[str]:
     sampling = report.get("sampling")
     if sampling:
         lines.append(f"  sampling: {sampling['verdict']}: {sampling['summary']}")
-    null = report.get("measured_null")
-    if null and null["verdict"] != "pass":
-        lines.append(f"  measured null: {null['verdict']}: {null['summary']}")
+    for key, name in (("measured_null", "measured null"), ("measured_null_at_n", "measured null at N")):
+        null = report.get(key)
+        if null and null["verdict"] != "pass":
+            lines.append(f"  {name}: {null['verdict']}: {null['summary']}")
     shown = 0
     for s in segs:
         if s["verdict"] in ("identical", "numeric_drift"):

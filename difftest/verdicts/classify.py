@@ -28,6 +28,7 @@ from ..compare import align, forced, own_margins
 from ..compare.audio import ChunkMetrics, frame_metrics, log_mel, non_finite, reduce_frames
 from ..compare.codes import diff_codes
 from ..results import Result
+from . import null as measured_null
 from .policy import TIERS, Policy, chunk_tiers
 from .talker_input import DONOR_KIND, bf16_allowance, compare as compare_inputs, donor_of, inputs_of
 
@@ -58,6 +59,8 @@ class Evidence:
     repeat: Result | None = None  # the candidate at 1 again, after every other segment (reverse order)
     scores: dict = field(default_factory=dict)  # "candidate" / "control" -> teacher-forced ScoreFile of its codes
     other_inputs: dict = field(default_factory=dict)  # every other segment of the run -> qwen-tts's talker input
+    # what batching does to qwen-tts in the candidate's numerics (null.batch_noise); None: not measured
+    batch_noise: dict | None = None
 
 
 @dataclass
@@ -528,6 +531,10 @@ def _near_tie(ev: Evidence, policy: Policy, comps: dict) -> str | None:
                                  f"(policy: top-{policy.forced.near_tie_top_k}, gap <= {policy.forced.near_tie_max_gap})")
     if ok:
         ok = _own_near_tie(ev, policy, at, detail)
+    if ok and (why := measured_null.unexplained(ev.batch_noise, max(detail["gaps"]))) is not None:
+        ok, detail["why"] = False, why  # a near-tie by the line, but not what batching does in these numerics
+    if ev.batch_noise is not None:
+        detail["null_n"] = {k: ev.batch_noise[k] for k in ("dtype", "segments", "flips", "max_gap")}
     comps["near_tie"] = {**detail, "near_tie": ok}
     if not ok:
         return None

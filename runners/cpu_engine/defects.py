@@ -110,6 +110,14 @@ A defect below every per-token line (issue #28), for the measured null (difftest
   prompt embeddings are scaled by 0.97 on their way into the talker; the builder's inputs, the
   capture and the hand-off are untouched. Every task. Acts in: engine._talker.
 
+A concurrency defect below every per-token line (issue #28), for the null at N:
+
+- `cobatch-blend` (what a co-batched request is conditioned on altered a little: state shared
+  across a batch's rows, a mask or an offset off by a row, the family of the seed's leak without its
+  size). Every request of a batch but the first has 3% of the first one's prompt embeddings blended
+  into its own on their way into the talker. Exact at concurrency 1 (a batch of one); at N the
+  codes part from those at 1 on near-ties and stay plausible. Acts in: engine._talker.
+
 Where each lives upstream: docs/cpu-engine.md.
 """
 
@@ -216,10 +224,16 @@ DEFECTS: dict[str, dict] = {
         "summary": "the talker's prompt embeddings are scaled by 0.97 on their way in",
         "concurrency_only": False, "talker": True,
     },
+    "cobatch-blend": {
+        "family": ["another request's conditioning in a co-batched request's prompt, a little (the seed's family)"],
+        "summary": "3% of a batch's first prompt is blended into every other request's prompt embeddings",
+        "concurrency_only": True, "talker": True,
+    },
 }
 
 TRUNCATED_REF_FRAMES = 2
 EMBEDS_SCALE = 0.97
+BLEND = 0.03
 SPEAKER_SCALE = 0.9
 HOT_TEMPERATURE = 1.5
 NARROW_TOP_K = 5

@@ -208,6 +208,8 @@ class BatchEngine:
             _pad_talker_prompt(tts.model.talker, defects.PADDED_ROWS)
         elif self.defect == "prompt-embeds-scaled":
             _scale_talker_prompt(tts.model.talker, defects.EMBEDS_SCALE)
+        elif self.defect == "cobatch-blend":
+            _blend_talker_prompt(tts.model.talker, defects.BLEND)
         capture.codes = capture.inputs = None
         try:
             # Clean: a sampled request is always alone here, seeded with its own seed, which is
@@ -224,7 +226,7 @@ class BatchEngine:
                                           **kwargs)
         finally:
             del st.decode
-            if self.defect in ("prompt-padded", "prompt-embeds-scaled"):
+            if self.defect in ("prompt-padded", "prompt-embeds-scaled", "cobatch-blend"):
                 del tts.model.talker.generate
         if capture.codes is None or len(capture.codes) != len(jobs):
             raise RuntimeError(f"qwen-tts returned {0 if capture.codes is None else len(capture.codes)} code "
@@ -294,3 +296,18 @@ def _scale_talker_prompt(talker, scale: float) -> None:
         return inner(talker, inputs_embeds=inputs_embeds * scale, **kwargs)
 
     talker.generate = scaled_generate
+
+
+def _blend_talker_prompt(talker, share: float) -> None:
+    """cobatch-blend: shadow `talker.generate` (an instance attribute; the caller deletes it) so that
+    every row of a batch but the first gets `share` of the first row's prompt embeddings (the prompts
+    are left-padded, so their ends line up). A batch of one is untouched."""
+    inner = type(talker).generate
+
+    def blended_generate(inputs_embeds=None, **kwargs):
+        if inputs_embeds.shape[0] > 1:
+            inputs_embeds = inputs_embeds.clone()
+            inputs_embeds[1:] = (1 - share) * inputs_embeds[1:] + share * inputs_embeds[:1]
+        return inner(talker, inputs_embeds=inputs_embeds, **kwargs)
+
+    talker.generate = blended_generate
