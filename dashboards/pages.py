@@ -352,8 +352,55 @@ def run_page(run, ctx: Context) -> str:
                    run=run, line=run.line, tags=t, stats=st, cards=cards, change=ch,
                    previous=ctx.runs.get(ch.previous) if ch else None,
                    heat=heatmap(run), diverged=diverged_segments(rep), failing=set(run.failing), facts=facts,
+                   nulls=null_tests(rep),
                    ml=mlflow_url(ctx, run.experiment_id, run.run_id),
                    children={sid: mlflow_url(ctx, run.experiment_id, cid) for sid, cid in run.children.items()})
+
+
+# -- the measured null ----------------------------------------------------------------------------------
+NULL_TESTS = (("measured_null", "at concurrency 1"), ("measured_null_at_n", "at concurrency N"))
+SITE_NAMES = {"talker": "talker (codebook 0)", "code_predictor": "code predictor (codebooks 1-15)"}
+
+
+def null_tests(report: dict) -> list[dict]:
+    """The run's tests against the measured null, a row per test: the candidate's count beside the
+    null's (qwen-tts in the candidate's numerics), the p-value and its alpha, and the decision."""
+    rows = []
+    for key, where in NULL_TESTS:
+        f = report.get(key)
+        if not isinstance(f, dict):
+            continue
+        failed = f.get("verdict") != "pass"
+        mine = []
+        for site, e in (f.get("sites") or {}).items():
+            c, n = e.get("candidate") or {}, e.get("null")
+            mine.append({"what": f"{SITE_NAMES.get(site, site)}: tokens off qwen-tts's top-1",
+                         "candidate": f"{c.get('off_top1')} of {c.get('tokens')}",
+                         "null": f"{n['off_top1']} of {n['tokens']}" if n else "not decoded (all top-1)",
+                         "p": e.get("p_value"), "alpha": e.get("alpha"), "flagged": failed and f.get("site") == site})
+        flips = f.get("flips") or {}
+        if flips.get("null") is not None:
+            ties = f" (ties up to {flips['null_max_gap']:.3g} nats)" if flips.get("null_max_gap") else ""
+            mine.append({"what": "segments whose codes at N part from those at 1",
+                         "candidate": f"{flips['candidate']} of {flips['segments']}",
+                         "null": f"{flips['null']} of {flips['segments']}{ties}", "p": flips.get("p_value"),
+                         "alpha": flips.get("alpha"), "flagged": failed and "part from their codes at 1" in f.get("summary", "")})
+        numerics = f.get("numerics") or {}
+        for i, r in enumerate(mine):
+            rows.append({**r, "where": where,
+                         "numerics": f"{numerics.get('dtype', '?')} ({numerics.get('from', '?')})" if i == 0 else None})
+    return rows
+
+
+def segment_null(report: dict, sid: str) -> list[dict]:
+    """This segment beside the measured null: per test and site, its tokens off the top-1 and the null's."""
+    rows = []
+    for key, where in NULL_TESTS:
+        per = ((report.get(key) or {}).get("segments") or {}).get(sid) or {}
+        for site, (cand, null, tokens) in per.items():
+            rows.append({"where": where, "site": SITE_NAMES.get(site, site), "candidate": cand,
+                         "null": "not decoded" if null is None else null, "tokens": tokens})
+    return rows
 
 
 # -- a diverged segment ---------------------------------------------------------------------------------
@@ -495,6 +542,8 @@ def segment_page(run, index: int, seg: dict, ctx: Context) -> str:
                    players=players, chunks=per_chunk(seg), close=model.close_logmel(run.report),
                    specdiff=href(*media["specdiff"].split("/")) if media.get("specdiff") else None,
                    codes=codes_at_divergence(seg), codes_note=codes_agree_note(seg), donor=donor(run, seg),
+                   nulls=segment_null(run.report, seg["id"]),
+                   tie=((seg.get("comparisons") or {}).get("near_tie") or {}).get("null_n"),
                    forced=forced_plot(seg, ((run.report.get("policy") or {}).get("forced") or {}).get("max_gap")),
                    ml=mlflow_url(ctx, run.experiment_id, run.run_id),
                    ml_child=mlflow_url(ctx, run.experiment_id, run.children[seg["id"]])

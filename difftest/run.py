@@ -274,22 +274,22 @@ def score_streams(scorer: Scorer, suite: Suite, outcomes: dict, only: set | None
 
 
 def null_finding(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine, ref_run, control: dict,
-                 numerics: dict, policy: Policy, share: float = 1.0) -> tuple[dict | None, list[str]]:
+                 numerics: dict, policy: Policy, share: float = 1.0) -> tuple[dict | None, list[str], tuple | None]:
     """The measured null's run-level test of the candidate's streams at concurrency 1 (`control`:
-    segment -> ScoreFile), and warnings for the segments it could not decode or score. The null is
-    qwen-tts in the candidate talker's dtype (`numerics`): the reference itself when that is the
-    reference's own, else decoded (codes only, cached in the store) now; none at all when no greedy
-    token needs explaining. `share`: the part of the run's false-flag rate it spends."""
+    segment -> ScoreFile), warnings for the segments it could not decode or score, and the null
+    itself (`_null_alone`'s answer, for the run at N; None when not decoded). The null is qwen-tts
+    in the candidate talker's dtype (`numerics`): the reference itself when that is the reference's
+    own, else decoded (codes only, cached in the store) now; none at all when no greedy token needs
+    explaining. `share`: the part of the run's false-flag rate it spends."""
     if not measured_null.needed(control):
-        return measured_null.judge(control, None, policy.null, numerics, share=share), []
-    null_run, null_scores, warnings = _null_alone(suite, scorer, ref_engine, ref_run, numerics,
-                                                  [s for s in suite.segments if s.id in control])
-    return measured_null.judge(control, null_scores, policy.null, numerics, share=share), warnings
+        return measured_null.judge(control, None, policy.null, numerics, share=share), [], None
+    alone = _null_alone(suite, scorer, ref_engine, ref_run, numerics, [s for s in suite.segments if s.id in control])
+    return measured_null.judge(control, alone[1], policy.null, numerics, share=share), alone[2], alone
 
 
 def _null_alone(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine, ref_run, numerics: dict, segments: list):
     """qwen-tts in the null's dtype, each segment alone (the reference itself where that is its own
-    dtype), teacher-forced: (its run, segment -> ScoreFile, warnings). Sets numerics["null"]."""
+    dtype), teacher-forced: (its run, segment -> ScoreFile, warnings, what it is). Sets numerics["null"]."""
     dtype = numerics["dtype"]
     own = dtype == ref_run.fingerprint.get("dtype")
     null_run = ref_run if own else ref_engine.generate(segments, dtype=dtype, codes_only=True)
@@ -298,16 +298,16 @@ def _null_alone(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine, ref_r
     wanted = {s.id for s in segments}
     warnings = [f"{sid}: measured null: {e['message']}" for sid, e in null_run.errors.items() if sid in wanted]
     warnings += [f"{sid}: measured null, teacher forcing: {m}" for sid, m in errors["null"].items()]
-    return null_run, got["null"], warnings
+    return null_run, got["null"], warnings, numerics["null"]
 
 
 def null_at_n_finding(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine, ref_run, cand, ctrl,
-                      scores_n: dict, numerics: dict, policy: Policy,
-                      at_one: str | None) -> tuple[dict | None, dict | None, list[str]]:
+                      scores_n: dict, numerics: dict, policy: Policy, at_one: str | None,
+                      alone: tuple | None = None) -> tuple[dict | None, dict | None, list[str]]:
     """The run at concurrency N against the null batched as its waves (difftest/verdicts/null.py):
     (the run-level finding, the null's batch noise for the near-tie rule, warnings). Nothing is
     decoded where nothing needs explaining: no greedy segment's codes part between 1 and N, and
-    every greedy token at N is qwen-tts's top-1."""
+    every greedy token at N is qwen-tts's top-1. `alone`: the null at 1, where already decoded."""
     groups = measured_null.batch_groups(suite.segments, cand.batches)
     ids = [s.id for g in groups for s in g
            if s.id in cand.results and s.id in ctrl.results and cand.results[s.id].has_codes
@@ -319,7 +319,13 @@ def null_at_n_finding(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine,
     if not flips and not measured_null.needed(scored):
         return measured_null.judge_at_n(scored, None, None, {}, policy.null, numerics, at_one), None, []
     segments = [s for g in groups for s in g if s.id in set(ids)]
-    alone, alone_scores, warnings = _null_alone(suite, scorer, ref_engine, ref_run, numerics, segments)
+    if alone is None or not set(ids) <= set(alone[0].results) | set(alone[0].errors):
+        alone = _null_alone(suite, scorer, ref_engine, ref_run, numerics, segments)
+        warnings = alone[2]
+    else:
+        warnings = []  # said already, at 1
+        numerics["null"] = alone[3]
+    alone, alone_scores = alone[0], alone[1]
     batched = ref_engine.generate_waves([[s for s in g if s.id in set(ids)] for g in groups
                                          if any(s.id in set(ids) for s in g)], dtype=numerics["dtype"])
     got, errors = score_streams(scorer, suite, {"null_n": batched}, set(ids))
@@ -473,11 +479,11 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
             numerics = {"dtype": dtype, "from": source}
             ref_engine = ReferenceEngine(runner, store.root, opts.reference.timeout)
             at_n = opts.concurrency > 1  # the run at N spends half the false-flag rate (null.judge_at_n)
-            null, null_warnings = null_finding(suite, scorer, ref_engine, ref_run, scores[0]["control"],
-                                               numerics, policy, share=0.5 if at_n else 1.0)
+            null, null_warnings, alone = null_finding(suite, scorer, ref_engine, ref_run, scores[0]["control"],
+                                                      numerics, policy, share=0.5 if at_n else 1.0)
             null_n, noise, warnings_n = (null_at_n_finding(suite, scorer, ref_engine, ref_run, cand, ctrl,
                                                            scores[0]["candidate"], numerics, policy,
-                                                           null and null["verdict"])
+                                                           null and null["verdict"], alone)
                                          if at_n else (None, None, []))
             null_warnings += warnings_n
         print(f"cross-decodes: {len(_segments_with_codes(cand.results))} segments through the reference vocoder",

@@ -754,3 +754,46 @@ def test_the_segment_page_plots_the_teacher_forced_trace():
     assert "codebook-0 top-1 at 50% of frames; worst codebook-0 rank shown 400" in page
     del seg["comparisons"]["forced"]
     assert "Not scored" in pages.segment_page(run, 0, seg, pages.Context(ui_url="http://x", uri="u", built="now"))
+
+
+def test_the_run_and_segment_pages_show_the_candidate_beside_the_measured_null():
+    """report.json's measured null (at 1 and at N) becomes a table on the run page, the segment's own
+    counts and its flip's batch noise a table and a line on the segment page; a failing test is marked."""
+    from dashboards import pages
+    from dashboards.gather import Run
+
+    seg = {"id": "a", "verdict": "concurrency_defect", "stage": "talker", "first_divergent_chunk": 0,
+           "first_divergent_frame": 3, "notes": [], "summary": "codes at N ...",
+           "comparisons": {"near_tie": {"near_tie": False, "null_n": {"dtype": "float32", "segments": 20,
+                                                                       "flips": 0, "max_gap": None}}}}
+    site = {"candidate": {"tokens": 1860, "off_top1": 55, "rate": 0.0296}, "null": {"tokens": 1860, "off_top1": 0},
+            "p_value": 6.3e-13, "alpha": 0.00167}
+    report = {"verdict": "fail", "segments": [seg], "failing": ["a"], "warnings": [],
+              "measured_null": {"verdict": "pass", "numerics": {"dtype": "float32", "from": "the engine's identity"},
+                                "sites": {"talker": {"candidate": {"tokens": 124, "off_top1": 0}, "p_value": 1.0,
+                                                     "alpha": 0.0025}},
+                                "segments": {"a": {"talker": [0, None, 31]}}},
+              "measured_null_at_n": {"verdict": "concurrency_defect", "site": "code_predictor",
+                                     "numerics": {"dtype": "float32", "from": "the engine's identity"},
+                                     "summary": "the candidate's greedy code predictor tokens ...",
+                                     "sites": {"code_predictor": site},
+                                     "flips": {"candidate": 3, "segments": 4, "null": 0, "null_max_gap": None,
+                                               "p_value": 0.216, "alpha": 0.00167},
+                                     "segments": {"a": {"code_predictor": [20, 0, 465]}}}}
+    run = Run("r1", "1", "difftest/toy", "n", 0, {"verdict": "fail"}, {}, report, "report.json", media={})
+    rows = pages.null_tests(report)
+    assert [(r["where"], r["candidate"], r["null"], r["flagged"]) for r in rows] == [
+        ("at concurrency 1", "0 of 124", "not decoded (all top-1)", False),
+        ("at concurrency N", "55 of 1860", "0 of 1860", True),
+        ("at concurrency N", "3 of 4", "0 of 4", False)]
+    assert rows[1]["numerics"] == "float32 (the engine's identity)" and rows[2]["numerics"] is None
+    ctx = pages.Context(ui_url="http://x", uri="u", built="now")
+    page = pages.segment_page(run, 0, seg, ctx)
+    assert "Beside the measured null" in page and "never" not in page
+    assert "parts from itself alone in 0 of 20 segments" in page
+    assert pages.segment_null(report, "a") == [
+        {"where": "at concurrency 1", "site": "talker (codebook 0)", "candidate": 0, "null": "not decoded", "tokens": 31},
+        {"where": "at concurrency N", "site": "code predictor (codebooks 1-15)", "candidate": 20, "null": 0,
+         "tokens": 465}]
+    del report["measured_null"], report["measured_null_at_n"], seg["comparisons"]["near_tie"]
+    assert pages.null_tests(report) == [] and "Beside the measured null" not in pages.segment_page(run, 0, seg, ctx)

@@ -187,14 +187,19 @@ def parent_metrics(report: dict) -> dict[str, float]:
     for k, v in (_at(report, "provenance.timings") or {}).items():  # what `difftest run` measured
         if (x := finite(k, v)) is not None:
             out[_key(f"timing.{k}")] = x
-    null = report.get("measured_null") or {}
-    for site, e in (null.get("sites") or {}).items():  # the candidate beside the measured null
-        out[f"null.{site}.p_value"] = float(e["p_value"])
-        out[f"null.{site}.candidate_rate"] = float(e["candidate"]["rate"])
-        if "null" in e:
-            out[f"null.{site}.null_rate"] = float(e["null"]["rate"])
-    if null:
-        out["null.pass"] = 1.0 if null.get("verdict") == "pass" else 0.0
+    for key, prefix in (("measured_null", "null"), ("measured_null_at_n", "null_n")):
+        null = report.get(key) or {}
+        for site, e in (null.get("sites") or {}).items():  # the candidate beside the measured null
+            out[f"{prefix}.{site}.p_value"] = float(e["p_value"])
+            out[f"{prefix}.{site}.candidate_rate"] = float(e["candidate"]["rate"])
+            if "null" in e:
+                out[f"{prefix}.{site}.null_rate"] = float(e["null"]["rate"])
+        flips = null.get("flips") or {}
+        if flips.get("null") is not None:  # segments whose codes part between 1 and N: the candidate's, the null's
+            out.update({f"{prefix}.flips.candidate": float(flips["candidate"]), f"{prefix}.flips.null": float(flips["null"]),
+                        f"{prefix}.flips.p_value": float(flips["p_value"])})
+        if null:
+            out[f"{prefix}.pass"] = 1.0 if null.get("verdict") == "pass" else 0.0
     return out
 
 
