@@ -33,6 +33,9 @@ import numpy as np
 
 from ..engines.capture import INPUT
 from ..results import Result
+from .encoder import encoder_disagrees
+from .evidence import Evidence, Finding, same, talker_stage
+from .policy import Policy
 
 NAMES = {"input_text_ids": "text ids", "input_instruct_ids": "instruction ids",
          "input_ref_text_ids": "reference text ids", "input_ref_codes": "reference codes",
@@ -150,3 +153,52 @@ def donor_of(m: Mismatch, mine: dict, others: dict[str, dict], peers: set, right
         if _matches(m.field, mine, others[sid]):
             return sid
     return None
+
+
+def input_findings(ev: Evidence, comps: dict, notes: list, policy: Policy) -> list[Finding]:
+    """What the talker's prompt was made of against what qwen-tts made it of (verdicts/talker_input)."""
+    theirs, mine = inputs_of(ev.reference), inputs_of(ev.candidate)
+    if mine is None:
+        notes.append("the talker's input was not captured: text, language, speaker and layout judged only "
+                     "through the codes")
+        return []
+    if theirs is None:
+        notes.append("no talker input from qwen-tts (a reference from before it was recorded): not compared")
+        return []
+    wrong, why = compare(mine, theirs)
+    notes += why
+    talker = talker_stage(ev.candidate)
+    encoded = talker["ref_codes"] if talker is not None else ev.candidate.ref_codes  # the engine's encoder's
+    # The prompt's reference codes being the engine's own encoder's, whether that encoder agrees with
+    # qwen-tts's (within bf16's allowance) is the encoder check's to say (reference_encoder_defect).
+    wrong = [m for m in wrong if not (m.field == "input_ref_codes" and same(mine["input_ref_codes"], encoded))]
+    comps["talker_input"] = {"differ": [m.field for m in wrong]}
+    a, b = mine["input_speaker_embedding"], theirs["input_speaker_embedding"]
+    if a.size and a.shape == b.shape:  # measured in every run: what a tolerance would rest on
+        comps["talker_input"]["speaker_max_abs"] = float(np.abs(a - b).max())
+    twin, allowed = theirs.get("speaker_embedding_bf16"), bf16_allowance(mine, theirs)
+    if a.size and twin is not None and a.shape == twin.shape and allowed is not None:  # qwen-tts's own, in bf16
+        comps["talker_input"] |= {"speaker_max_abs_bf16": float(np.abs(a - twin).max()), "speaker_allowed_bf16": allowed}
+    if not wrong:
+        return []
+    at_one = inputs_of(ev.control)
+    wrong_at_one = {m.field for m in compare(at_one, theirs)[0]} if at_one is not None else None
+    m = wrong[0]
+    right_at_one = wrong_at_one is not None and m.field not in wrong_at_one
+    where = " at concurrency N (right at 1)" if right_at_one else " at concurrency 1 as well" if wrong_at_one else ""
+    also = f"; also: {', '.join(x.name for x in wrong[1:])}" if len(wrong) > 1 else ""
+    donor = donor_of(m, mine, ev.other_inputs, set(ev.peer_ref_codes), right_at_one)
+    if donor:
+        return [Finding("contamination", f"the talker was prompted with {donor}'s {m.name}{where}{also}",
+                         frame=0, chunk=0, stage="talker_input", donor=donor, donor_kind=DONOR_KIND[m.field])]
+    theirs_ref = ev.reference.ref_codes
+    if ([x.field for x in wrong] == ["input_speaker_embedding"] and len(theirs_ref)
+            and encoder_disagrees(theirs_ref, encoded, policy, ev.reference.extra.get("ref_codes_bf16"))):
+        # both of the engine's encoders disagree with qwen-tts's on this voice, each beyond what the encoder
+        # check allows (a bf16 encoder's codes always differ some from float32's): the audio that reached them
+        return [Finding("reference_encoder_defect",
+                         f"the voice's speaker embedding and its reference codes both differ from what qwen-tts's "
+                         f"encoders make of it: the reference audio reached the engine changed{where}",
+                         frame=0, chunk=0, stage="reference_encoder")]
+    return [Finding("talker_defect", f"the talker's input differs from qwen-tts's in its {m.name}, at position {m.at}: "
+                     f"{m.mine} against {m.theirs}{where}{also}", frame=0, chunk=0, stage="talker_input")]

@@ -1,0 +1,121 @@
+"""Concurrency: the candidate at N against itself at 1, codes then audio, and when its codes part
+on a near-tie, whether that is numerics: the per-token line, the candidate's own logits, and
+the measured null's batch noise (verdicts/null.py)."""
+
+from __future__ import annotations
+
+from ..compare import forced, own_margins
+from ..compare.codes import diff_codes
+from . import null as measured_null
+from .evidence import Audio, Evidence, Finding, chunk_of, code_json
+from .policy import TIERS, Policy
+
+
+def concurrency_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict, kind: str = "concurrency_defect",
+                          later: str = "at concurrency N", first: str = "concurrency 1",
+                          key: str = "concurrency") -> list[Finding]:
+    """The candidate (`later`) against the control (`first`): codes, then audio, chunk by chunk."""
+    cand, ctrl = ev.candidate, ev.control
+    out = []
+    if cand.has_codes and ctrl.has_codes:
+        d = diff_codes(ctrl.codes, cand.codes, ev.initial_frames, ev.chunk_frames)
+        comps[f"{key}_codes"] = code_json(d)
+        if not d.equal:
+            f = d.first_divergent_frame
+            chunk = chunk_of(f, max(d.len_a, d.len_b), ev)
+            tie = _near_tie(ev, policy, comps) if key == "concurrency" else None
+            # why the flip is no near-tie: only where this check asked (the repeat check never does, and
+            # comps["near_tie"] may hold the concurrency check's answer, a near-tie without a "why")
+            why = comps["near_tie"].get("why") if key == "concurrency" and "near_tie" in comps else None
+            if tie:
+                out.append(Finding("code_divergence", f"codes {later} part from {first} at frame {f} on a near-tie "
+                                                       f"under qwen-tts ({tie}), and stay plausible after it",
+                                    frame=f, chunk=chunk, stage="talker"))
+                return out
+            out.append(Finding(kind, f"codes {later} differ from {first} from frame {f} "
+                                      f"({d.len_b} against {d.len_a} frames)"
+                                + (f": not a near-tie ({why})" if why else ""),
+                                frame=f, chunk=chunk, stage="talker"))
+            return out
+    audio = Audio(ctrl, cand, ev, policy, mels)
+    comps[key] = audio.to_json()
+    if audio.length_gap:
+        out.append(Finding(kind, f"audio {later} has {audio.len_b} samples, {first} {audio.len_a}",
+                            frame=min(audio.len_a, audio.len_b) // 1920, stage="vocoder"))
+        return out
+    frame, chunk = audio.first_bad(policy.tier_index("concurrency"), policy)
+    if chunk is not None:
+        stage = "vocoder" if cand.has_codes and ctrl.has_codes else None
+        out.append(Finding(kind, f"audio {later} leaves {first}'s from chunk {chunk} "
+                                  f"(tier {TIERS[audio.tiers[chunk]]}, log-mel {audio.chunks.logmel[chunk]:.3g})",
+                            frame=frame, chunk=chunk, stage=stage))
+    return out
+
+
+
+def _near_tie(ev: Evidence, policy: Policy, comps: dict) -> str | None:
+    """Where the candidate at N and at 1 part on greedy codes: a description when it is a near-tie
+    (both tokens in qwen-tts's top-k, each close to its top-1, and the stream at N plausible after),
+    else None with the reason in comps["near_tie"]."""
+    a, b = ev.scores.get("control"), ev.scores.get("candidate")
+    if a is None or b is None or forced.sampled(a) or forced.sampled(b):
+        return None  # a sampled flip is a different draw: no near-tie explains it
+    at = forced.first_difference(ev.control.codes, ev.candidate.codes)
+    if at is None:
+        return None
+    ok, detail = forced.near_tie(a, b, at, policy.forced)
+    if ok:
+        later = forced.implausible(b, policy.forced)
+        if later is not None:
+            ok, detail["why"] = False, f"the stream at N is implausible after it: {later.reason}"
+    else:
+        detail.setdefault("why", f"ranks {detail.get('ranks')} and gaps {detail.get('gaps')} nats under qwen-tts "
+                                 f"(policy: top-{policy.forced.near_tie_top_k}, gap <= {policy.forced.near_tie_max_gap})")
+    if ok:
+        ok = _own_near_tie(ev, policy, at, detail)
+    if ok and (why := measured_null.unexplained(ev.batch_noise, max(detail["gaps"]))) is not None:
+        ok, detail["why"] = False, why  # a near-tie by the line, but not what batching does in these numerics
+    if ev.batch_noise is not None:
+        detail["null_n"] = {k: ev.batch_noise[k] for k in ("dtype", "segments", "flips", "max_gap")}
+    comps["near_tie"] = {**detail, "near_tie": ok}
+    if not ok:
+        return None
+    return (f"codebook {at[1]}: ranks {detail['ranks'][0]} and {detail['ranks'][1]}, "
+            f"{max(detail['gaps']):.2g} nats from the top-1")
+
+
+
+def _own_near_tie(ev: Evidence, policy: Policy, at: tuple[int, int], detail: dict) -> bool:
+    """The flip under the candidate's own logits, where both runs captured them (codebook 0 only):
+    a near-tie for qwen-tts must be one for the candidate too. Recorded in detail["candidate_own"]."""
+    own_1, own_n = own_margins.of(ev.control.extra), own_margins.of(ev.candidate.extra)
+    if own_1 is None or own_n is None:
+        detail["candidate_own"] = "not captured"
+        return True
+    f, c = at
+    if c != 0:
+        detail["candidate_own"] = f"codebook {c}: the candidate's own margins are captured for codebook 0 only"
+        return True
+    for name, own, res in (("at 1", own_1, ev.control), ("at N", own_n, ev.candidate)):
+        why = own_margins.consistency(own, res.codes, greedy=True)
+        if why is not None:
+            detail["candidate_own"] = f"unusable {name}: {why}"
+            return True
+    if f >= min(len(own_1.ids), len(own_n.ids)):
+        detail["candidate_own"] = "a run ends there"
+        return True
+    p = policy.forced
+    ok, own = own_margins.near_tie(own_1, own_n, f, p.near_tie_top_k, p.near_tie_max_gap)
+    detail["candidate_own"] = own
+    if not ok:
+        detail["why"] = (f"a near-tie under qwen-tts, not under the candidate's own logits (ranks and gaps "
+                         f"{_own_brief(own)}; policy: top-{p.near_tie_top_k}, gap <= {p.near_tie_max_gap})")
+    return ok
+
+
+
+def _own_brief(own: dict) -> str:
+    def one(t: dict) -> str:
+        rank = ">k" if t["rank"] is None else t["rank"]
+        return f"{t['token']} rank {rank}" + ("" if t["gap"] is None else f" gap {t['gap']:.3g}")
+    return "; ".join(f"{run}: " + ", ".join(one(t) for t in toks.values()) for run, toks in own.items())

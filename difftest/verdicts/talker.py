@@ -1,0 +1,37 @@
+"""The talker's output: the candidate's codes teacher-forced under qwen-tts's talker, in the
+context the candidate's talker had (difftest/compare/forced.py)."""
+
+from __future__ import annotations
+
+from ..compare import forced, own_margins
+from .evidence import Evidence, Finding, chunk_of
+from .policy import Policy
+
+
+def forced_findings(ev: Evidence, policy: Policy, comps: dict) -> list[Finding]:
+    """The candidate's codes under teacher forcing: a stream qwen-tts could not have decoded as asked
+    (conditioned on the candidate's own reference codes) is the talker's defect, at any concurrency."""
+    sf = ev.scores.get("candidate")
+    if sf is None:
+        return []
+    comps["forced"] = forced.summary(sf)
+    bad = forced.implausible(sf, policy.forced)
+    at = forced.first_difference(ev.reference.codes, ev.candidate.codes) if ev.reference is not None else None
+    comps["forced"]["trace"] = forced.trace(sf, bad.frame if bad is not None else at[0] if at else None)
+    own = own_margins.of(ev.candidate.extra)
+    if own is not None:  # how closely the candidate's own talker agrees with qwen-tts's, token by token
+        greedy = not sf.settings.get("do_sample")
+        why = own_margins.consistency(own, ev.candidate.codes, greedy=greedy)
+        # sampled: qwen-tts's forced log-probabilities include the temperature, the capture's do not
+        comps["forced"]["own_logprob_gap"] = (
+            None if why or not greedy else own_margins.logprob_agreement(own, sf.arrays["logprob"][:, 0]))
+        if why:
+            comps["forced"]["own_unusable"] = why
+        else:  # the candidate's own top-1/top-2 margin per frame, beside qwen-tts's trace (MLflow step = frame)
+            t = comps["forced"]["trace"]
+            comps["forced"]["trace"]["own_margin_codebook0"] = own_margins.margins(own, t["start"], t["end"])
+    if bad is None:
+        return []
+    return [Finding("talker_defect", f"teacher-forced under qwen-tts, the candidate's codes are not what its talker "
+                                      f"should decode: {bad.reason}",
+                     frame=bad.frame, chunk=chunk_of(bad.frame, len(ev.candidate.codes), ev), stage="talker")]

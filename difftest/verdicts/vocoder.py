@@ -1,0 +1,48 @@
+"""The vocoder: the candidate's audio against the reference vocoder on the candidate's own codes,
+and where it parts, against the same with each co-batched request's reference codes."""
+
+from __future__ import annotations
+
+from .evidence import Audio, Evidence, Finding, ranges
+from .policy import Policy
+
+
+def vocoder_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> list[Finding]:
+    cand, cross = ev.candidate, ev.cross_own
+    audio = Audio(cross, cand, ev, policy, mels)
+    comps["vocoder"] = audio.to_json()
+    allowed = policy.tier_index("vocoder")
+    frame, chunk = audio.first_bad(allowed, policy)
+    if audio.length_gap:
+        frames = audio.length_gap / 1920
+        extra = (f"; the extra {frames:.0f} frames equal the reference codes' length: reference audio left in the output?"
+                 if len(cand.ref_codes) and round(frames) == len(cand.ref_codes) and cand.codes.size else "")
+        if frame is None:  # the common part agrees: the difference starts where one side ends
+            frame = min(audio.len_a, audio.len_b) // 1920
+        return [Finding("vocoder_length",
+                         f"candidate audio has {audio.len_b} samples, its codes decode to {audio.len_a}{extra}",
+                         frame=frame, chunk=chunk, stage="vocoder")]
+    if chunk is None:
+        return []
+    bad = audio.bad_chunks(allowed)
+    own = float(audio.chunks.logmel[bad].mean())
+    scores = {}
+    for peer, x in sorted(ev.cross_donors.items()):
+        if len(x.grid_wav) != len(cross.grid_wav):
+            continue
+        alt = Audio(x, cand, ev, policy, mels)
+        scores[peer] = float(alt.chunks.logmel[bad].mean())
+    comps["donor_search"] = {"own_logmel": own, "peers_logmel": scores, "chunks": bad.tolist()}
+    if scores:
+        donor = min(scores, key=scores.get)
+        if scores[donor] <= policy.donor_max_ratio * own:
+            ties = [p for p in scores if p != donor and scores[p] == scores[donor]]
+            same = f" (as well with {', '.join(ties)}'s: the same voice)" if ties else ""
+            return [Finding("contamination",
+                             f"chunks {ranges(bad)} decode as if with {donor}'s reference codes "
+                             f"(log-mel distance {scores[donor]:.3g} against {own:.3g} with its own){same}",
+                             frame=frame, chunk=chunk, stage="handoff", donor=donor, donor_kind="codes")]
+    return [Finding("vocoder_defect",
+                     f"candidate audio leaves the reference vocoder's output on its own codes from chunk {chunk} "
+                     f"(chunks {ranges(bad)}, worst log-mel distance {audio.chunks.logmel[bad].max():.3g})",
+                     frame=frame, chunk=chunk, stage="vocoder")]
