@@ -21,8 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from difftest.engines.reference import (  # noqa: E402
-    ReferenceEngine, ReferenceOptions, reference_python, tiny_checkpoints)
+from difftest.engines.reference import ReferenceEngine, ReferenceOptions, reference_python, tiny_checkpoints  # noqa: E402
 from difftest.engines.scorer import Scorer  # noqa: E402
 from difftest.progress import Progress  # noqa: E402
 from difftest.run import score_streams, start_reference_runner  # noqa: E402

@@ -366,7 +366,7 @@ def null_tests(report: dict) -> list[dict]:
     """The run's tests against the measured null, a row per test: the candidate's count beside the
     null's (qwen-tts in the candidate's numerics), the p-value and its alpha, and the decision."""
     rows = []
-    for key, where in NULL_TESTS:
+    for key, run_at in NULL_TESTS:
         f = report.get(key)
         if not isinstance(f, dict):
             continue
@@ -387,7 +387,7 @@ def null_tests(report: dict) -> list[dict]:
                          "alpha": flips.get("alpha"), "flagged": failed and "part from their codes at 1" in f.get("summary", "")})
         numerics = f.get("numerics") or {}
         for i, r in enumerate(mine):
-            rows.append({**r, "where": where,
+            rows.append({**r, "where": run_at,
                          "numerics": f"{numerics.get('dtype', '?')} ({numerics.get('from', '?')})" if i == 0 else None})
     return rows
 
@@ -395,10 +395,10 @@ def null_tests(report: dict) -> list[dict]:
 def segment_null(report: dict, sid: str) -> list[dict]:
     """This segment beside the measured null: per test and site, its tokens off the top-1 and the null's."""
     rows = []
-    for key, where in NULL_TESTS:
+    for key, run_at in NULL_TESTS:
         per = ((report.get(key) or {}).get("segments") or {}).get(sid) or {}
         for site, (cand, null, tokens) in per.items():
-            rows.append({"where": where, "site": SITE_NAMES.get(site, site), "candidate": cand,
+            rows.append({"where": run_at, "site": SITE_NAMES.get(site, site), "candidate": cand,
                          "null": "not decoded" if null is None else null, "tokens": tokens})
     return rows
 

@@ -76,9 +76,7 @@ def build(uri: str, site: str | Path, *, ui_url: str = "http://127.0.0.1:5000", 
           title: str = "difftest dashboard") -> Built:
     """Gather from the MLflow store at `uri` and write the site into `site`. Raises BadInput for an
     unusable --out or a missing local store, tracking.TrackingUnavailable when MLflow cannot be read."""
-    from difftest.records.tracking import mlflow_client
-
-    from difftest.records.tracking import check_tracking_uri
+    from difftest.records.tracking import check_tracking_uri, mlflow_client
 
     site = Path(site)
     check_tracking_uri(uri, must_exist=True)  # a missing or foreign local store: exit 2, naming it

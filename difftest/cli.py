@@ -31,7 +31,7 @@ class Parser(argparse.ArgumentParser):
 # Every subcommand: a module's add_*_parser(subparsers), which sets its handler (func). Imported
 # when the parser is built; the heavy imports (MLflow, torch-free engines' clients) stay inside the handlers.
 SUBCOMMANDS = (
-    ("difftest.run", "add_run_parser"),
+    ("difftest.run_cli", "add_run_parser"),
     ("difftest.scale.gate_matrix", "add_matrix_parser"),
     ("difftest.compare.sets", "add_compare_parser"),
     ("difftest.engines.reference", "add_reference_parser"),

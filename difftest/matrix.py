@@ -27,7 +27,9 @@ from .engines.engine_args import check, parse
 from .engines.reference import ReferenceOptions, reference_python
 from .engines.start import VLLM_OMNI, VLLM_OMNI_OFFLINE, CandidateSpec
 from .errors import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput, DifftestError
+from .records.report import print_summary
 from .results import atomic_write
+from .run import resolve_models, run, start_reference_runner
 
 FORMAT = "difftest.matrix/1"
 MAX_CELLS = 16
@@ -80,8 +82,7 @@ def exit_code(rows: list[dict]) -> int:
 
 def run_matrix(args, suite, policy, spec: CandidateSpec, opts, settings_of, stream=sys.stderr) -> int:
     """Every cell of `args.matrix`; `settings_of(engine_args)` makes a cell's VllmOmniOptions fields."""
-    from .records.tracking import log_run
-    from .run import print_summary, resolve_models, run, start_reference_runner
+    from .records.tracking import log_run  # MLflow: imported when a matrix runs
 
     if spec.kind not in (VLLM_OMNI, VLLM_OMNI_OFFLINE):
         raise BadInput(f"--matrix varies the settings of a vLLM-Omni that difftest starts "

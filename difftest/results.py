@@ -24,6 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from .engines.capture import CaptureError, member_sizes
+from .errors import BadInput
 from .suites.suite import CODEBOOKS, content_hash
 
 log = logging.getLogger(__name__)
@@ -279,3 +280,18 @@ def reusable_together(found: dict[str, Result]) -> dict[str, Result]:
             return keep
         for sid in drop:
             del keep[sid]
+
+
+def prepare_out(path, flag: str = "--out") -> Path:
+    """A folder difftest writes into (the run folder, the store), created; BadInput naming it when
+    it cannot be one (a file, read-only, under a file)."""
+    out = Path(path).resolve()
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = tempfile.NamedTemporaryFile(dir=out, prefix=".difftest-write-check.", delete=True)
+        probe.close()
+    except (FileExistsError, NotADirectoryError):
+        raise BadInput(f"{flag} {path}: exists and is not a folder (or lies under a file)") from None
+    except OSError as e:
+        raise BadInput(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+    return out

@@ -14,14 +14,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from reference_support import all_models, reference_python, tiny  # noqa: F401  (tiny: a fixture)
 
 from difftest.engines import placement, start
 from difftest.engines.reference import ReferenceOptions, never_stops, runner_argv, runner_env
 from difftest.errors import BadInput, InfraError
-from difftest.run import RunOptions, add_run_parser, vllm_omni_settings
+from difftest.run import RunOptions
+from difftest.run_cli import add_run_parser, vllm_omni_settings
 from difftest.suites.checkpoints import check_suite, problems
 from difftest.suites.suite import load_suite
-from reference_support import all_models, reference_python, tiny  # noqa: F401  (tiny: a fixture)
 
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1 << 30

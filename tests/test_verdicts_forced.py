@@ -425,7 +425,7 @@ class _DyingRunner:
 def test_a_runner_dying_while_scoring_costs_the_unanswered_items_only(tmp_path):
     from types import SimpleNamespace
 
-    from difftest.engines.scorer import Scorer, ScoreItem
+    from difftest.engines.scorer import ScoreItem, Scorer
 
     answer = write_scores(tmp_path / "answer", scores())
     scorer = Scorer(_DyingRunner(answer), tmp_path / "store", timeout=10)

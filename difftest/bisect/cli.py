@@ -147,7 +147,8 @@ def cmd_bisect(args) -> int:
     if args.workers > 1:  # each probe its own `difftest probe` process (difftest.bisect.parallel)
         from .parallel import ProcessProber, common_argv
 
-        prober = ProcessProber(common_argv(args), args.out)
+        prober = ProcessProber(common_argv(args, add_probe_parser(argparse.ArgumentParser().add_subparsers())),
+                               args.out)
         return run_bisect(args.repo, args.good, args.bad, prober, args.out, identity=identity, suite_name=suite.name,
                           tracking=tracking, workers=args.workers)
     with prober:

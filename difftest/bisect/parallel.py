@@ -28,11 +28,10 @@ SKIP_DESTS = {"rev", "out", "tracking_uri", "experiment", "no_mlflow", "help", "
               "verbose"}
 
 
-def common_argv(args: argparse.Namespace) -> list[str]:
-    """The options of `args` that a `difftest probe` of the same bisect takes, as command-line text."""
-    from .cli import add_probe_parser
-
-    parser = add_probe_parser(argparse.ArgumentParser().add_subparsers())
+def common_argv(args: argparse.Namespace, probe_parser: argparse.ArgumentParser) -> list[str]:
+    """The options of `args` that a `difftest probe` of the same bisect takes (`probe_parser`, its
+    parser), as command-line text."""
+    parser = probe_parser
     out: list[str] = []
     for action in parser._actions:
         if action.dest in SKIP_DESTS or not action.option_strings or not hasattr(args, action.dest):

@@ -10,8 +10,8 @@ from ..errors import BadInput
 from ..records.report import build_report
 from ..results import load_result_set
 from ..verdicts.classify import Evidence, classify, talker_stage
-from ..verdicts.talker_input import inputs_of
 from ..verdicts.policy import Policy
+from ..verdicts.talker_input import inputs_of
 
 
 def _load(path: str | Path, what: str):

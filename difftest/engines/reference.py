@@ -351,7 +351,7 @@ def cmd_reference(args) -> int:
     if args.threads < 1:
         raise BadInput("--threads must be at least 1")
     suite = load_suite(args.suite)
-    from ..run import prepare_out
+    from ..results import prepare_out
 
     prepare_out(args.store, "--store")
     options = ReferenceOptions(models=args.model, python=args.python, device=args.device, dtype=args.dtype,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -143,3 +144,13 @@ def summary_markdown(report: dict) -> str:
         summary = s["summary"].replace("|", "\\|")
         rows.append(f"| {s['id']} | {s['verdict']} | {chunk} | {s['stage'] or ''} | {donor_text(s)} | {summary} |")
     return head + "\n".join(summary_lines(report)[:1]) + "\n\n" + "\n".join(rows) + "\n"
+
+
+def print_summary(report: dict, out: Path, stream=sys.stdout) -> None:
+    print("\n".join(summary_lines(report)), file=stream)
+    one = report.get("at_concurrency_1")
+    if one and report.get("concurrency", 1) > 1:
+        bad = [s["id"] for s in one["segments"] if s["verdict"] not in ("identical", "numeric_drift")]
+        print(f"  at concurrency 1 alone: {one['verdict']}" + (f" ({', '.join(bad)} not clean)" if bad else ""),
+              file=stream)
+    print(f"report: {Path(out) / 'report.json'}", file=stream)
