@@ -385,11 +385,21 @@ def null_tests(report: dict) -> list[dict]:
                          "candidate": f"{flips['candidate']} of {flips['segments']}",
                          "null": f"{flips['null']} of {flips['segments']}{ties}", "p": flips.get("p_value"),
                          "alpha": flips.get("alpha"), "flagged": failed and "part from their codes at 1" in f.get("summary", "")})
+            if flips.get("width_p_value") is not None:
+                mine.append({"what": "how wide the ties they part on are (rank test)",
+                             "candidate": _gaps(flips.get("candidate_flipped")), "null": _gaps(flips.get("null_flipped")),
+                             "p": flips["width_p_value"], "alpha": flips.get("alpha"),
+                             "flagged": failed and "wider ties" in f.get("summary", "")})
         numerics = f.get("numerics") or {}
         for i, r in enumerate(mine):
             rows.append({**r, "where": run_at,
                          "numerics": f"{numerics.get('dtype', '?')} ({numerics.get('from', '?')})" if i == 0 else None})
     return rows
+
+
+def _gaps(flipped: dict | None) -> str:
+    gaps = sorted(f["gap"] for f in (flipped or {}).values() if isinstance(f, dict) and f.get("gap") is not None)
+    return "none" if not gaps else f"{gaps[0]:.3g}" if len(gaps) == 1 else f"{gaps[0]:.3g}-{gaps[-1]:.3g} nats"
 
 
 def segment_null(report: dict, sid: str) -> list[dict]:

@@ -298,32 +298,33 @@ def _null_alone(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine, ref_r
 
 
 def null_at_n_finding(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine, ref_run, cand, ctrl,
-                      scores_n: dict, numerics: dict, policy: Policy, at_one: str | None,
+                      scores_1: dict, scores_n: dict, numerics: dict, policy: Policy, at_one: str | None,
                       alone: tuple | None = None) -> tuple[dict | None, dict | None, list[str]]:
     """The run at concurrency N against the null batched as its waves (difftest/verdicts/null.py):
     (the run-level finding, the null's batch noise for the near-tie rule, warnings). Nothing is
     decoded where nothing needs explaining: no greedy segment's codes part between 1 and N, and
     every greedy token at N is qwen-tts's top-1. `alone`: the null at 1, where already decoded."""
-    groups = measured_null.batch_groups(suite.segments, cand.batches)
-    ids = [s.id for g in groups for s in g
-           if s.id in cand.results and s.id in ctrl.results and cand.results[s.id].has_codes
-           and ctrl.results[s.id].has_codes]
-    flips = {sid: at for sid in ids
-             if (at := measured_null.flip_at(ctrl.results[sid].codes, cand.results[sid].codes)) is not None}
+    ok = lambda s: all(s.id in o.results and o.results[s.id].has_codes for o in (cand, ctrl))  # noqa: E731
+    groups = [kept for g in measured_null.batch_groups(suite.segments, cand.batches)
+              if (kept := [s for s in g if ok(s)])]
+    ids = [s.id for g in groups for s in g]
+    flips = {}  # segment -> where its greedy codes at N part from those at 1, and the width of that tie
+    for sid in ids:
+        if (at := measured_null.flip_at(ctrl.results[sid].codes, cand.results[sid].codes)) is not None:
+            gap = measured_null.flip_gap(scores_1.get(sid), scores_n.get(sid), at)
+            flips[sid] = {"frame": at[0], "codebook": at[1], "gap": gap}
     scored = {sid: sf for sid, sf in scores_n.items() if sid in set(ids)}
     numerics = dict(numerics)
     if not flips and not measured_null.needed(scored):
         return measured_null.judge_at_n(scored, None, None, {}, policy.null, numerics, at_one), None, []
-    segments = [s for g in groups for s in g if s.id in set(ids)]
     if alone is None or not set(ids) <= set(alone[0].results) | set(alone[0].errors):
-        alone = _null_alone(suite, scorer, ref_engine, ref_run, numerics, segments)
+        alone = _null_alone(suite, scorer, ref_engine, ref_run, numerics, [s for g in groups for s in g])
         warnings = alone[2]
     else:
         warnings = []  # said already, at 1
         numerics["null"] = alone[3]
     alone, alone_scores = alone[0], alone[1]
-    batched = ref_engine.generate_waves([[s for s in g if s.id in set(ids)] for g in groups
-                                         if any(s.id in set(ids) for s in g)], dtype=numerics["dtype"])
+    batched = ref_engine.generate_waves(groups, dtype=numerics["dtype"])
     got, errors = score_streams(scorer, suite, {"null_n": batched}, set(ids))
     warnings += [f"{sid}: measured null at N: {e['message']}" for sid, e in batched.errors.items()]
     warnings += [f"{sid}: measured null at N, teacher forcing: {m}" for sid, m in errors["null_n"].items()]
@@ -478,8 +479,8 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
             null, null_warnings, alone = null_finding(suite, scorer, ref_engine, ref_run, scores[0]["control"],
                                                       numerics, policy, share=0.5 if at_n else 1.0)
             null_n, noise, warnings_n = (null_at_n_finding(suite, scorer, ref_engine, ref_run, cand, ctrl,
-                                                           scores[0]["candidate"], numerics, policy,
-                                                           null and null["verdict"], alone)
+                                                           scores[0]["control"], scores[0]["candidate"], numerics,
+                                                           policy, null and null["verdict"], alone)
                                          if at_n else (None, None, []))
             null_warnings += warnings_n
         print(f"cross-decodes: {len(_segments_with_codes(cand.results))} segments through the reference vocoder",

@@ -778,14 +778,18 @@ def test_the_run_and_segment_pages_show_the_candidate_beside_the_measured_null()
                                      "summary": "the candidate's greedy code predictor tokens ...",
                                      "sites": {"code_predictor": site},
                                      "flips": {"candidate": 3, "segments": 4, "null": 0, "null_max_gap": None,
-                                               "p_value": 0.216, "alpha": 0.00167},
+                                               "p_value": 0.216, "width_p_value": 1.0, "alpha": 0.00125,
+                                               "candidate_flipped": {"a": {"frame": 3, "codebook": 0, "gap": 0.1},
+                                                                     "b": {"frame": 1, "codebook": 2, "gap": 0.02}},
+                                               "null_flipped": {}},
                                      "segments": {"a": {"code_predictor": [20, 0, 465]}}}}
     run = Run("r1", "1", "difftest/toy", "n", 0, {"verdict": "fail"}, {}, report, "report.json", media={})
     rows = pages.null_tests(report)
     assert [(r["where"], r["candidate"], r["null"], r["flagged"]) for r in rows] == [
         ("at concurrency 1", "0 of 124", "not decoded (all top-1)", False),
         ("at concurrency N", "55 of 1860", "0 of 1860", True),
-        ("at concurrency N", "3 of 4", "0 of 4", False)]
+        ("at concurrency N", "3 of 4", "0 of 4", False),
+        ("at concurrency N", "0.02-0.1 nats", "none", False)]
     assert rows[1]["numerics"] == "float32 (the engine's identity)" and rows[2]["numerics"] is None
     ctx = pages.Context(ui_url="http://x", uri="u", built="now")
     page = pages.segment_page(run, 0, seg, ctx)

@@ -52,11 +52,11 @@ def test_the_measured_null_beside_the_candidate():
         "null.code_predictor.null_rate": 0.02, "null.pass": 0.0}
     assert not any(k.startswith("null.") for k in rec.parent_metrics(RUN_REPORT))
     at_n = {"verdict": "concurrency_defect", "sites": {"talker": {"p_value": 0.5, "candidate": {"rate": 0.01}}},
-            "flips": {"candidate": 3, "null": 0, "p_value": 0.216}}
+            "flips": {"candidate": 3, "null": 0, "p_value": 0.216, "width_p_value": 1.0}}
     m = rec.parent_metrics({**RUN_REPORT, "measured_null_at_n": at_n})
     assert {k: v for k, v in m.items() if k.startswith("null_n.")} == {
         "null_n.talker.p_value": 0.5, "null_n.talker.candidate_rate": 0.01, "null_n.flips.candidate": 3.0,
-        "null_n.flips.null": 0.0, "null_n.flips.p_value": 0.216, "null_n.pass": 0.0}
+        "null_n.flips.null": 0.0, "null_n.flips.p_value": 0.216, "null_n.flips.width_p_value": 1.0, "null_n.pass": 0.0}
 
 
 def test_missing_facts_are_left_out():

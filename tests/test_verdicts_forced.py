@@ -107,9 +107,9 @@ def test_a_concurrency_flip_on_a_near_tie_does_not_fail(policy):
                                          "margin": 0.01, "near_tie": True, "candidate_own": "not captured"}
 
 
-def test_a_near_tie_is_excused_only_within_the_batch_noise_the_null_at_n_measured(policy):
+def test_a_near_tie_is_excused_only_where_the_null_at_n_parts_too(policy):
     """The per-token line calls the flip a tie; the null at N (qwen-tts in the candidate's numerics,
-    batched as its waves) decides whether batching does that: never (float32), or on ties this wide."""
+    batched as its waves) says whether batching flips at all there: float32 never does."""
     at_n = CODES.copy()
     at_n[10:, 0] += 1
     ev = evidence(at_n, CODES, scores({(10, 0): 1}, {(10, 0): 0.004}), scores())
@@ -118,15 +118,13 @@ def test_a_near_tie_is_excused_only_within_the_batch_noise_the_null_at_n_measure
     assert v.verdict == "concurrency_defect" and v.first_divergent_frame == 10, v.summary
     assert "never parts from itself alone (20 segments): no flip at N is numerics" in v.summary
     assert v.comparisons["near_tie"]["null_n"] == {"dtype": "float32", "segments": 20, "flips": 0, "max_gap": None}
-    narrow = {**exact, "dtype": "bfloat16", "flips": 3, "max_gap": 0.002}
-    v = classify(replace(ev, batch_noise=narrow), policy)
-    assert v.verdict == "concurrency_defect" and "in 3 of 20 segments" in v.summary and "0.004 nats" in v.summary
-    wide = {**narrow, "max_gap": 0.03}
-    v = classify(replace(ev, batch_noise=wide), policy)
+    # bf16 parts: the flip may be numerics, however narrow the null's own were (the run's width test
+    # compares the two sets of flips; one flip against the null's widest would flag half of correct runs)
+    noisy = {**exact, "dtype": "bfloat16", "flips": 3, "max_gap": 0.002}
+    v = classify(replace(ev, batch_noise=noisy), policy)
     assert v.verdict == "code_divergence" and v.comparisons["near_tie"]["near_tie"] is True, v.summary
-    wider = {**narrow, "max_gap": 0.3}  # the policy's line still caps what any null excuses
     far = evidence(at_n, CODES, scores({(10, 0): 1}, {(10, 0): 0.2}), scores())
-    assert classify(replace(far, batch_noise=wider), policy).verdict == "concurrency_defect"
+    assert classify(replace(far, batch_noise=noisy), policy).verdict == "concurrency_defect"  # the line caps it
 
 
 def test_a_near_tie_at_n_and_a_repeat_that_differs_is_a_history_defect_without_the_near_tie_note(policy):

@@ -142,23 +142,40 @@ def test_flip_at_and_the_batch_noise_it_gives():
     assert noise["flips"] == 2 and noise["segments"] == 3 and noise["max_gap"] == pytest.approx(0.02)
     assert noise["flipped"]["x"] == {"frame": 4, "codebook": 3, "gap": pytest.approx(0.02)}
     assert noise["flipped"]["z"] == {"frame": 8, "codebook": 0, "gap": None}  # unscored: no gap is guessed
-    assert null.unexplained(noise, 0.02) is None and "0.03 nats" in null.unexplained(noise, 0.03)
-    assert null.unexplained(None, 5.0) is None  # not measured: the per-token rule alone decides
+    assert null.unexplained(noise) is None and null.unexplained(None) is None  # parts; or not measured
+    assert "never parts from itself alone (3 segments)" in null.unexplained({**noise, "flips": 0, "flipped": {}})
+
+
+def test_wider_is_a_one_sided_rank_test_of_the_flips_widths():
+    assert null.wider([], [0.1]) == 1.0 and null.wider([0.1], []) == 1.0
+    assert null.wider([0.04, 0.05, 0.045], [0.01, 0.02, 0.015]) == pytest.approx(0.05)  # 1 / C(6, 3)
+    assert null.wider([0.01, 0.02], [0.04, 0.05]) > 0.5
+    rng = np.random.default_rng(0)  # the same width distribution on both sides: p is uniform, not small
+    ps = [null.wider(list(rng.exponential(0.02, 8)), list(rng.exponential(0.02, 8))) for _ in range(400)]
+    assert 0.03 < np.mean(np.array(ps) < 0.1) < 0.17
 
 
 def test_judge_at_n_counts_flips_against_the_nulls_own():
     policy = NullPolicy()
     clean = {f"s{i}": _sf(1, 10, sid=f"s{i}") for i in range(4)}
-    noise = {"dtype": "bfloat16", "segments": 20, "flips": 9, "max_gap": 0.04, "flipped": {}}
-    ok = null.judge_at_n(clean, clean, noise, {"s0": (3, 1)}, policy, NUMERICS)
+    flipped = {f"n{i}": {"frame": 2, "codebook": 3, "gap": 0.01 * (i + 1)} for i in range(9)}
+    noise = {"dtype": "bfloat16", "segments": 20, "flips": 9, "max_gap": 0.09, "flipped": flipped}
+    one = {"s0": {"frame": 3, "codebook": 1, "gap": 0.03}}
+    ok = null.judge_at_n(clean, clean, noise, one, policy, NUMERICS)
     assert ok["verdict"] == "pass" and ok["flips"]["candidate"] == 1 and ok["flips"]["null"] == 9
-    assert ok["role"] == "candidate" and ok["sites"]["talker"]["alpha"] == pytest.approx(0.01 / 6)
-    assert ok["flips"]["alpha"] == pytest.approx(0.01 / 6)  # half the run's rate, over three tests
-    many = {f"s{i}": (1, 0) for i in range(20)}
-    few = {**noise, "flips": 1}
+    assert ok["role"] == "candidate" and ok["sites"]["talker"]["alpha"] == pytest.approx(0.01 / 8)
+    assert ok["flips"]["alpha"] == pytest.approx(0.01 / 8)  # half the run's rate, over four tests
+    assert ok["flips"]["width_p_value"] > 0.5
+    many = {f"s{i}": {"frame": 1, "codebook": 0, "gap": 0.01} for i in range(20)}
+    few = {**noise, "flips": 1, "flipped": {"n0": flipped["n0"]}}
     bad = null.judge_at_n(clean, clean, few, many, policy, NUMERICS)
     assert bad["verdict"] == "concurrency_defect" and "20 of 20 greedy segments" in bad["summary"]
     assert null.judge_at_n(clean, clean, few, many, policy, NUMERICS, at_one="talker_defect")["verdict"] == "talker_defect"
+    # as many flips as the null's, every one wider than any of the null's: the width test
+    wide = {f"s{i}": {"frame": 1, "codebook": 0, "gap": 0.2 + 0.01 * i} for i in range(9)}
+    w = null.judge_at_n(clean, clean, noise, wide, policy, NUMERICS)
+    assert w["verdict"] == "concurrency_defect" and "wider ties" in w["summary"], w["flips"]
+    assert w["flips"]["width_p_value"] < w["flips"]["alpha"] < w["flips"]["p_value"]
     worse = {f"s{i}": _sf(1, 30, sid=f"s{i}") for i in range(4)}
     assert null.judge_at_n(worse, clean, noise, {}, policy, NUMERICS)["verdict"] == "concurrency_defect"
     # nothing to explain: no null decoded, a pass that says so

@@ -198,6 +198,8 @@ def parent_metrics(report: dict) -> dict[str, float]:
         if flips.get("null") is not None:  # segments whose codes part between 1 and N: the candidate's, the null's
             out.update({f"{prefix}.flips.candidate": float(flips["candidate"]), f"{prefix}.flips.null": float(flips["null"]),
                         f"{prefix}.flips.p_value": float(flips["p_value"])})
+            if "width_p_value" in flips:
+                out[f"{prefix}.flips.width_p_value"] = float(flips["width_p_value"])
         if null:
             out[f"{prefix}.pass"] = 1.0 if null.get("verdict") == "pass" else 0.0
     return out

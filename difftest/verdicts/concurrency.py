@@ -73,8 +73,8 @@ def _near_tie(ev: Evidence, policy: Policy, comps: dict) -> str | None:
                                  f"(policy: top-{policy.forced.near_tie_top_k}, gap <= {policy.forced.near_tie_max_gap})")
     if ok:
         ok = _own_near_tie(ev, policy, at, detail)
-    if ok and (why := measured_null.unexplained(ev.batch_noise, max(detail["gaps"]))) is not None:
-        ok, detail["why"] = False, why  # a near-tie by the line, but not what batching does in these numerics
+    if ok and (why := measured_null.unexplained(ev.batch_noise)) is not None:
+        ok, detail["why"] = False, why  # a near-tie by the line, but batching never flips in these numerics
     if ev.batch_noise is not None:
         detail["null_n"] = {k: ev.batch_noise[k] for k in ("dtype", "segments", "flips", "max_gap")}
     comps["near_tie"] = {**detail, "near_tie": ok}

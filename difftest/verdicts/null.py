@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.stats import binom
+from scipy.stats import binom, mannwhitneyu
 
 from ..scores import ScoreFile
 
@@ -168,7 +168,8 @@ def talker_dtype(identity: dict | None, declared: str | None = None, results: di
 # measured: qwen-tts in the candidate's dtype decodes the candidate's waves again as batches (its
 # own batched generation) and is compared with itself decoded alone. In float32 on this CPU it never
 # parts (0 of 24 segments of smoke and voice-clone-concurrency at 4); in bf16 it parts in 2 of 4
-# and 9 of 20. A flip at N is excused as numerics only within what that null shows.
+# and 8-9 of 20. A flip at N is excused as numerics only where that null parts too; over the run, the
+# candidate's flips are tested against the null's, by number and by width.
 
 def greedy(seg) -> bool:
     return not (seg.decode.get("do_sample") or seg.decode.get("subtalker_dosample"))
@@ -224,30 +225,35 @@ def batch_noise(alone: dict, batched: dict, scores_alone: dict, scores_batched: 
             "max_gap": max(gaps) if gaps else None, "flipped": flipped}
 
 
-def unexplained(noise: dict | None, gap: float) -> str | None:
-    """Why batching does not explain a flip at N of this gap (None: it may; or no null at N was
-    measured, and the per-token near-tie rule decides alone)."""
-    if noise is None:
+def unexplained(noise: dict | None) -> str | None:
+    """Why batching cannot explain a flip at N in these numerics: the null at N never parts from
+    itself alone (None: it does, and the per-token line and the run's tests of number and width
+    decide; or no null at N was measured, and the per-token near-tie rule decides alone). The width
+    of a single flip is not held against the null's widest: with as many flips on each side, the
+    widest of all is the candidate's half the time."""
+    if noise is None or noise["flips"]:
         return None
-    who = f"qwen-tts in {noise['dtype']} decoding the candidate's waves as batches"
-    if not noise["flips"]:
-        return f"{who} never parts from itself alone ({noise['segments']} segments): no flip at N is numerics"
-    if noise["max_gap"] is None or gap > noise["max_gap"]:
-        top = "unscored" if noise["max_gap"] is None else f"at most {noise['max_gap']:.3g} nats from the top-1"
-        return (f"{who} parts from itself alone in {noise['flips']} of {noise['segments']} segments, on tokens "
-                f"{top}; this flip's token is {gap:.3g} nats from it")
-    return None
+    return (f"qwen-tts in {noise['dtype']} decoding the candidate's waves as batches never parts from itself "
+            f"alone ({noise['segments']} segments): no flip at N is numerics")
+
+
+def wider(candidate: list[float], null: list[float]) -> float:
+    """One-sided p-value that the candidate's flips lie on wider ties than the null's (Mann-Whitney
+    U, exact for small samples); 1 where either side has none."""
+    if not candidate or not null:
+        return 1.0
+    return float(mannwhitneyu(candidate, null, alternative="greater").pvalue)
 
 
 def judge_at_n(candidate: dict[str, ScoreFile], null: dict[str, ScoreFile] | None, noise: dict | None,
-               flips: dict[str, tuple[int, int]], policy: NullPolicy, numerics: dict,
-               at_one: str | None = None) -> dict | None:
+               flips: dict[str, dict], policy: NullPolicy, numerics: dict, at_one: str | None = None) -> dict | None:
     """The run at concurrency N against the null batched as its waves: the off-top-1 counts at N
-    (`judge`, role candidate) and the number of segments whose codes at N part from their codes at 1
-    (`flips`) against the null's own (`noise`), tested as `judge` tests counts (margin, Poisson). Half
-    the run's false-flag rate is spent here, split over these tests. A failure is
+    (`judge`, role candidate); the number of greedy segments whose codes at N part from their codes
+    at 1 (`flips`: segment -> {frame, codebook, gap}) against the null's own (`noise`), tested as
+    `judge` tests counts (margin, Poisson); and the width of those flips against the null's
+    (`wider`). Half the run's false-flag rate is spent here, split over these tests. A failure is
     `concurrency_defect`, or `talker_defect` where the run at 1 (`at_one`, its verdict) failed so too."""
-    rates = judge(candidate, null, policy, numerics, role="candidate", share=0.5 * 2 / 3)
+    rates = judge(candidate, null, policy, numerics, role="candidate", share=0.5 * 2 / 4)
     if rates is None and not flips:
         return None
     out = dict(rates or {"role": "candidate", "numerics": numerics, "sites": {}, "segments": {},
@@ -260,16 +266,31 @@ def judge_at_n(candidate: dict[str, ScoreFile], null: dict[str, ScoreFile] | Non
         if flips:  # judged by the per-token near-tie rule alone (no null at N could be decoded)
             out["flips"] = {"candidate": len(flips), "null": None}
         return out
-    alpha = policy.false_flag_rate * 0.5 / 3
+    alpha = policy.false_flag_rate * 0.5 / 4
     n = noise["segments"]
     p = p_value(len(flips), n, noise["flips"], n, policy.rate_margin)
+    gaps = [f["gap"] for f in flips.values() if f["gap"] is not None]
+    null_gaps = [f["gap"] for f in noise["flipped"].values() if f["gap"] is not None]
+    p_wide = wider(gaps, null_gaps)
     out["flips"] = {"candidate": len(flips), "segments": n, "null": noise["flips"], "null_max_gap": noise["max_gap"],
-                    "p_value": float(f"{p:.4g}"), "alpha": alpha,
-                    "candidate_flipped": {sid: list(at) for sid, at in sorted(flips.items())},
-                    "null_flipped": noise["flipped"]}
-    if p < alpha and out["verdict"] == "pass":
+                    "p_value": float(f"{p:.4g}"), "width_p_value": float(f"{p_wide:.4g}"), "alpha": alpha,
+                    "candidate_flipped": dict(sorted(flips.items())), "null_flipped": noise["flipped"]}
+    if out["verdict"] != "pass":
+        return out
+    if p < alpha:
         out["verdict"] = kind
         out["summary"] = (f"{len(flips)} of {n} greedy segments' codes at concurrency N part from their codes at 1, "
                           f"where qwen-tts in {numerics['dtype']} batched as the same waves parts from itself in "
-                          f"{noise['flips']}: p = {p:.3g} against up to {policy.rate_margin}x as many (alpha {alpha:.3g})")
+                          f"{noise['flips']}: p = {p:.3g} against up to {policy.rate_margin}x as many "
+                          f"(alpha {alpha:.3g})")
+    elif p_wide < alpha:
+        out["verdict"] = kind
+        out["summary"] = (f"the candidate's codes at concurrency N part from those at 1 on wider ties than batching "
+                          f"makes qwen-tts in {numerics['dtype']} part: {len(gaps)} flips at {_spread(gaps)} nats from "
+                          f"the top-1 against the null's {len(null_gaps)} at {_spread(null_gaps)} "
+                          f"(Mann-Whitney p = {p_wide:.3g}, alpha {alpha:.3g})")
     return out
+
+
+def _spread(gaps: list[float]) -> str:
+    return f"{min(gaps):.3g}-{max(gaps):.3g}" if len(gaps) > 1 else f"{gaps[0]:.3g}"
