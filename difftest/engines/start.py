@@ -191,7 +191,8 @@ def engine_identity(spec: CandidateSpec, setup: Setup) -> dict:
                            f"(known: {', '.join(known)})")
         return {"kind": CPU_ENGINE, "defect": spec.defect, "code": ident.code_hash(*CPU_ENGINE_CODE),
                 "versions": setup.reference_fingerprint.get("versions"), "checkpoints": checkpoints,
-                "device": "cpu", "dtype": "float32", "engine_args": list(spec.engine_args),
+                "device": "cpu", "dtype": _option(spec.engine_args, "--talker-dtype") or "float32",
+                "engine_args": list(spec.engine_args),
                 "subtalker_sampling": _subtalker_sampling(setup.suite), **extra}
     if spec.kind in (VLLM_OMNI, VLLM_OMNI_OFFLINE):
         from .vllm_omni import describe
@@ -209,6 +210,17 @@ def engine_identity(spec: CandidateSpec, setup: Setup) -> dict:
     # What the server says of itself. A server replaced behind the same URL with the same
     # version cannot be told apart (docs/verdicts.md).
     return {"kind": URL, "url": spec.url, "server": client.server_info(), "capture": spec.capture_dir is not None}
+
+
+def _option(argv, name: str) -> str | None:
+    """The value of `name` on an engine's extra command line (`--name V` or `--name=V`), else None."""
+    argv = [str(a) for a in argv]
+    for i, a in enumerate(argv):
+        if a == name and i + 1 < len(argv):
+            return argv[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
 
 
 def start_candidate(spec: CandidateSpec, setup: Setup, stack: ExitStack, run_tag: str = "") -> Engine:

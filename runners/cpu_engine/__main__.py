@@ -34,6 +34,10 @@ def parse_args(argv):
                     help="plant a known defect (docs/cpu-engine.md); default: none, the clean engine")
     ap.add_argument("--max-batch", type=int, default=8)
     ap.add_argument("--batch-window-ms", type=float, default=50.0)
+    ap.add_argument("--talker-dtype", default="float32", choices=("float32", "bfloat16"),
+                    help="the talker's and the encoders' dtype (the vocoder stays float32, as difftest serves "
+                         "vLLM-Omni here): bfloat16 makes a correct engine with bf16 numerics, the measured "
+                         "null's calibration (benchmarks/bench_null_false_flags.py)")
     ap.add_argument("--subtalker-sampling", default='{"do_sample": false}',
                     help='deploy-level sub-talker sampling, JSON: {"do_sample", "temperature", "top_k", "top_p"}')
     return ap.parse_args(argv)
@@ -63,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     try:
         server, _ = build_server(checkpoints, defect, host_name=args.host, port=args.port, max_batch=args.max_batch,
-                                 batch_window_ms=args.batch_window_ms, subtalker=subtalker, capture_dir=capture_dir)
+                                 batch_window_ms=args.batch_window_ms, subtalker=subtalker, capture_dir=capture_dir,
+                                 talker_dtype=args.talker_dtype)
     except OSError as e:
         print(f"runners.cpu_engine: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2

@@ -34,7 +34,7 @@ def model_infos(checkpoints: dict) -> dict[str, ModelInfo]:
 
 
 def identity(checkpoints: dict, defect: str | None, *, max_batch: int, batch_window_ms: float,
-             subtalker, capture_dir: str | None) -> dict:
+             subtalker, capture_dir: str | None, talker_dtype: str = "float32") -> dict:
     """What this engine is and where it came from (GET /v1/engine)."""
     return {
         "engine": ENGINE_NAME,
@@ -49,7 +49,8 @@ def identity(checkpoints: dict, defect: str | None, *, max_batch: int, batch_win
                    for c in checkpoints.values()},
         "versions": package_versions(),
         "device": "cpu",
-        "dtype": "float32",
+        "dtype": talker_dtype,  # the talker's and the encoders'; the vocoder's is float32
+        "vocoder_dtype": "float32",
         "threads": 1,
         "batching": {"max_batch": max_batch, "batch_window_ms": batch_window_ms,
                      "sampled_requests": "batched, one generator (defect)" if defect == "shared-rng"
@@ -66,16 +67,16 @@ def identity(checkpoints: dict, defect: str | None, *, max_batch: int, batch_win
 
 
 def build_server(checkpoints, defect, *, host_name, port, max_batch, batch_window_ms, subtalker, qwen=None,
-                 capture_dir=None):
+                 capture_dir=None, talker_dtype="float32"):
     """An EngineServer (not started) for one defect; `qwen` shares already loaded models."""
     from runners.cpu_engine.engine import BatchEngine
     from runners.cpu_engine.server import EngineServer
 
     engine = BatchEngine(checkpoints, defect=defect, subtalker=subtalker, qwen=qwen,
-                         fail_on=os.environ.get(FAIL_ON_ENV) or None)
+                         fail_on=os.environ.get(FAIL_ON_ENV) or None, talker_dtype=talker_dtype)
     engine.load()
     ident = identity(checkpoints, defect, max_batch=max_batch, batch_window_ms=batch_window_ms,
-                     subtalker=subtalker, capture_dir=capture_dir)
+                     subtalker=subtalker, capture_dir=capture_dir, talker_dtype=talker_dtype)
     server = EngineServer(engine.run_batch, model_infos(checkpoints), identity=ident, defect=defect,
                           host=host_name, port=port, max_batch=max_batch, batch_window_ms=batch_window_ms,
                           capture_dir=capture_dir, voices=VoiceStore())

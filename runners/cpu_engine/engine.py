@@ -84,11 +84,14 @@ def talker_side(codes: np.ndarray, ref: np.ndarray | None, inputs: dict) -> dict
 class BatchEngine:
     def __init__(self, checkpoints: dict[str, Checkpoint], *, defect: str | None = None,
                  subtalker: SubtalkerSampling | None = None, qwen: QwenTTSEngine | None = None,
-                 fail_on: str | None = None):
+                 fail_on: str | None = None, talker_dtype: str = "float32"):
         self.checkpoints = checkpoints
         self.defect = defects.check(defect)
         self.subtalker = subtalker or SubtalkerSampling()
-        self.qwen = qwen or QwenTTSEngine(checkpoints, device="cpu", dtype="float32", threads=1)
+        # the vocoder's models (float32); the talker and encoders in `talker_dtype`, a second copy if other
+        self.vocoder_qwen = qwen or QwenTTSEngine(checkpoints, device="cpu", dtype="float32", threads=1)
+        self.qwen = (self.vocoder_qwen if talker_dtype == "float32" else
+                     QwenTTSEngine(checkpoints, device="cpu", dtype=talker_dtype, threads=1))
         self.fail_on = fail_on  # test hook: a request whose input contains it raises inside the engine
         self._prompts: OrderedDict = OrderedDict()
 
@@ -96,6 +99,7 @@ class BatchEngine:
         with MODEL_LOCK:
             for task in self.checkpoints:
                 self.qwen.model(task)
+                self.vocoder_qwen.model(task)
 
     @property
     def torch(self):
@@ -241,7 +245,7 @@ class BatchEngine:
     # -- step 3: the vocoder --------------------------------------------
     def _vocoder(self, task: str, stage_inputs: list[dict]) -> tuple[list[np.ndarray], int]:
         torch = self.torch
-        tts = self.qwen.model(task)
+        tts = self.vocoder_qwen.model(task)
         st = tts.model.speech_tokenizer
         sr = int(st.get_output_sample_rate())
         wavs: list[np.ndarray] = [np.zeros(0, np.float32)] * len(stage_inputs)
