@@ -123,8 +123,13 @@ def test_a_near_tie_is_excused_only_where_the_null_at_n_parts_too(policy):
     noisy = {**exact, "dtype": "bfloat16", "flips": 3, "max_gap": 0.002}
     v = classify(replace(ev, batch_noise=noisy), policy)
     assert v.verdict == "code_divergence" and v.comparisons["near_tie"]["near_tie"] is True, v.summary
-    far = evidence(at_n, CODES, scores({(10, 0): 1}, {(10, 0): 0.2}), scores())
-    assert classify(replace(far, batch_noise=noisy), policy).verdict == "concurrency_defect"  # the line caps it
+    # where the null parts, the per-flip line is the gross one (0.5): 0.2 nats is the run's tests' to judge
+    wide = evidence(at_n, CODES, scores({(10, 0): 1}, {(10, 0): 0.2}), scores())
+    assert classify(replace(wide, batch_noise=noisy), policy).verdict == "code_divergence"
+    assert classify(wide, policy).verdict == "concurrency_defect"  # no null measured: the 0.05 line
+    gross = evidence(at_n, CODES, scores({(10, 0): 1}, {(10, 0): 0.8}), scores())
+    v = classify(replace(gross, batch_noise=noisy), policy)
+    assert v.verdict == "concurrency_defect" and "gap <= 0.5" in v.summary, v.summary
 
 
 def test_a_near_tie_at_n_and_a_repeat_that_differs_is_a_history_defect_without_the_near_tie_note(policy):

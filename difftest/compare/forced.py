@@ -24,7 +24,8 @@ from ..scores import ScoreFile
 @dataclass(frozen=True)
 class ForcedPolicy:
     near_tie_top_k: int = 3
-    near_tie_max_gap: float = 0.05
+    near_tie_max_gap: float = 0.05  # where no null at N is measured
+    near_tie_gross_gap: float = 0.5  # where the null at N parts too: its run-level tests judge the rest
     sampling_max_z: float = 4.0
     support_max_gap: float = 0.15
     min_top1_share: float = 0.8

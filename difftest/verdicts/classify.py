@@ -59,7 +59,6 @@ def _input_errors(ev: Evidence) -> Finding | None:
     return None
 
 
-
 def headline_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> list[Finding]:
     ref, cand = ev.reference, ev.candidate
     out = []
@@ -113,7 +112,6 @@ def headline_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> 
                             f"{'same codes; ' if codes_known else ''}audio within tier {TIERS[audio.worst]} "
                             f"(max |diff| {audio.chunks.max_abs.max():.3g})"))
     return out
-
 
 
 def classify(ev: Evidence, policy: Policy) -> SegmentVerdict:

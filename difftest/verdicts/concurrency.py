@@ -4,8 +4,11 @@ the measured null's batch noise (verdicts/null.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..compare import forced, own_margins
 from ..compare.codes import diff_codes
+from ..compare.forced import ForcedPolicy
 from . import null as measured_null
 from .evidence import Audio, Evidence, Finding, chunk_of, code_json
 from .policy import TIERS, Policy
@@ -52,7 +55,6 @@ def concurrency_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict, 
     return out
 
 
-
 def _near_tie(ev: Evidence, policy: Policy, comps: dict) -> str | None:
     """Where the candidate at N and at 1 part on greedy codes: a description when it is a near-tie
     (both tokens in qwen-tts's top-k, each close to its top-1, and the stream at N plausible after),
@@ -63,16 +65,21 @@ def _near_tie(ev: Evidence, policy: Policy, comps: dict) -> str | None:
     at = forced.first_difference(ev.control.codes, ev.candidate.codes)
     if at is None:
         return None
-    ok, detail = forced.near_tie(a, b, at, policy.forced)
+    # Where the null at N parts from itself, how many flips and how wide is its run-level tests' to
+    # judge (a per-flip line under its widest would flag correct runs): a flip must only not be gross.
+    fp = policy.forced
+    if ev.batch_noise is not None and ev.batch_noise["flips"]:
+        fp = replace(fp, near_tie_max_gap=fp.near_tie_gross_gap)
+    ok, detail = forced.near_tie(a, b, at, fp)
     if ok:
         later = forced.implausible(b, policy.forced)
         if later is not None:
             ok, detail["why"] = False, f"the stream at N is implausible after it: {later.reason}"
     else:
         detail.setdefault("why", f"ranks {detail.get('ranks')} and gaps {detail.get('gaps')} nats under qwen-tts "
-                                 f"(policy: top-{policy.forced.near_tie_top_k}, gap <= {policy.forced.near_tie_max_gap})")
+                                 f"(policy: top-{fp.near_tie_top_k}, gap <= {fp.near_tie_max_gap})")
     if ok:
-        ok = _own_near_tie(ev, policy, at, detail)
+        ok = _own_near_tie(ev, fp, at, detail)
     if ok and (why := measured_null.unexplained(ev.batch_noise)) is not None:
         ok, detail["why"] = False, why  # a near-tie by the line, but batching never flips in these numerics
     if ev.batch_noise is not None:
@@ -84,8 +91,7 @@ def _near_tie(ev: Evidence, policy: Policy, comps: dict) -> str | None:
             f"{max(detail['gaps']):.2g} nats from the top-1")
 
 
-
-def _own_near_tie(ev: Evidence, policy: Policy, at: tuple[int, int], detail: dict) -> bool:
+def _own_near_tie(ev: Evidence, p: ForcedPolicy, at: tuple[int, int], detail: dict) -> bool:
     """The flip under the candidate's own logits, where both runs captured them (codebook 0 only):
     a near-tie for qwen-tts must be one for the candidate too. Recorded in detail["candidate_own"]."""
     own_1, own_n = own_margins.of(ev.control.extra), own_margins.of(ev.candidate.extra)
@@ -104,14 +110,12 @@ def _own_near_tie(ev: Evidence, policy: Policy, at: tuple[int, int], detail: dic
     if f >= min(len(own_1.ids), len(own_n.ids)):
         detail["candidate_own"] = "a run ends there"
         return True
-    p = policy.forced
     ok, own = own_margins.near_tie(own_1, own_n, f, p.near_tie_top_k, p.near_tie_max_gap)
     detail["candidate_own"] = own
     if not ok:
         detail["why"] = (f"a near-tie under qwen-tts, not under the candidate's own logits (ranks and gaps "
                          f"{_own_brief(own)}; policy: top-{p.near_tie_top_k}, gap <= {p.near_tie_max_gap})")
     return ok
-
 
 
 def _own_brief(own: dict) -> str:

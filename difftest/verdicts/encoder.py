@@ -19,12 +19,10 @@ def encoder_agreement(theirs: np.ndarray, mine: np.ndarray, theirs_bf16=None) ->
     return agreement(theirs), bf16
 
 
-
 def encoder_disagrees(theirs: np.ndarray, mine: np.ndarray, policy: Policy, theirs_bf16=None) -> bool:
     """The encoder check's line: other length, or fewer entries agreeing (the closer dtype) than the policy allows."""
     agree, agree_bf16 = encoder_agreement(theirs, mine, theirs_bf16)
     return len(theirs) != len(mine) or max(agree, agree_bf16 or 0.0) < policy.encoder_min_agreement
-
 
 
 def encoder_finding(theirs: np.ndarray, mine: np.ndarray, policy: Policy, comps: dict, at_talker: bool,

@@ -18,9 +18,7 @@ RANK = ("error", "contamination", "handoff_defect", "talker_defect", "reference_
         "length_mismatch", "code_divergence", "audio_divergence", "numeric_drift", "identical")
 
 
-
 STAGES = ("talker_input", "talker", "reference_encoder", "handoff", "vocoder")
-
 
 
 @dataclass
@@ -44,7 +42,6 @@ class Evidence:
     other_inputs: dict = field(default_factory=dict)  # every other segment of the run -> qwen-tts's talker input
     # what batching does to qwen-tts in the candidate's numerics (null.batch_noise); None: not measured
     batch_noise: dict | None = None
-
 
 
 @dataclass
@@ -73,7 +70,6 @@ class SegmentVerdict:
         }
 
 
-
 @dataclass
 class Finding:
     kind: str  # one of RANK
@@ -84,7 +80,6 @@ class Finding:
     donor: str | None = None
     error_kind: str | None = None
     donor_kind: str | None = None
-
 
 
 class Audio:
@@ -140,7 +135,6 @@ class Audio:
                 "logmel_computed": self.logmel_computed, "chunks": self.chunks.as_lists()}
 
 
-
 def code_json(d) -> dict:
     return {"frames": [d.len_a, d.len_b], "first_divergent_frame": d.first_divergent_frame,
             "codes_at_divergence": [d.a_at_divergence, d.b_at_divergence],
@@ -148,16 +142,13 @@ def code_json(d) -> dict:
             "chunk_agreement": d.chunk_agreement}
 
 
-
 def same(a: np.ndarray, b: np.ndarray) -> bool:
     return a.shape == b.shape and bool(np.array_equal(a, b))
-
 
 
 def chunk_of(frame, n_frames, ev) -> int | None:
     bounds = align.chunk_frame_bounds(max(n_frames, (frame or 0) + 1), ev.initial_frames, ev.chunk_frames)
     return align.chunk_of_frame(frame, bounds)
-
 
 
 def talker_stage(r: Result | None) -> dict | None:
@@ -168,7 +159,6 @@ def talker_stage(r: Result | None) -> dict | None:
     return {"ref_codes": np.asarray(r.extra["talker_ref_codes"], np.int64).reshape(-1, 16),
             "tokens": np.asarray(r.extra["talker_tokens"], np.int64).reshape(-1),
             "reserved": prompt[0], "built": prompt[1], "ref_code_len": prompt[2]}
-
 
 
 def ranges(idx) -> str:

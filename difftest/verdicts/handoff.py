@@ -16,7 +16,6 @@ def _resized(own: np.ndarray, n: int) -> np.ndarray:
     return own[np.arange(n) % len(own)]
 
 
-
 def _prefix_of(used: np.ndarray, rc: np.ndarray) -> bool:
     """`used` is `rc`, cut or extended by repeating it to `used`'s length: the no-async hand-off
     concatenates a reference the talker re-emits each step and trims it to the request's own
@@ -24,9 +23,7 @@ def _prefix_of(used: np.ndarray, rc: np.ndarray) -> bool:
     return bool(len(rc)) and len(used) > 0 and same(used, _resized(rc, len(used)))
 
 
-
 MIN_LEAD_FRAMES = 4  # a whole reference shorter than this could match a silent onset by chance
-
 
 
 def _leads_with(used: np.ndarray, rc: np.ndarray) -> bool:
@@ -36,10 +33,8 @@ def _leads_with(used: np.ndarray, rc: np.ndarray) -> bool:
     return MIN_LEAD_FRAMES <= len(rc) < len(used) and same(used[:len(rc)], rc)
 
 
-
 def _is_from(used: np.ndarray, rc: np.ndarray) -> bool:
     return _prefix_of(used, rc) or _leads_with(used, rc)
-
 
 
 def code_donors(used: np.ndarray, ev: Evidence, own: np.ndarray) -> tuple[list[str], bool]:
@@ -52,7 +47,6 @@ def code_donors(used: np.ndarray, ev: Evidence, own: np.ndarray) -> tuple[list[s
     if batch:
         return batch, True
     return [p for p, rc in sorted(ev.history_ref_codes.items()) if p != ev.segment_id and _is_from(used, rc)], False
-
 
 
 def handoff_findings(ev: Evidence, comps: dict, notes: list, voc: list) -> list[Finding]:
@@ -128,12 +122,10 @@ def handoff_findings(ev: Evidence, comps: dict, notes: list, voc: list) -> list[
     return []  # against the reference engine's encoder, a difference is the headline's business
 
 
-
 def _first_diff(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     bad = np.flatnonzero((a[:n] != b[:n]).any(axis=1))
     return int(bad[0]) if len(bad) else n
-
 
 
 def stage_findings(ev: Evidence, comps: dict) -> list[Finding]:
