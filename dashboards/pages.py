@@ -14,6 +14,7 @@ from dashboards import model
 from dashboards.assets import VERDICT_COLOURS, VIEWS
 from dashboards.html import fmt_num, fmt_pct, href
 from difftest.records.segment_media import safe_name
+from difftest.verdicts.null import counted
 from difftest.verdicts.policy import TIERS, VERDICTS
 from difftest.verdicts.where import donor_text, where
 
@@ -359,7 +360,8 @@ def run_page(run, ctx: Context) -> str:
 
 # -- the measured null ----------------------------------------------------------------------------------
 NULL_TESTS = (("measured_null", "at concurrency 1"), ("measured_null_at_n", "at concurrency N"))
-SITE_NAMES = {"talker": "talker (codebook 0)", "code_predictor": "code predictor (codebooks 1-15)"}
+SITE_NAMES = {"talker": "talker (codebook 0)", "code_predictor": "code predictor (codebooks 1-15)",
+              "talker_sampled": "talker (codebook 0), sampled", "code_predictor_sampled": "code predictor, sampled"}
 
 
 def null_tests(report: dict) -> list[dict]:
@@ -373,10 +375,11 @@ def null_tests(report: dict) -> list[dict]:
         failed = f.get("verdict") != "pass"
         mine = []
         for site, e in (f.get("sites") or {}).items():
-            c, n = e.get("candidate") or {}, e.get("null")
-            mine.append({"what": f"{SITE_NAMES.get(site, site)}: tokens off qwen-tts's top-1",
-                         "candidate": f"{c.get('off_top1')} of {c.get('tokens')}",
-                         "null": f"{n['off_top1']} of {n['tokens']}" if n else "not decoded (all top-1)",
+            c, n, key = e.get("candidate") or {}, e.get("null"), counted(site)
+            what = "tokens outside qwen-tts's sampling support" if key == "outside_support" else "tokens off qwen-tts's top-1"
+            mine.append({"what": f"{SITE_NAMES.get(site, site)}: {what}",
+                         "candidate": f"{c.get(key)} of {c.get('tokens')}",
+                         "null": f"{n[key]} of {n['tokens']}" if n else "not decoded (nothing to explain)",
                          "p": e.get("p_value"), "alpha": e.get("alpha"), "flagged": failed and f.get("site") == site})
         flips = f.get("flips") or {}
         if flips.get("null") is not None:

@@ -341,7 +341,8 @@ def null_at_n_finding(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine,
 
 
 def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy, again=None,
-           scores: tuple[dict, dict] | None = None, noise: dict | None = None) -> dict:
+           scores: tuple[dict, dict] | None = None, noise: dict | None = None,
+           support: dict | None = None) -> dict:
     """Every segment's verdict: cross-decodes through the reference vocoder, the classifier, and
     where the vocoder check fails, the donor search with each co-batched request's reference."""
 
@@ -386,7 +387,7 @@ def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy,
                         errors, suite.chunks["initial_frames"], suite.chunks["frames"],
                         again.results.get(sid) if again is not None else None,
                         {role: got[sid] for role, got in score_ok.items() if sid in got},
-                        {p: i for p, i in ref_inputs.items() if p != sid}, noise)
+                        {p: i for p, i in ref_inputs.items() if p != sid}, noise, support)
 
     ref_inputs = {sid: i for sid, r in ref_run.results.items() if (i := inputs_of(r)) is not None}
     verdicts = {s.id: classify(evidence(s.id), policy) for s in suite.segments}
@@ -483,12 +484,13 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
                                                            policy, null and null["verdict"], alone)
                                          if at_n else (None, None, []))
             null_warnings += warnings_n
+            support = measured_null.support_noise(null)
         print(f"cross-decodes: {len(_segments_with_codes(cand.results))} segments through the reference vocoder",
               file=sys.stderr, flush=True)
         with timings("cross_decode_s"):
             verdicts = _judge(suite, ref_run, cand, ctrl, _Vocoder(runner, out / "results" / "cross",
                                                                     opts.reference.timeout), policy, again, scores,
-                              noise)
+                              noise, support)
 
     ordered = [verdicts[s.id] for s in suite.segments]
     # The candidate at concurrency 1 judged on its own against the reference: a defect that only
@@ -497,7 +499,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
                                 errors=[{**ctrl.errors[s.id], "source": "control"}] if s.id in ctrl.errors else [],
                                 initial_frames=suite.chunks["initial_frames"], chunk_frames=suite.chunks["frames"],
                                 scores={"candidate": scores[0]["control"][s.id]}
-                                if s.id in scores[0]["control"] else {}),
+                                if s.id in scores[0]["control"] else {}, support_noise=support),
                        policy) for s in suite.segments]
     timings["total_s"] = time.perf_counter() - t_start
     report = build_report(

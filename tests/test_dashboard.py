@@ -786,7 +786,7 @@ def test_the_run_and_segment_pages_show_the_candidate_beside_the_measured_null()
     run = Run("r1", "1", "difftest/toy", "n", 0, {"verdict": "fail"}, {}, report, "report.json", media={})
     rows = pages.null_tests(report)
     assert [(r["where"], r["candidate"], r["null"], r["flagged"]) for r in rows] == [
-        ("at concurrency 1", "0 of 124", "not decoded (all top-1)", False),
+        ("at concurrency 1", "0 of 124", "not decoded (nothing to explain)", False),
         ("at concurrency N", "55 of 1860", "0 of 1860", True),
         ("at concurrency N", "3 of 4", "0 of 4", False),
         ("at concurrency N", "0.02-0.1 nats", "none", False)]

@@ -96,6 +96,30 @@ def test_sampled_decoding_fails_only_outside_the_support(policy):
     assert (v.verdict, v.first_divergent_frame) == ("talker_defect", 4)
 
 
+def test_the_support_allowance_is_the_measured_nulls(policy):
+    """How far outside the support a sampled token may lie alone: the policy's 0.15 nats where no null
+    covered the sampled sites; none where qwen-tts in the candidate's numerics never leaves the support
+    (an exact engine); up to the gross 1.0 where it does (the null's count test judges how often)."""
+    sampled = {"do_sample": True, "subtalker_dosample": False, "top_k": 50}
+    support = np.ones((T, 16), bool)
+    support[9, 0] = False
+
+    def outside(by):
+        sf = scores({(9, 0): 60}, settings=sampled, support=support)
+        sf.arrays["support_gap"][9, 0] = by
+        return evidence(cand_scores=sf)
+
+    assert classify(outside(0.05), policy).verdict == "identical"
+    assert classify(outside(0.3), policy).verdict == "talker_defect"
+    exact = {"dtype": "float32", "outside": 0, "tokens": 600}
+    v = classify(replace(outside(0.05), support_noise=exact), policy)
+    assert v.verdict == "talker_defect" and "policy: 0.0" in v.summary
+    assert v.comparisons["forced"]["support_noise"] == {**exact, "allowed_gap": 0.0}
+    bf16 = {"dtype": "bfloat16", "outside": 3, "tokens": 600}
+    assert classify(replace(outside(0.58), support_noise=bf16), policy).verdict == "identical"
+    assert classify(replace(outside(1.2), support_noise=bf16), policy).verdict == "talker_defect"
+
+
 def test_a_concurrency_flip_on_a_near_tie_does_not_fail(policy):
     at_n = CODES.copy()
     at_n[10:, 0] += 1

@@ -20,18 +20,23 @@ def _sf(off0: int, off_sub: int, frames: int = 40, settings=None, sid="s") -> Sc
     rank.reshape(-1)[[i for i in range(frames * 16) if i % 16][:off_sub]] = 1
     top1 = np.zeros((frames, 16), np.float32)
     logprob = np.where(rank > 0, -0.02, 0.0).astype(np.float32)
-    arrays = {"rank": rank, "top1_logprob": top1, "logprob": logprob}
+    arrays = {"rank": rank, "top1_logprob": top1, "logprob": logprob, "in_support": rank < 1,
+              "support_gap": np.where(rank > 0, 0.02, 0.0).astype(np.float32)}
     return ScoreFile(sid, "h", arrays, settings=settings or {})
 
 
 NUMERICS = {"dtype": "bfloat16", "from": "test"}
 
 
-def test_counts_take_the_greedy_sites_only():
+def test_counts_off_the_top1_where_greedy_and_outside_the_support_where_sampled():
     assert null.counts(_sf(3, 7)) == {"talker": (3, 40, pytest.approx(0.06)), "code_predictor": (7, 600, pytest.approx(0.14))}
-    assert set(null.counts(_sf(3, 7, settings={"do_sample": True}))) == {"code_predictor"}
-    assert null.counts(_sf(3, 7, settings={"do_sample": True, "subtalker_dosample": True})) == {}
+    # the score file's rank-1 tokens are outside its support here, 0.02 nats below its last token
+    assert null.counts(_sf(3, 7, settings={"do_sample": True})) == {
+        "code_predictor": (7, 600, pytest.approx(0.14)), "talker_sampled": (3, 40, pytest.approx(0.06))}
+    assert set(null.counts(_sf(3, 7, settings={"do_sample": True, "subtalker_dosample": True}))) == {
+        "talker_sampled", "code_predictor_sampled"}
     assert not null.needed({"a": _sf(0, 0)}) and null.needed({"a": _sf(0, 1)})
+    assert null.needed({"a": _sf(1, 0, settings={"do_sample": True})})  # a sampled token outside the support
 
 
 def test_p_value_is_the_binomial_tail_at_the_margin():
@@ -70,8 +75,27 @@ def test_without_a_null_only_a_candidate_that_never_leaves_the_top1_passes():
         nothing = null.judge({"a": _sf(2, 5), "b": _sf(1, 5, sid="b")}, got, NullPolicy(), NUMERICS)
         assert nothing["verdict"] == "error" and "a" in nothing["null_missing"] and "a" in nothing["summary"]
         assert overall([], load_policy(), [nothing]) == ("error", 3)
-    assert null.judge({"a": _sf(1, 1, settings={"do_sample": True, "subtalker_dosample": True})}, None,
-                      NullPolicy(), NUMERICS) is None
+    inside = null.judge({"a": _sf(0, 0, settings={"do_sample": True, "subtalker_dosample": True})}, None,
+                        NullPolicy(), NUMERICS)
+    assert inside["verdict"] == "pass" and set(inside["sites"]) == {"talker_sampled", "code_predictor_sampled"}
+    assert inside["sites"]["talker_sampled"]["candidate"]["outside_support"] == 0
+
+
+def test_sampled_tokens_outside_the_support_are_counted_against_the_nulls():
+    """A bf16 sampler draws past float32's support boundary now and then: the candidate's count of
+    such tokens against qwen-tts's own in its numerics, with the same seeds; its per-token allowance."""
+    hot = {"do_sample": True, "subtalker_dosample": True}
+    null_scores = {f"s{i}": _sf(1, 10, settings=hot, sid=f"s{i}") for i in range(4)}
+    same = null.judge({f"s{i}": _sf(1, 12, settings=hot, sid=f"s{i}") for i in range(4)}, null_scores, NullPolicy(),
+                      NUMERICS)
+    assert same["verdict"] == "pass" and same["sites"]["code_predictor_sampled"]["null"]["outside_support"] == 40
+    assert null.support_noise(same) == {"dtype": "bfloat16", "outside": 44, "tokens": 2560}
+    worse = null.judge({f"s{i}": _sf(1, 40, settings=hot, sid=f"s{i}") for i in range(4)}, null_scores, NullPolicy(),
+                       NUMERICS)
+    assert worse["verdict"] == "talker_defect" and worse["site"] == "code_predictor_sampled"
+    assert "fall outside qwen-tts's sampling support 160 times in 2400" in worse["summary"]
+    greedy_only = null.judge({"a": _sf(1, 1)}, {"a": _sf(0, 1)}, NullPolicy(), NUMERICS)
+    assert null.support_noise(greedy_only) is None and null.support_noise(None) is None
 
 
 def test_the_candidates_numerics():

@@ -42,6 +42,8 @@ class Evidence:
     other_inputs: dict = field(default_factory=dict)  # every other segment of the run -> qwen-tts's talker input
     # what batching does to qwen-tts in the candidate's numerics (null.batch_noise); None: not measured
     batch_noise: dict | None = None
+    # how often qwen-tts in the candidate's numerics samples outside the support (null.support_noise); None: unknown
+    support_noise: dict | None = None
 
 
 @dataclass

@@ -35,6 +35,10 @@ from ..scores import ScoreFile
 
 SITES = {"talker": slice(0, 1), "code_predictor": slice(1, None)}  # codebook 0; codebooks 1-15
 SAMPLED_FLAG = {"talker": "do_sample", "code_predictor": "subtalker_dosample"}
+# A sampled site counts its tokens outside qwen-tts's sampling support (top-k, top-p after the
+# temperature) instead: a bf16 sampler draws just past float32's boundary now and then.
+SAMPLED = "_sampled"
+SITE_ORDER = (*SITES, *(s + SAMPLED for s in SITES))
 
 
 @dataclass(frozen=True)
@@ -44,20 +48,30 @@ class NullPolicy:
 
 
 def counts(sf: ScoreFile) -> dict[str, tuple[int, int, float]]:
-    """Per greedy site: (off-top-1 tokens, tokens, summed gap to the top-1 in nats). Sampled
-    sites are the sampling test's (difftest/verdicts/sampling.py) and are left out."""
+    """Per greedy site: (off-top-1 tokens, tokens, summed gap to the top-1 in nats); per sampled site
+    (`<site>_sampled`): (tokens outside the sampling support, tokens, summed nats below its last
+    token). How sampled tokens are drawn is the sampling test's (difftest/verdicts/sampling.py)."""
     out = {}
     rank, gap = sf.arrays["rank"], sf.gap
     for site, cols in SITES.items():
         if sf.settings.get(SAMPLED_FLAG[site]):
+            outside = ~sf.arrays["in_support"][:, cols]
+            out[site + SAMPLED] = (int(outside.sum()), int(outside.size),
+                                   float(sf.arrays["support_gap"][:, cols][outside].sum()))
             continue
         r, g = rank[:, cols], gap[:, cols]
         out[site] = (int((r > 0).sum()), int(r.size), float(g.sum()))
     return out
 
 
+def counted(site: str) -> str:
+    """What a site's count is: report.json's key for it."""
+    return "outside_support" if site.endswith(SAMPLED) else "off_top1"
+
+
 def needed(scores: dict[str, ScoreFile]) -> bool:
-    """Whether a null must be decoded to judge these streams: some greedy token is off the top-1."""
+    """Whether a null must be decoded to judge these streams: some greedy token is off the top-1, or
+    some sampled token outside the support."""
     return any(k > 0 for sf in scores.values() for k, _, _ in counts(sf).values())
 
 
@@ -78,7 +92,7 @@ def judge(candidate: dict[str, ScoreFile], null: dict[str, ScoreFile] | None, po
     `null` None: not decoded, because nothing needed it (every candidate token the top-1).
     `share`: the part of the run's false-flag rate this test spends (the run at N spends the rest)."""
     per_seg = {sid: counts(sf) for sid, sf in sorted(candidate.items())}
-    sites = sorted({s for c in per_seg.values() for s in c}, key=list(SITES).index)
+    sites = sorted({s for c in per_seg.values() for s in c}, key=SITE_ORDER.index)
     if not sites:
         return None
     null_per = {sid: counts(sf) for sid, sf in (null or {}).items()}
@@ -93,11 +107,11 @@ def judge(candidate: dict[str, ScoreFile], null: dict[str, ScoreFile] | None, po
         if null is not None and not paired:
             continue
         p = p_value(kc, nc, k0, n0, policy.rate_margin) if null is not None else 1.0
-        entry = {"candidate": {"tokens": nc, "off_top1": kc, "rate": _rate(kc, nc),
+        entry = {"candidate": {"tokens": nc, counted(site): kc, "rate": _rate(kc, nc),
                                "excess_nats": round(sum(per_seg[s][site][2] for s in paired), 4)},
                  "p_value": float(f"{p:.4g}"), "alpha": alpha, "segments": len(paired)}
         if null is not None:
-            entry["null"] = {"tokens": n0, "off_top1": k0, "rate": _rate(k0, n0),
+            entry["null"] = {"tokens": n0, counted(site): k0, "rate": _rate(k0, n0),
                              "excess_nats": round(sum(null_per[s][site][2] for s in paired), 4)}
         out_sites[site] = entry
         if p < alpha:
@@ -112,12 +126,15 @@ def judge(candidate: dict[str, ScoreFile], null: dict[str, ScoreFile] | None, po
     where = {"control": "at concurrency 1", "candidate": "at concurrency N"}.get(role, role)
     if flagged:
         worst = min(flagged, key=lambda s: out_sites[s]["p_value"])
-        e = out_sites[worst]
+        e, key = out_sites[worst], counted(worst)
+        sampled = worst.endswith(SAMPLED)
+        name = worst.removesuffix(SAMPLED).replace("_", " ")
+        how = "fall outside qwen-tts's sampling support" if sampled else "leave qwen-tts's top-1"
         return {**base, "verdict": "talker_defect", "site": worst,
-                "summary": f"the candidate's greedy {worst.replace('_', ' ')} tokens {where} leave qwen-tts's "
-                           f"top-1 {e['candidate']['off_top1']} times in {e['candidate']['tokens']} "
+                "summary": f"the candidate's {'sampled' if sampled else 'greedy'} {name} tokens {where} {how} "
+                           f"{e['candidate'][key]} times in {e['candidate']['tokens']} "
                            f"({e['candidate']['rate']:.2%}) where qwen-tts in {numerics['dtype']} does "
-                           f"{e['null']['off_top1']} times in {e['null']['tokens']} ({e['null']['rate']:.2%}): "
+                           f"{e['null'][key]} times in {e['null']['tokens']} ({e['null']['rate']:.2%}): "
                            f"p = {e['p_value']:.3g} against a rate up to {policy.rate_margin}x the null's "
                            f"(alpha {alpha:.3g}); no single token is implausible, the whole run is"}
     if missing:  # never a pass on a null that is not there: the run is an infrastructure error (exit 3)
@@ -125,15 +142,28 @@ def judge(candidate: dict[str, ScoreFile], null: dict[str, ScoreFile] | None, po
                 "summary": f"the measured null (qwen-tts in {numerics['dtype']}) has no scored stream for "
                            f"{', '.join(missing)}: the run's warnings say why"}
     if null is None:
-        if any(e["candidate"]["off_top1"] for e in out_sites.values()):
-            raise ValueError("a null is needed: some greedy token is off the top-1")
+        if any(e["candidate"][counted(s)] for s, e in out_sites.items()):
+            raise ValueError("a null is needed: some greedy token is off the top-1, or a sampled one outside the support")
         return {**base, "verdict": "pass",
-                "summary": f"greedy tokens {where} all qwen-tts's top-1: no null needed"}
+                "summary": f"tokens {where} all qwen-tts's top-1 (greedy) or inside its support (sampled): "
+                           f"no null needed"}
     return {**base, "verdict": "pass",
-            "summary": f"greedy tokens {where} off qwen-tts's top-1 as often as qwen-tts in {numerics['dtype']}: "
-                       + ", ".join(f"{s.replace('_', ' ')} {e['candidate']['off_top1']}/{e['candidate']['tokens']} "
-                                   f"against {e['null']['off_top1']}/{e['null']['tokens']} (p = {e['p_value']:.3g})"
+            "summary": f"tokens {where} off qwen-tts's top-1 (greedy) or outside its support (sampled) as often as "
+                       f"qwen-tts in {numerics['dtype']}: "
+                       + ", ".join(f"{s.replace('_', ' ')} {e['candidate'][counted(s)]}/{e['candidate']['tokens']} "
+                                   f"against {e['null'][counted(s)]}/{e['null']['tokens']} (p = {e['p_value']:.3g})"
                                    for s, e in out_sites.items())}
+
+
+def support_noise(finding: dict | None) -> dict | None:
+    """How often qwen-tts in the candidate's numerics samples outside float32 qwen-tts's support, from
+    the run's null at 1 (None where no null covered a sampled site): the per-token allowance then is
+    none (it never does: an exact engine) or only a gross floor (the run's count test judges the rest)."""
+    sites = {s: e for s, e in ((finding or {}).get("sites") or {}).items() if s.endswith(SAMPLED) and "null" in e}
+    if not sites:
+        return None
+    return {"dtype": finding["numerics"]["dtype"], "outside": sum(e["null"]["outside_support"] for e in sites.values()),
+            "tokens": sum(e["null"]["tokens"] for e in sites.values())}
 
 
 def _rate(k: int, n: int) -> float:

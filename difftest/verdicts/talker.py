@@ -3,6 +3,8 @@ context the candidate's talker had (difftest/compare/forced.py)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..compare import forced, own_margins
 from .evidence import Evidence, Finding, chunk_of
 from .policy import Policy
@@ -15,7 +17,11 @@ def forced_findings(ev: Evidence, policy: Policy, comps: dict) -> list[Finding]:
     if sf is None:
         return []
     comps["forced"] = forced.summary(sf)
-    bad = forced.implausible(sf, policy.forced)
+    fp, noise = policy.forced, ev.support_noise
+    if noise is not None:  # measured: an exact sampler never leaves the support; else only a gross step fails alone
+        fp = replace(fp, support_max_gap=fp.support_gross_gap if noise["outside"] else 0.0)
+        comps["forced"]["support_noise"] = {**noise, "allowed_gap": fp.support_max_gap}
+    bad = forced.implausible(sf, fp)
     at = forced.first_difference(ev.reference.codes, ev.candidate.codes) if ev.reference is not None else None
     comps["forced"]["trace"] = forced.trace(sf, bad.frame if bad is not None else at[0] if at else None)
     own = own_margins.of(ev.candidate.extra)
