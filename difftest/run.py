@@ -474,7 +474,8 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
             scores = score_streams(scorer, suite, roles)
         with timings("null_s"):
             dtype, source = measured_null.talker_dtype(engine, opts.candidate_dtype, ctrl.results)
-            numerics = {"dtype": dtype, "from": source}
+            # exact: the reference's own numerics, where the null's counts of zero are structure, not chance
+            numerics = {"dtype": dtype, "from": source, "exact": dtype == ref_run.fingerprint.get("dtype")}
             ref_engine = ReferenceEngine(runner, store.root, opts.reference.timeout)
             at_n = opts.concurrency > 1  # the run at N spends half the false-flag rate (null.judge_at_n)
             null, null_warnings, alone = null_finding(suite, scorer, ref_engine, ref_run, scores[0]["control"],

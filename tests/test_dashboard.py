@@ -764,7 +764,7 @@ def test_the_run_and_segment_pages_show_the_candidate_beside_the_measured_null()
 
     seg = {"id": "a", "verdict": "concurrency_defect", "stage": "talker", "first_divergent_chunk": 0,
            "first_divergent_frame": 3, "notes": [], "summary": "codes at N ...",
-           "comparisons": {"near_tie": {"near_tie": False, "null_n": {"dtype": "float32", "segments": 20,
+           "comparisons": {"near_tie": {"near_tie": False, "null_n": {"dtype": "float32", "exact": True, "segments": 20,
                                                                        "flips": 0, "max_gap": None}}}}
     site = {"candidate": {"tokens": 1860, "off_top1": 55, "rate": 0.0296}, "null": {"tokens": 1860, "off_top1": 0},
             "p_value": 6.3e-13, "alpha": 0.00167}

@@ -115,8 +115,10 @@ def test_the_support_allowance_is_the_measured_nulls(policy):
     v = classify(replace(outside(0.05), support_noise=exact), policy)
     assert v.verdict == "talker_defect" and "policy: 0.0" in v.summary
     assert v.comparisons["forced"]["support_noise"] == {**exact, "allowed_gap": 0.0}
-    bf16 = {"dtype": "bfloat16", "outside": 3, "tokens": 600}
+    bf16 = {"dtype": "bfloat16", "exact": False, "outside": 3, "tokens": 600}
     assert classify(replace(outside(0.58), support_noise=bf16), policy).verdict == "identical"
+    inside = {**bf16, "outside": 0}  # this run's bf16 null stayed inside: chance, not an exact engine
+    assert classify(replace(outside(0.58), support_noise=inside), policy).verdict == "identical"
     assert classify(replace(outside(1.2), support_noise=bf16), policy).verdict == "talker_defect"
 
 
@@ -141,7 +143,11 @@ def test_a_near_tie_is_excused_only_where_the_null_at_n_parts_too(policy):
     v = classify(replace(ev, batch_noise=exact), policy)
     assert v.verdict == "concurrency_defect" and v.first_divergent_frame == 10, v.summary
     assert "never parts from itself alone (20 segments): no flip at N is numerics" in v.summary
-    assert v.comparisons["near_tie"]["null_n"] == {"dtype": "float32", "segments": 20, "flips": 0, "max_gap": None}
+    assert v.comparisons["near_tie"]["null_n"] == {"dtype": "float32", "exact": True, "segments": 20, "flips": 0,
+                                                   "max_gap": None}
+    # a bf16 null that happened not to part in a small suite is a sample, not a structure: excused
+    lucky = {**exact, "dtype": "bfloat16", "exact": False}
+    assert classify(replace(ev, batch_noise=lucky), policy).verdict == "code_divergence"
     # bf16 parts: the flip may be numerics, however narrow the null's own were (the run's width test
     # compares the two sets of flips; one flip against the null's widest would flag half of correct runs)
     noisy = {**exact, "dtype": "bfloat16", "flips": 3, "max_gap": 0.002}

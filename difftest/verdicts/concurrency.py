@@ -83,7 +83,7 @@ def _near_tie(ev: Evidence, policy: Policy, comps: dict) -> str | None:
     if ok and (why := measured_null.unexplained(ev.batch_noise)) is not None:
         ok, detail["why"] = False, why  # a near-tie by the line, but batching never flips in these numerics
     if ev.batch_noise is not None:
-        detail["null_n"] = {k: ev.batch_noise[k] for k in ("dtype", "segments", "flips", "max_gap")}
+        detail["null_n"] = {k: ev.batch_noise.get(k, True) for k in ("dtype", "exact", "segments", "flips", "max_gap")}
     comps["near_tie"] = {**detail, "near_tie": ok}
     if not ok:
         return None

@@ -158,11 +158,14 @@ def judge(candidate: dict[str, ScoreFile], null: dict[str, ScoreFile] | None, po
 def support_noise(finding: dict | None) -> dict | None:
     """How often qwen-tts in the candidate's numerics samples outside float32 qwen-tts's support, from
     the run's null at 1 (None where no null covered a sampled site): the per-token allowance then is
-    none (it never does: an exact engine) or only a gross floor (the run's count test judges the rest)."""
+    none where the null is exact (the reference's own numerics: it never does), else only a gross
+    floor, even where this run's null happened to stay inside (the run's count test judges how often)."""
     sites = {s: e for s, e in ((finding or {}).get("sites") or {}).items() if s.endswith(SAMPLED) and "null" in e}
     if not sites:
         return None
-    return {"dtype": finding["numerics"]["dtype"], "outside": sum(e["null"]["outside_support"] for e in sites.values()),
+    numerics = finding["numerics"]
+    return {"dtype": numerics["dtype"], "exact": bool(numerics.get("exact", True)),
+            "outside": sum(e["null"]["outside_support"] for e in sites.values()),
             "tokens": sum(e["null"]["tokens"] for e in sites.values())}
 
 
@@ -251,17 +254,20 @@ def batch_noise(alone: dict, batched: dict, scores_alone: dict, scores_batched: 
             flipped[sid] = {"frame": at[0], "codebook": at[1],
                             "gap": flip_gap(scores_alone.get(sid), scores_batched.get(sid), at)}
     gaps = [f["gap"] for f in flipped.values() if f["gap"] is not None]
-    return {"dtype": numerics["dtype"], "segments": len(ids), "flips": len(flipped),
+    return {"dtype": numerics["dtype"], "exact": bool(numerics.get("exact", True)), "segments": len(ids),
+            "flips": len(flipped),
             "max_gap": max(gaps) if gaps else None, "flipped": flipped}
 
 
 def unexplained(noise: dict | None) -> str | None:
-    """Why batching cannot explain a flip at N in these numerics: the null at N never parts from
-    itself alone (None: it does, and the per-token line and the run's tests of number and width
-    decide; or no null at N was measured, and the per-token near-tie rule decides alone). The width
-    of a single flip is not held against the null's widest: with as many flips on each side, the
-    widest of all is the candidate's half the time."""
-    if noise is None or noise["flips"]:
+    """Why batching cannot explain a flip at N in these numerics: the null at N, in the reference's
+    own numerics (`exact`: deterministic, so its zero is structure), never parts from itself alone.
+    None: it does, or its numerics are noisier (bf16: a suite's few segments may show no flip by
+    chance), and the per-token gross line and the run's tests of number and width decide; or no null
+    at N was measured, and the per-token near-tie rule decides alone. The width of a single flip is
+    not held against the null's widest: with as many flips on each side, the widest of all is the
+    candidate's half the time."""
+    if noise is None or noise["flips"] or not noise.get("exact", True):
         return None
     return (f"qwen-tts in {noise['dtype']} decoding the candidate's waves as batches never parts from itself "
             f"alone ({noise['segments']} segments): no flip at N is numerics")

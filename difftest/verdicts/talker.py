@@ -19,7 +19,8 @@ def forced_findings(ev: Evidence, policy: Policy, comps: dict) -> list[Finding]:
     comps["forced"] = forced.summary(sf)
     fp, noise = policy.forced, ev.support_noise
     if noise is not None:  # measured: an exact sampler never leaves the support; else only a gross step fails alone
-        fp = replace(fp, support_max_gap=fp.support_gross_gap if noise["outside"] else 0.0)
+        exact = noise.get("exact", True) and not noise["outside"]
+        fp = replace(fp, support_max_gap=0.0 if exact else fp.support_gross_gap)
         comps["forced"]["support_noise"] = {**noise, "allowed_gap": fp.support_max_gap}
     bad = forced.implausible(sf, fp)
     at = forced.first_difference(ev.reference.codes, ev.candidate.codes) if ev.reference is not None else None
