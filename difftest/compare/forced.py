@@ -28,7 +28,7 @@ class ForcedPolicy:
     near_tie_gross_gap: float = 0.5  # where the null at N parts too: its run-level tests judge the rest
     sampling_max_z: float = 4.0
     support_max_gap: float = 0.15  # where no null covered the sampled sites
-    support_gross_gap: float = 1.0  # where the null samples outside the support too: its count test judges the rest
+    support_gross_gap: float = 1.5  # where the null samples outside the support too: its count test judges the rest
     min_top1_share: float = 0.8
     min_sub_top1_share: float = 0.9
     max_rank: int = 10
