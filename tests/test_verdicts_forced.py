@@ -148,6 +148,8 @@ def test_a_near_tie_is_excused_only_where_the_null_at_n_parts_too(policy):
     # a bf16 null that happened not to part in a small suite is a sample, not a structure: excused
     lucky = {**exact, "dtype": "bfloat16", "exact": False}
     assert classify(replace(ev, batch_noise=lucky), policy).verdict == "code_divergence"
+    wide_lucky = evidence(at_n, CODES, scores({(10, 0): 1}, {(10, 0): 0.2}), scores())  # up to the gross line too
+    assert classify(replace(wide_lucky, batch_noise=lucky), policy).verdict == "code_divergence"
     # bf16 parts: the flip may be numerics, however narrow the null's own were (the run's width test
     # compares the two sets of flips; one flip against the null's widest would flag half of correct runs)
     noisy = {**exact, "dtype": "bfloat16", "flips": 3, "max_gap": 0.002}

@@ -68,7 +68,7 @@ def _near_tie(ev: Evidence, policy: Policy, comps: dict) -> str | None:
     # Where the null at N parts from itself, how many flips and how wide is its run-level tests' to
     # judge (a per-flip line under its widest would flag correct runs): a flip must only not be gross.
     fp = policy.forced
-    if ev.batch_noise is not None and ev.batch_noise["flips"]:
+    if ev.batch_noise is not None and (ev.batch_noise["flips"] or not ev.batch_noise.get("exact", True)):
         fp = replace(fp, near_tie_max_gap=fp.near_tie_gross_gap)
     ok, detail = forced.near_tie(a, b, at, fp)
     if ok:
