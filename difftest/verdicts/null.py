@@ -201,8 +201,9 @@ def talker_dtype(identity: dict | None, declared: str | None = None, results: di
 # measured: qwen-tts in the candidate's dtype decodes the candidate's waves again as batches (its
 # own batched generation) and is compared with itself decoded alone. In float32 on this CPU it never
 # parts (0 of 24 segments of smoke and voice-clone-concurrency at 4); in bf16 it parts in 2 of 4
-# and 8-9 of 20. A flip at N is excused as numerics only where that null parts too; over the run, the
-# candidate's flips are tested against the null's, by number and by width.
+# and 8-9 of 20. A flip at N is excused as numerics only where that null parts too, or is in noisier
+# numerics than the reference's (a bf16 null's zero in a small suite is chance; a float32 null's is
+# structure); over the run, the candidate's flips are tested against the null's, by number and width.
 
 def greedy(seg) -> bool:
     return not (seg.decode.get("do_sample") or seg.decode.get("subtalker_dosample"))
