@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-import scipy.fft
 
 from .align import SAMPLES_PER_FRAME, frame_sample_bounds
 
@@ -86,6 +85,8 @@ def log_mel(x: np.ndarray, sr: int = 24000) -> np.ndarray:
     padded[: len(x)] = x
     frames = np.lib.stride_tricks.sliding_window_view(padded, MEL_N_FFT)[::MEL_HOP]
     window = np.hanning(MEL_N_FFT).astype(np.float32)
+    import scipy.fft  # here, not at the top: every CLI start would pay for it
+
     spec = np.abs(scipy.fft.rfft(frames * window, axis=1, workers=1)) ** 2  # complex64: 5x numpy's fft
     return np.log(spec @ mel_filterbank(sr) + LOG_FLOOR)
 

@@ -29,7 +29,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-from scipy.stats import binom, mannwhitneyu
 
 from ..scores import ScoreFile
 
@@ -81,6 +80,8 @@ def p_value(k_c: int, n_c: int, k_0: int, n_0: int, margin: float) -> float:
     if k_c == 0 or n_c == 0:
         return 1.0
     pi = margin * n_c / (margin * n_c + n_0)
+    from scipy.stats import binom  # here: scipy.stats costs 0.5 s to import, and most commands never judge
+
     return float(binom.sf(k_c - 1, k_c + k_0, pi))
 
 
@@ -279,6 +280,8 @@ def wider(candidate: list[float], null: list[float]) -> float:
     U, exact for small samples); 1 where either side has none."""
     if not candidate or not null:
         return 1.0
+    from scipy.stats import mannwhitneyu
+
     return float(mannwhitneyu(candidate, null, alternative="greater").pvalue)
 
 
