@@ -163,6 +163,12 @@ def cmd_bugs(args) -> int:
         base = omni_python()
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if args.gate:
+        from ..scale.gate_matrix import load_matrix
+        from .coverage import run_coverage
+
+        return run_coverage(entries, load_matrix(args.gate), out, policy, opts, base)
+
     def save(rows, done=False):
         atomic_write(out / "bugs.json", json.dumps({
             "format": FORMAT, "corpus": str(Path(args.corpus).resolve()), "complete": done,
@@ -185,6 +191,9 @@ def add_bugs_parser(subparsers) -> argparse.ArgumentParser:
                     "known miss); 1: an entry missed; 2: bad input; 3: a run could not be made.")
     p.add_argument("--out", required=True, help="folder: one run folder per entry, bugs.json, logs")
     p.add_argument("--only", help="comma-separated entry ids (default: all)")
+    p.add_argument("--gate", metavar="FILE", help="run every entry through every cell of this gate (cases/gates/*.yaml) "
+                                                  "instead of its own run: OUT/coverage.json, the entry x cell table and "
+                                                  "the smallest set of cells that catches every entry (difftest/bugs/coverage.py)")
     p.add_argument("--corpus", default=str(DEFAULT_CORPUS), help="corpus folder (default cases/bugs)")
     p.add_argument("--vllm-omni-python", help="the release environment's interpreter (default .venv-vllm-omni)")
     p.add_argument("--store", default=os.environ.get("DIFFTEST_STORE", "difftest-store"),

@@ -10,7 +10,17 @@
     configs: {default: [], async: [async_chunk=true]}      # optional: name -> --engine-arg list
     store: ../difftest-store                               # optional (default: difftest run's)
 
-Every cell of the product is one whole `difftest run`, its own process, into `OUT/cells/<cell>/`
+Or cells named one by one (cases/gates/*.yaml), each with what it covers, run for every candidate:
+
+    cells:
+      - name: mixed-waves-c4                                # the cell's folder name
+        suite: ../suites/handoff-mix.yaml
+        concurrency: 4
+        pattern: barrier                                   # optional: difftest run --pattern, --order, --voices
+        config: [async_chunk=true]                         # optional: --engine-arg list
+        covers: [a reference handed to the wrong request]  # optional: the bug families, for people
+
+Every cell (of the product, or named) is one whole `difftest run`, its own process, into `OUT/cells/<cell>/`
 (its log beside it); `--workers K` runs K cells at once (each starts its own candidate: size K to
 what the machine or its GPUs can serve), and `--ray ADDRESS` puts every cell's reference side on
 that cluster (`difftest run --ray`). As each cell finishes it is gated (difftest.records.gate,
@@ -45,7 +55,10 @@ from ..results import atomic_write
 
 FORMAT = "difftest.gate-matrix/1"
 MAX_CELLS = 64
-KEYS = {"suites", "candidates", "concurrency", "configs", "store", "name"}
+KEYS = {"suites", "candidates", "concurrency", "configs", "store", "name", "cells", "description"}
+CELL_KEYS = {"name", "suite", "concurrency", "config", "pattern", "order", "voices", "covers", "note"}
+CELL_CHOICES = {"pattern": ("barrier", "pool", "staggered"), "order": ("suite", "permuted", "mixed", "long-first"),
+                "voices": ("inline", "registered")}  # as difftest run takes them
 CANDIDATE_KEYS = {"candidate", "label", "vllm_omni_python", "engine_args"}
 
 
@@ -67,6 +80,8 @@ class Matrix:
     configs: dict[str, list[str]]
     store: str | None = None
     cells: list[dict] = field(default_factory=list)
+    named: bool = False  # cells listed one by one (`cells:`), not a product
+    description: str = ""
 
 
 def _fail(path: Path, where: str, problem: str):
@@ -101,8 +116,13 @@ def load_matrix(path: str | Path) -> Matrix:
             _fail(path, key, "expected a non-empty list")
         return v
 
+    named = raw.get("cells") is not None
+    if named:
+        both = sorted(set(raw) & {"suites", "concurrency", "configs"})
+        if both:
+            _fail(path, both[0], "give either `cells` or suites x concurrency x configs, not both")
     suites = []
-    for i, s in enumerate(listed("suites")):
+    for i, s in enumerate([] if named else listed("suites")):
         if not isinstance(s, str) or not (base / s).is_file():
             _fail(path, f"suites[{i}]", f"no suite file {yamlfile.quote(s)}")
         suites.append((base / s).resolve())
@@ -125,11 +145,11 @@ def load_matrix(path: str | Path) -> Matrix:
     if len(set(labels)) != len(labels):
         _fail(path, "candidates", f"two candidates share the label {next(x for x in labels if labels.count(x) > 1)!r} "
                                   f"(give each a `label`)")
-    conc = listed("concurrency")
+    conc = [] if named else listed("concurrency")
     for i, n in enumerate(conc):
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             _fail(path, f"concurrency[{i}]", f"expected a positive integer, got {yamlfile.quote(n)}")
-    configs = raw.get("configs", {"default": []})
+    configs = {"default": []} if named else raw.get("configs", {"default": []})
     if not isinstance(configs, dict) or not configs:
         _fail(path, "configs", "expected a mapping of name -> list of engine args")
     for k, v in configs.items():
@@ -139,8 +159,19 @@ def load_matrix(path: str | Path) -> Matrix:
     if store is not None and not isinstance(store, str):
         _fail(path, "store", "expected a path")
     m = Matrix(path, str(raw.get("name") or path.stem), suites, candidates, [int(n) for n in conc],
-               {str(k): list(v) for k, v in configs.items()}, str((base / store).resolve()) if store else None)
-    for suite, cand, n, (cfg, args) in itertools.product(suites, candidates, m.concurrency, m.configs.items()):
+               {str(k): list(v) for k, v in configs.items()}, str((base / store).resolve()) if store else None,
+               named=named, description=str(raw.get("description") or "").strip())
+    if named:
+        for one, cand in itertools.product(_named_cells(path, raw["cells"]), candidates):
+            name = one["name"] if len(candidates) == 1 else f"{one['name']}__{_slug(cand.label)}"
+            m.cells.append({"cell": name, "suite": one["suite"], "candidate": cand.spec, "label": cand.label,
+                            "concurrency": one["concurrency"], "config": one["name"],
+                            "engine_args": [*cand.engine_args, *one["config"]], "python": cand.python,
+                            **{k: one[k] for k in ("pattern", "order", "voices", "covers", "note")}})
+        m.suites = sorted({Path(c["suite"]) for c in m.cells})
+        m.concurrency = sorted({c["concurrency"] for c in m.cells})
+    for suite, cand, n, (cfg, args) in itertools.product(suites, candidates, m.concurrency if not named else [],
+                                                         m.configs.items()):
         name = "__".join(_slug(x) for x in (suite.stem, cand.label, f"c{n}", cfg))
         m.cells.append({"cell": name, "suite": str(suite), "candidate": cand.spec, "label": cand.label, "concurrency": n,
                         "config": cfg, "engine_args": [*cand.engine_args, *args], "python": cand.python})
@@ -157,6 +188,51 @@ def load_matrix(path: str | Path) -> Matrix:
     return m
 
 
+def _named_cells(path: Path, raw) -> list[dict]:
+    """The `cells:` list checked: each a mapping with a name, a suite file and a concurrency."""
+    from ..engines.engine_args import parse
+
+    if not isinstance(raw, list) or not raw:
+        _fail(path, "cells", "expected a non-empty list of cells")
+    out = []
+    for i, c in enumerate(raw):
+        where = f"cells[{i}]"
+        if not isinstance(c, dict):
+            _fail(path, where, "expected a mapping (name, suite, concurrency, ...)")
+        bad = sorted(set(c) - CELL_KEYS)
+        if bad:
+            _fail(path, f"{where}.{bad[0]}", f"unknown key (known: {', '.join(sorted(CELL_KEYS))})")
+        name = c.get("name")
+        if not isinstance(name, str) or _slug(name) != name:
+            _fail(path, f"{where}.name", f"expected a folder name of letters, digits, '.', '_' or '-', got "
+                                         f"{yamlfile.quote(name)}")
+        suite = c.get("suite")
+        if not isinstance(suite, str) or not (path.parent / suite).is_file():
+            _fail(path, f"{where}.suite", f"no suite file {yamlfile.quote(suite)}")
+        n = c.get("concurrency")
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            _fail(path, f"{where}.concurrency", f"expected a positive integer, got {yamlfile.quote(n)}")
+        config = c.get("config") or []
+        if not isinstance(config, list) or not all(isinstance(a, str) for a in config):
+            _fail(path, f"{where}.config", "expected a list of KEY=VALUE texts (as --engine-arg takes them)")
+        try:
+            parse(config)
+        except BadInput as e:
+            _fail(path, f"{where}.config", str(e))
+        for key, choices in CELL_CHOICES.items():
+            if c.get(key) is not None and c[key] not in choices:
+                _fail(path, f"{where}.{key}", f"expected one of {', '.join(choices)}, got {yamlfile.quote(c[key])}")
+        covers = c.get("covers") or []
+        if not isinstance(covers, list) or not all(isinstance(x, str) for x in covers):
+            _fail(path, f"{where}.covers", "expected a list of texts (the bug families the cell is there for)")
+        if name in {o["name"] for o in out}:
+            _fail(path, f"{where}.name", f"{name!r} is already a cell")
+        out.append({"name": name, "suite": str((path.parent / suite).resolve()), "concurrency": n, "config": config,
+                    "pattern": c.get("pattern"), "order": c.get("order"), "voices": c.get("voices"),
+                    "covers": covers, "note": str(c.get("note") or "").strip()})
+    return out
+
+
 def _cell_words(cell: dict) -> str:
     return f"{cell['label']!r} at c={cell['concurrency']}, config {cell['config']!r}"
 
@@ -169,11 +245,13 @@ def _check_cells(path: Path, m: Matrix) -> None:
     from ..engines.start import CPU_ENGINE, CandidateSpec
     from ..suites.suite import load_suite
 
-    for i, suite in enumerate(m.suites):
+    where = ({Path(c["suite"]): f"cells ({c['config']}).suite" for c in reversed(m.cells)} if m.named else
+             {s: f"suites[{i}]" for i, s in enumerate(m.suites)})
+    for suite in m.suites:
         try:
             load_suite(suite)
         except BadInput as e:
-            _fail(path, f"suites[{i}]", str(e))
+            _fail(path, where[suite], str(e))
     for i, cand in enumerate(m.candidates):
         try:
             spec = CandidateSpec.parse(cand.spec)
@@ -188,6 +266,9 @@ def cell_argv(cell: dict, out: Path, store: str | None, ray: str | None, policy:
     argv = [sys.executable, "-m", "difftest", "run", cell["suite"], "--candidate", cell["candidate"],
             "--concurrency", str(cell["concurrency"]), "--out", str(out), "--no-mlflow"]
     argv += [f"--engine-arg={a}" for a in cell["engine_args"]]
+    for key in ("pattern", "order", "voices"):
+        if cell.get(key):
+            argv += [f"--{key}", cell[key]]
     if cell["python"]:
         argv += ["--vllm-omni-python", cell["python"]]
     if store:
@@ -259,8 +340,10 @@ def markdown(m: Matrix, rows: list[dict], code: int) -> str:
     icon = {EXIT_PASS: "✅", EXIT_FAIL: "❌"}.get(code, "⚠️")
     word = {EXIT_PASS: "pass", EXIT_FAIL: "fail"}.get(code, "error")
     lines = [f"## {icon} difftest matrix {m.name}: {word}", "",
-             f"{len(rows)} cells: {len(m.suites)} suite(s) x {len(m.candidates)} candidate(s) x "
-             f"{len(m.concurrency)} concurrency level(s) x {len(m.configs)} configuration(s)", "",
+             (f"{len(rows)} cells: {len(m.cells) // len(m.candidates)} named cell(s) x {len(m.candidates)} candidate(s)"
+              if m.named else
+              f"{len(rows)} cells: {len(m.suites)} suite(s) x {len(m.candidates)} candidate(s) x "
+              f"{len(m.concurrency)} concurrency level(s) x {len(m.configs)} configuration(s)"), "",
              "| cell | verdict | at c=1 | segments | failing (verdict, stage, donor) |", "|---|---|---|---|---|"]
     for r in rows:
         counts = ", ".join(f"{n} {v}" for v, n in sorted((r.get("counts") or {}).items()))

@@ -1,0 +1,138 @@
+"""The shipped release gates (cases/gates/*.yaml), gate files with named cells, and the coverage
+table of `difftest bugs --gate` (which cells catch which corpus entry, the smallest such set).
+
+The real coverage of cases/gates/cpu.yaml (every corpus entry's mutant served through every cell,
+about 40 minutes here) is measured in docs/gates.md; here its bookkeeping: the table, the smallest
+set, what is reused when the same command runs again, the exit code."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from difftest.bugs import coverage
+from difftest.bugs.corpus import load_corpus
+from difftest.errors import BadInput
+from difftest.scale.gate_matrix import cell_argv, load_matrix
+
+REPO = Path(__file__).resolve().parents[1]
+GATES = REPO / "cases" / "gates"
+SMOKE = REPO / "cases" / "suites" / "smoke.yaml"
+
+
+@pytest.mark.parametrize("name", ["cpu", "release"])
+def test_the_shipped_gates_load_and_say_what_each_cell_covers(name):
+    m = load_matrix(GATES / f"{name}.yaml")
+    assert m.named and m.name == name and [c.spec for c in m.candidates] == ["vllm-omni"]
+    assert len(m.cells) >= 5 and len({c["cell"] for c in m.cells}) == len(m.cells)
+    for c in m.cells:
+        assert c["covers"] and Path(c["suite"]).is_file(), c
+    if name == "cpu":  # what the issue asks a CPU gate to exercise, each in some cell
+        by = {c["cell"]: c for c in m.cells}
+        assert by["async-c4"]["engine_args"] == ["async_chunk=true"]
+        assert by["registered-c4"]["voices"] == "registered" and by["many-voices-c4"]["pattern"] == "staggered"
+        assert {Path(c["suite"]).stem for c in m.cells} >= {"smoke", "handoff-mix", "voice-clone-concurrency", "sampled"}
+
+
+def test_a_named_cell_runs_with_its_arrivals_voices_and_engine_arguments(tmp_path):
+    gate = tmp_path / "g.yaml"
+    gate.write_text(f"candidates: [cpu-engine, {{candidate: 'cpu-engine:ref-leak', label: leak}}]\ncells:\n"
+                    f"  - {{name: a, suite: {SMOKE}, concurrency: 3, pattern: pool, voices: registered, "
+                    f"config: [talker.max_num_seqs=3], covers: [x]}}\n")
+    m = load_matrix(gate)
+    assert [c["cell"] for c in m.cells] == ["a__cpu-engine", "a__leak"]  # a cell per candidate
+    argv = cell_argv(m.cells[1], tmp_path / "o", None, None)
+    assert argv[argv.index("--candidate") + 1] == "cpu-engine:ref-leak" and argv[argv.index("--concurrency") + 1] == "3"
+    assert ["--pattern", "pool"] == argv[argv.index("--pattern"):argv.index("--pattern") + 2]
+    assert ["--voices", "registered"] == argv[argv.index("--voices"):argv.index("--voices") + 2]
+    assert "--engine-arg=talker.max_num_seqs=3" in argv and "--order" not in argv
+
+
+@pytest.mark.parametrize("cells, where", [
+    ("  - {{name: a, suite: {s}, concurrency: 2, colour: red}}", "cells[0].colour"),
+    ("  - {{name: 'a b', suite: {s}, concurrency: 2}}", "cells[0].name"),
+    ("  - {{name: a, suite: nope.yaml, concurrency: 2}}", "cells[0].suite"),
+    ("  - {{name: a, suite: {s}, concurrency: 0}}", "cells[0].concurrency"),
+    ("  - {{name: a, suite: {s}, concurrency: 2, pattern: burst}}", "cells[0].pattern"),
+    ("  - {{name: a, suite: {s}, concurrency: 2, config: [nokey]}}", "cells[0].config"),
+    ("  - {{name: a, suite: {s}, concurrency: 2}}\n  - {{name: a, suite: {s}, concurrency: 4}}", "cells[1].name"),
+    ("  - {{name: a, suite: {s}, concurrency: 2}}\nconcurrency: [2]", "concurrency"),
+    ("  []", "cells"),
+])
+def test_a_broken_cell_is_named_before_anything_runs(tmp_path, cells, where):
+    gate = tmp_path / "gate.yaml"
+    gate.write_text("candidates: [cpu-engine]\ncells:\n" + cells.format(s=SMOKE) + "\n")
+    with pytest.raises(BadInput, match=rf"gate.yaml: {where.replace('[', '.').replace(']', '.')}"):
+        load_matrix(gate)
+    r = subprocess.run([sys.executable, "-m", "difftest", "matrix", str(gate), "--out", str(tmp_path / "o")],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and where in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_smallest_set_of_cells_is_the_cheapest_of_the_smallest():
+    table = {"a": {"x": "caught", "y": "caught", "z": "missed"},
+             "b": {"x": "missed", "y": "caught", "z": "caught"},
+             "c": {"x": "missed", "y": "missed", "z": "caught"},
+             "d": {"x": "missed", "y": "missed", "z": "n/a"}}
+    # {y, z} and {x, z} both catch a, b, c; y is cheaper than x
+    assert coverage.minimal_cells(table, {"x": 10.0, "y": 50.0, "z": 5.0}) == (["x", "z"], ["d"])
+    assert coverage.minimal_cells(table, {"x": 60.0, "y": 50.0, "z": 5.0}) == (["y", "z"], ["d"])
+    assert coverage.minimal_cells({"a": {"x": "missed"}}, {}) == ([], ["a"])
+    # past EXACT_UP_TO cells, greedy: still a set that catches everything caught
+    many = {f"e{i}": {f"c{j}": "caught" if j in (i, i + 1) else "missed" for j in range(25)} for i in range(24)}
+    chosen, never = coverage.minimal_cells(many, {})
+    assert never == [] and all(any(many[e][c] == "caught" for c in chosen) for e in many) and len(chosen) <= 13
+
+
+def test_only_capacity_travels_from_an_entry_and_only_to_its_kind_of_candidate():
+    entries = {e.id: e for e in load_corpus()}
+    assert coverage.capacity(entries["prompt-len-fallback-1554"]) == {"talker_max_model_len": 4096}
+    assert coverage.capacity(entries["async-ref-context-1731"]) == {}  # async chunks are the cell's to decide
+    cell = {"candidate": "vllm-omni"}
+    assert coverage.applicable(entries["ref-leak-4373"], cell)
+    assert not coverage.applicable(entries["ref-leak-4373"], {"candidate": "cpu-engine:ref-leak"})
+    assert not coverage.applicable(entries["ref-leak-4373"], {"candidate": "vllm-omni-offline"})
+
+
+def test_the_table_is_kept_and_continued_and_an_entry_no_cell_catches_fails(tmp_path, monkeypatch):
+    """The bookkeeping alone: each cell's run stood in for by a report (a double of difftest.run.run,
+    which the real coverage in docs/gates.md runs), the mutant by the release itself."""
+    from contextlib import nullcontext
+
+    gate = tmp_path / "g.yaml"
+    gate.write_text(f"candidates: [vllm-omni]\ncells:\n  - {{name: one, suite: {SMOKE}, concurrency: 4, covers: [x]}}\n"
+                    f"  - {{name: two, suite: {SMOKE}, concurrency: 2, config: [async_chunk=true], covers: [y]}}\n")
+    m = load_matrix(gate)
+    entries = load_corpus(only=["no-async-trim-4429", "async-ref-context-1731"])
+    calls = []
+
+    def fake_run(e, cell, *a, **k):  # no-async-trim shows in cell one only; async-ref-context in none
+        calls.append((e.id, cell["cell"]))
+        hit = e.id == "no-async-trim-4429" and cell["cell"] == "one"
+        seg = {"id": "s", "verdict": "handoff_defect" if hit else "identical", "stage": "handoff" if hit else None,
+               "donor": None, "summary": "", "first_divergent_chunk": 0, "first_divergent_frame": 0}
+        return {"verdict": "fail" if hit else "pass", "segments": [seg]}
+
+    monkeypatch.setattr(coverage, "_run_cell", fake_run)
+    monkeypatch.setattr(coverage, "mutant_env", lambda *a, **k: nullcontext(Path(sys.executable)))
+    monkeypatch.setattr(coverage, "reference_python", lambda *a: Path(sys.executable))
+    from difftest.run import RunOptions
+
+    code = coverage.run_coverage(entries, m, tmp_path / "out", None, RunOptions(store=tmp_path / "s"), Path("py"))
+    s = json.loads((tmp_path / "out" / "coverage.json").read_text())
+    assert code == 1 and s["complete"] and s["exit_code"] == 1
+    assert s["table"] == {"async-ref-context-1731": {"one": "missed", "two": "missed"},
+                          "no-async-trim-4429": {"one": "caught", "two": "missed"}}
+    assert s["minimal_cells"] == ["one"] and s["caught_by_no_cell"] == ["async-ref-context-1731"]
+    assert len(calls) == 4
+    calls.clear()  # the same command again: nothing is run twice
+    coverage.run_coverage(entries, m, tmp_path / "out", None, RunOptions(store=tmp_path / "s"), Path("py"))
+    assert calls == []
+    gate.write_text(gate.read_text().replace("concurrency: 2", "concurrency: 3"))  # cell two changed: run again
+    coverage.run_coverage(entries, load_matrix(gate), tmp_path / "out", None, RunOptions(store=tmp_path / "s"),
+                          Path("py"))
+    assert sorted(calls) == [("async-ref-context-1731", "two"), ("no-async-trim-4429", "two")]
