@@ -52,8 +52,8 @@ from .records.report import build_report, overall, write_report
 from .results import CorruptResult, Result, ResultStore, _ext, atomic_write, prepare_out, read_result
 from .suites.checkpoints import check_suite
 from .suites.suite import Suite, content_hash, hf_cached
+from .verdicts import exercised, sampling
 from .verdicts import null as measured_null
-from .verdicts import sampling
 from .verdicts.classify import Evidence, classify, talker_stage
 from .verdicts.policy import Policy
 from .verdicts.talker_input import inputs_of
@@ -516,6 +516,8 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         + [f"{sid}: teacher forcing of qwen-tts's own sample: {m}" for sid, m in scores[1].get("reference", {}).items()]
         + null_warnings,
         sampling=sampling.judge(scores[0], policy.forced.sampling_max_z), null=null, null_n=null_n,
+        configuration=exercised.finding(cand_info, {f"c={opts.concurrency}": cand.results, "c=1": ctrl.results,
+                                                    **({"repeat": again.results} if again else {})}),
     )
     one = sampling.judge({k: v for k, v in scores[0].items() if k != "candidate"}, policy.forced.sampling_max_z)
     report["at_concurrency_1"] = {

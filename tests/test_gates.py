@@ -136,3 +136,52 @@ def test_the_table_is_kept_and_continued_and_an_entry_no_cell_catches_fails(tmp_
     coverage.run_coverage(entries, load_matrix(gate), tmp_path / "out", None, RunOptions(store=tmp_path / "s"),
                           Path("py"))
     assert sorted(calls) == [("async-ref-context-1731", "two"), ("no-async-trim-4429", "two")]
+
+
+# -- a configuration set is not a configuration tested -------------------------------------------
+
+def _result(sid: str, frames: int, handoff: str | None, chunks: int | None):
+    import numpy as np
+
+    from difftest.results import Result
+
+    meta = {"handoff": handoff, "chunks": chunks} if handoff else {}
+    return Result(segment_id=sid, segment_hash="h", wav=np.zeros(10, np.float32), sample_rate=24000,
+                  codes=np.zeros((frames, 16), np.int64), ref_codes=np.zeros((0, 16), np.int64), meta=meta)
+
+
+def test_async_chunks_configured_but_not_run_is_an_error_not_a_pass():
+    from difftest.verdicts import exercised
+
+    on = {"async_chunk": True}
+    chunked = {"a": _result("a", 30, "async_chunk", 3), "b": _result("b", 1, "async_chunk", 1)}  # one frame: one piece
+    assert exercised.finding({"async_chunk": False}, {"c=4": chunked}) is None  # nothing to show
+    ok = exercised.finding(on, {"c=4": chunked, "c=1": chunked})
+    assert ok["verdict"] == "pass" and ok["passes"]["c=1"]["chunked"] == 1
+    whole = {"a": _result("a", 30, "full_payload", 1), "b": _result("b", 30, "async_chunk", 2)}
+    bad = exercised.finding(on, {"c=4": chunked, "c=1": whole})
+    assert bad["verdict"] == "error" and bad["summary"].startswith("c=1: configuration not exercised: async_chunk is on, "
+                                                                   "but 1 of 2 requests longer than a frame")
+    assert bad["passes"]["c=1"]["in_one_piece"] == ["a"]
+    silent = exercised.finding(on, {"c=4": {"a": _result("a", 30, None, None)}})  # no capture: nothing shows it
+    assert silent["verdict"] == "error" and "does not say how 1 of 1 requests" in silent["summary"]
+    from difftest.records.report import overall
+    from difftest.verdicts.policy import load_policy
+
+    assert overall([], load_policy(None), [bad]) == ("error", 3)
+
+
+def test_the_capture_says_how_the_vocoder_got_the_codes(tmp_path):
+    import numpy as np
+
+    from difftest.engines import capture
+
+    codes = np.zeros((3, 16), np.int64)
+    cap = capture.validate({"codes": codes, "handoff": np.array("async_chunk"),
+                            "chunk_frames": np.array([1, 2], np.int64)}, tmp_path / "x.npz")
+    assert cap.handoff == "async_chunk" and cap.chunk_frames.tolist() == [1, 2]
+    assert capture.validate({"codes": codes}, tmp_path / "x.npz").handoff is None
+    for bad in ({"handoff": np.array("carrier_pigeon")}, {"chunk_frames": np.array([[1]])},
+                {"chunk_frames": np.array([-1])}, {"handoff": np.array(3)}):
+        with pytest.raises(capture.CaptureError, match="x.npz: (handoff|chunk_frames)"):
+            capture.validate({"codes": codes, **bad}, tmp_path / "x.npz")

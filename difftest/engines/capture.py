@@ -50,8 +50,13 @@ that is not the talker's own, a frame lost) from what the talker was given. A
 writer that tried and failed writes `talker_missing` (a string saying why)
 instead: the capture is then an error, not a quieter judgement.
 
-A writer may add arrays of its own (the plugin's `handoff`, `chunk_frames`); the
-reader keeps to these.
+Two more tell how the vocoder got the codes, read where present (a run configured to chunk
+must show it did, difftest.verdicts.exercised):
+
+| `handoff`      | string            | "full_payload" (one hand-off) or "async_chunk" |
+| `chunk_frames` | (K,) integers     | frames of each hand-off, in order              |
+
+A writer may add arrays of its own; the reader keeps to these.
 
 The file comes from the engine under test, so nothing in it is trusted: a
 file that breaks these rules is a `CaptureError`, which the caller turns into
@@ -110,6 +115,8 @@ class Capture:
     talker_topk_ids: np.ndarray | None = None  # (len(talker_tokens), k): the talker's own top-k; None: not captured
     talker_topk_logprobs: np.ndarray | None = None
     inputs: dict | None = None  # the talker's input (v3: INPUT's arrays); None: not captured
+    handoff: str | None = None  # "full_payload" or "async_chunk"; None: not said
+    chunk_frames: np.ndarray | None = None  # frames per hand-off; None: not said
 
     def stage_arrays(self) -> dict[str, np.ndarray]:
         """The talker stage's arrays, for a result's extra arrays (empty when not captured)."""
@@ -190,7 +197,28 @@ def validate(arrays: dict, where: Path, max_frames: int | None = None) -> Captur
     lead = _scalar(arrays, "lead_samples", where) or 0
     if not 0 <= lead <= MAX_LEAD_SAMPLES:
         raise CaptureError(f"{where}: lead_samples {lead} outside [0, {MAX_LEAD_SAMPLES}]")
-    return Capture(codes, ref_codes, wav, rate, lead, where, *talker, inputs=read_inputs(arrays, where))
+    handoff, chunks = _handoff(arrays, where)
+    return Capture(codes, ref_codes, wav, rate, lead, where, *talker, inputs=read_inputs(arrays, where),
+                   handoff=handoff, chunk_frames=chunks)
+
+
+HANDOFFS = ("full_payload", "async_chunk")
+
+
+def _handoff(arrays: dict, where) -> tuple[str | None, np.ndarray | None]:
+    handoff = chunks = None
+    if "handoff" in arrays:
+        a = arrays["handoff"]
+        if a.dtype.kind != "U" or a.size != 1 or str(a.reshape(-1)[0]) not in HANDOFFS:
+            raise CaptureError(f"{where}: handoff must be one of {', '.join(HANDOFFS)}, got {a.dtype} {a!r}"[:300])
+        handoff = str(a.reshape(-1)[0])
+    if "chunk_frames" in arrays:
+        c = arrays["chunk_frames"]
+        if c.dtype.kind not in "iu" or c.ndim != 1 or not len(c) or (c < 0).any():
+            raise CaptureError(f"{where}: chunk_frames must be a non-empty row of integers >= 0, got {c.dtype} "
+                               f"of shape {c.shape}")
+        chunks = c.astype(np.int64)
+    return handoff, chunks
 
 
 def read_inputs(arrays: dict, where) -> dict | None:

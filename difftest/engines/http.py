@@ -212,7 +212,9 @@ def _result(seg: Segment, wav, info, cap: Capture | None, ans, label: str, prove
                   has_codes=cap is not None, quantised=info.format == "pcm", provenance=dict(provenance or {}),
                   timings={"request_seconds": round(ans.seconds, 4)},
                   meta={"runner": label, **meta, "retries": ans.retries, "capture": cap is not None,
-                        "lead_samples": cap.lead_samples if cap is not None else 0, "wave": list(wave)},
+                        "lead_samples": cap.lead_samples if cap is not None else 0, "wave": list(wave),
+                        **({"handoff": cap.handoff} if cap is not None and cap.handoff else {}),
+                        **({"chunks": len(cap.chunk_frames)} if cap is not None and cap.chunk_frames is not None else {})},
                   extra=extra)
 
 

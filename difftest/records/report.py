@@ -36,11 +36,13 @@ def build_report(verdicts: list[SegmentVerdict], policy: Policy, *, suite: dict 
                  reference: dict | None = None, candidate: dict | None = None,
                  concurrency: int | None = None, provenance: dict | None = None,
                  warnings: list[str] | None = None, sampling: dict | None = None, null: dict | None = None,
-                 null_n: dict | None = None) -> dict:
+                 null_n: dict | None = None, configuration: dict | None = None) -> dict:
     """`sampling`: the run-level sampling test (difftest/verdicts/sampling.py), None when nothing was
     sampled; `null`: the measured null's test at concurrency 1 (difftest/verdicts/null.py), None when
-    nothing was greedy; `null_n`: its test of the run at N (null.judge_at_n), None at concurrency 1."""
-    verdict, code = overall(verdicts, policy, [f for f in (sampling, null, null_n) if f])
+    nothing was greedy; `null_n`: its test of the run at N (null.judge_at_n), None at concurrency 1;
+    `configuration`: whether what the candidate was configured to run ran (verdicts/exercised.py),
+    None when nothing needed showing."""
+    verdict, code = overall(verdicts, policy, [f for f in (sampling, null, null_n, configuration) if f])
     counts = Counter(v.verdict for v in verdicts)
     return {
         "format": FORMAT,
@@ -60,6 +62,7 @@ def build_report(verdicts: list[SegmentVerdict], policy: Policy, *, suite: dict 
         "sampling": sampling,
         "measured_null": null,
         "measured_null_at_n": null_n,
+        "configuration_exercised": configuration,
         "warnings": list(warnings or []),
     }
 
@@ -117,7 +120,8 @@ def summary_lines(report: dict, limit: int = 20) -> list[str]:
     sampling = report.get("sampling")
     if sampling:
         lines.append(f"  sampling: {sampling['verdict']}: {sampling['summary']}")
-    for key, name in (("measured_null", "measured null"), ("measured_null_at_n", "measured null at N")):
+    for key, name in (("measured_null", "measured null"), ("measured_null_at_n", "measured null at N"),
+                      ("configuration_exercised", "configuration")):
         null = report.get(key)
         if null and null["verdict"] != "pass":
             lines.append(f"  {name}: {null['verdict']}: {null['summary']}")

@@ -1,0 +1,55 @@
+"""Was the configuration the candidate was asked to serve the one that ran?
+
+A run configured with async chunks whose requests all reached the vocoder in one piece tested the
+full-payload hand-off, not the chunked one: it would pass as if the chunked path had been tested.
+So the run says what ran, from the capture (`handoff`, `chunk_frames`, difftest.engines.capture),
+and a configuration that did not run is a run-level `error` (exit 3, "configuration not
+exercised"), never a pass.
+
+Chunked means more than one hand-off for every request longer than one frame: vLLM-Omni's first
+chunk is a single frame (its deploy's `initial_chunk`), so any longer request is handed over at
+least twice when chunking runs.
+"""
+
+from __future__ import annotations
+
+
+def async_chunks(candidate: dict, results: dict) -> dict | None:
+    """The finding for async chunking over the candidate's results (segment -> Result), or None
+    when the candidate was not configured with it."""
+    if not candidate.get("async_chunk"):
+        return None
+    told = {sid: r for sid, r in results.items() if r.meta.get("handoff")}
+    longer = {sid: r for sid, r in told.items() if len(r.codes) > 1}
+    whole = sorted(sid for sid, r in longer.items()
+                   if r.meta["handoff"] != "async_chunk" or int(r.meta.get("chunks") or 0) < 2)
+    untold = sorted(set(results) - set(told))
+    out = {"configured": {"async_chunk": True}, "requests": len(results), "said": len(told),
+           "chunked": len(longer) - len(whole), "in_one_piece": whole, "not_said": untold}
+    if whole:
+        out |= {"verdict": "error", "summary": (
+            f"configuration not exercised: async_chunk is on, but {len(whole)} of {len(longer)} requests longer "
+            f"than a frame reached the vocoder in one hand-off ({', '.join(whole[:5])}"
+            f"{', ...' if len(whole) > 5 else ''}): the chunked path did not run")}
+    elif untold or not longer:
+        out |= {"verdict": "error", "summary": (
+            "configuration not exercised: async_chunk is on, but the capture does not say how "
+            + (f"{len(untold)} of {len(results)} requests were handed to the vocoder" if untold else
+               "any request longer than a frame was handed to the vocoder (none was)")
+            + ": nothing shows the chunked path ran")}
+    else:
+        out |= {"verdict": "pass", "summary": f"async chunks ran: every one of {len(longer)} requests longer than a "
+                                              f"frame reached the vocoder in 2 or more hand-offs"}
+    return out
+
+
+def finding(candidate: dict, passes: dict[str, dict]) -> dict | None:
+    """One run-level finding over the candidate's passes (name -> segment -> Result: at N, at 1, the
+    repeat), or None when nothing was configured that needs showing."""
+    each = {name: async_chunks(candidate, results) for name, results in passes.items()}
+    each = {k: v for k, v in each.items() if v is not None}
+    if not each:
+        return None
+    bad = [(k, v) for k, v in each.items() if v["verdict"] != "pass"]
+    verdict, summary = ("error", f"{bad[0][0]}: {bad[0][1]['summary']}") if bad else ("pass", next(iter(each.values()))["summary"])
+    return {"verdict": verdict, "summary": summary, "configured": {"async_chunk": True}, "passes": each}
