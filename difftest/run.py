@@ -464,6 +464,11 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
             with timings("candidate_repeat_s" if n == REPEAT else f"candidate_c{n}_s"):
                 outcomes[n] = _candidate_at(n, candidate, suite, folder, key)
         cand, ctrl, again = outcomes[opts.concurrency], outcomes[1], outcomes.get(REPEAT)
+        if cand_info.get("prefix_caching_stages"):  # read while the servers still run: did the cache serve?
+            from .engines.vllm_omni import prefix_cache_counters
+
+            cand_info = {**cand_info, "prefix_cache": prefix_cache_counters(
+                [s["url"] for s in cand_info.get("servers") or [{"url": cand_info["url"]}]])}
         print(f"teacher forcing: {len(_segments_with_codes(cand.results))} segments at c={opts.concurrency} and "
               f"{len(_segments_with_codes(ctrl.results))} at c=1 through qwen-tts's talker", file=sys.stderr, flush=True)
         with timings("score_s"):

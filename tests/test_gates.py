@@ -36,6 +36,7 @@ def test_the_shipped_gates_load_and_say_what_each_cell_covers(name):
         assert by["async-c4"]["engine_args"] == ["async_chunk=true"]
         assert by["registered-c4"]["voices"] == "registered" and by["many-voices-c4"]["pattern"] == "staggered"
         assert {Path(c["suite"]).stem for c in m.cells} >= {"smoke", "handoff-mix", "voice-clone-concurrency", "sampled"}
+        assert "talker.enable_prefix_caching=true" in by["prefix-cache-c4"]["engine_args"]
 
 
 def test_a_named_cell_runs_with_its_arrivals_voices_and_engine_arguments(tmp_path):
@@ -157,12 +158,12 @@ def test_async_chunks_configured_but_not_run_is_an_error_not_a_pass():
     chunked = {"a": _result("a", 30, "async_chunk", 3), "b": _result("b", 1, "async_chunk", 1)}  # one frame: one piece
     assert exercised.finding({"async_chunk": False}, {"c=4": chunked}) is None  # nothing to show
     ok = exercised.finding(on, {"c=4": chunked, "c=1": chunked})
-    assert ok["verdict"] == "pass" and ok["passes"]["c=1"]["chunked"] == 1
+    assert ok["verdict"] == "pass" and ok["checks"]["async_chunk"]["passes"]["c=1"]["chunked"] == 1
     whole = {"a": _result("a", 30, "full_payload", 1), "b": _result("b", 30, "async_chunk", 2)}
     bad = exercised.finding(on, {"c=4": chunked, "c=1": whole})
     assert bad["verdict"] == "error" and bad["summary"].startswith("c=1: configuration not exercised: async_chunk is on, "
                                                                    "but 1 of 2 requests longer than a frame")
-    assert bad["passes"]["c=1"]["in_one_piece"] == ["a"]
+    assert bad["checks"]["async_chunk"]["passes"]["c=1"]["in_one_piece"] == ["a"]
     silent = exercised.finding(on, {"c=4": {"a": _result("a", 30, None, None)}})  # no capture: nothing shows it
     assert silent["verdict"] == "error" and "does not say how 1 of 1 requests" in silent["summary"]
     from difftest.records.report import overall
@@ -185,3 +186,60 @@ def test_the_capture_says_how_the_vocoder_got_the_codes(tmp_path):
                 {"chunk_frames": np.array([-1])}, {"handoff": np.array(3)}):
         with pytest.raises(capture.CaptureError, match="x.npz: (handoff|chunk_frames)"):
             capture.validate({"codes": codes, **bad}, tmp_path / "x.npz")
+
+
+def test_prefix_caching_configured_but_never_hit_is_an_error_not_a_pass():
+    from difftest.verdicts import exercised
+
+    assert exercised.finding({"prefix_caching_stages": []}, {}) is None
+    cold = {"prefix_caching_stages": [0], "prefix_cache": {"0": {"queries": 302, "hits": 0}, "1": {"queries": 0, "hits": 0}}}
+    f = exercised.finding(cold, {})
+    assert f["verdict"] == "error" and f["summary"].startswith(
+        "configuration not exercised: prefix caching is on for stage 0, but its cache was hit 0 times in 302")
+    hot = {**cold, "prefix_cache": {"0": {"queries": 302, "hits": 128}}}
+    assert exercised.finding(hot, {})["verdict"] == "pass"
+    unread = {**cold, "prefix_cache": {"error": "http://127.0.0.1:1/metrics: refused"}}
+    assert exercised.finding(unread, {})["verdict"] == "error"
+    both = exercised.finding({**hot, "async_chunk": True}, {"c=4": {"a": _result("a", 30, "full_payload", 1)}})
+    assert both["verdict"] == "error" and set(both["checks"]) == {"async_chunk", "prefix_caching"}
+    assert both["checks"]["prefix_caching"]["verdict"] == "pass"
+
+
+def test_the_servers_metrics_and_deploy_files_are_read_as_vllm_omni_writes_them(tmp_path):
+    import http.server
+    import threading
+
+    from difftest.engines.vllm_omni import prefix_cache_counters, prefix_caching_stages
+
+    text = ("# HELP vllm:prefix_cache_queries_total x\n"
+            'vllm:prefix_cache_queries_total{model_name="m",replica="0",stage="0"} 302.0\n'
+            'vllm:prefix_cache_queries_total{model_name="m",replica="0",stage="1"} 0.0\n'
+            'vllm:prefix_cache_hits_total{model_name="m",replica="0",stage="0"} 16.0\n'
+            'vllm:external_prefix_cache_hits_total{model_name="m",replica="0",stage="0"} 99.0\n'
+            'vllm:prefix_cache_hits_created{model_name="m",replica="0",stage="0"} 1.79e+09\n').encode()
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/metrics" else 404)
+            self.end_headers()
+            self.wfile.write(text)
+
+        def log_message(self, *a):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{srv.server_port}"
+        assert prefix_cache_counters([url, url]) == {"0": {"queries": 604, "hits": 32}, "1": {"queries": 0, "hits": 0}}
+    finally:
+        srv.shutdown()
+    assert "error" in prefix_cache_counters(["http://127.0.0.1:9"], timeout=5)
+    base = tmp_path / "base.yaml"
+    base.write_text("stages:\n  - {stage_id: 0, enable_prefix_caching: false}\n  - {stage_id: 1, enable_prefix_caching: false}\n"
+                    "platforms:\n  npu:\n    stages:\n      - {stage_id: 1, enable_prefix_caching: true}\n")
+    overlay = tmp_path / "overlay.yaml"
+    overlay.write_text(f"base_config: {base}\nstages:\n  - {{stage_id: 0, enable_prefix_caching: true}}\n  - {{stage_id: 1}}\n")
+    assert prefix_caching_stages(overlay) == [0]
+    overlay.write_text(f"base_config: {base}\nstages:\n  - {{stage_id: 0}}\n")
+    assert prefix_caching_stages(overlay) == []

@@ -475,8 +475,46 @@ def start_vllm_omni(out_dir: str | Path, models: list[str], opts: VllmOmniOption
     client = next(iter(clients.values())) if len(servers) == 1 else RoutingSpeechClient(clients)
 
     info = {**_provenance(env_info, opts, overlay_path, capture), "url": servers[0]["url"], "servers": servers,
-            "start_seconds": round(sum(s["start_seconds"] for s in servers), 2)}
+            "start_seconds": round(sum(s["start_seconds"] for s in servers), 2),
+            "prefix_caching_stages": prefix_caching_stages(overlay_path)}
     return client, capture, info
+
+
+def prefix_caching_stages(overlay_path: Path) -> list[int]:
+    """The stage ids the servers run with prefix caching on: the base deploy file's setting (its
+    stage list; per-platform sections leave it alone), the overlay's over it."""
+    overlay = yaml.safe_load(Path(overlay_path).read_text(encoding="utf-8")) or {}
+    base = yaml.safe_load(Path(overlay["base_config"]).read_text(encoding="utf-8")) or {}
+    on = {}
+    for layer in (base, overlay):
+        for st in layer.get("stages") or []:
+            if isinstance(st, dict) and "stage_id" in st and "enable_prefix_caching" in st:
+                on[int(st["stage_id"])] = bool(st["enable_prefix_caching"])
+    return sorted(k for k, v in on.items() if v)
+
+
+def prefix_cache_counters(urls: list[str], timeout: float = 30.0) -> dict:
+    """{stage id (text): {"queries": n, "hits": n}} summed over the servers, from their Prometheus
+    metrics (`vllm:prefix_cache_{queries,hits}_total{stage=...}`, counted in tokens since each
+    server started); {"error": why} when a server's metrics cannot be read."""
+    import re
+    import urllib.request
+
+    line = re.compile(r'^vllm:prefix_cache_(queries|hits)_total\{([^}]*)\}\s+([0-9.eE+-]+)$')
+    out: dict = {}
+    for url in urls:
+        try:
+            text = urllib.request.urlopen(url.rstrip("/") + "/metrics", timeout=timeout).read().decode("utf-8", "replace")
+        except OSError as e:
+            return {"error": f"{url}/metrics: {e}"}
+        for ln in text.splitlines():
+            m = line.match(ln.strip())
+            if not m:
+                continue
+            stage = re.search(r'stage="([^"]*)"', m.group(2))
+            key = stage.group(1) if stage else "?"
+            out.setdefault(key, {"queries": 0, "hits": 0})[m.group(1)] += int(float(m.group(3)))
+    return out
 
 
 OFFLINE_CANDIDATE = "vllm-omni-offline"

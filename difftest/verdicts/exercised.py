@@ -6,6 +6,11 @@ So the run says what ran, from the capture (`handoff`, `chunk_frames`, difftest.
 and a configuration that did not run is a run-level `error` (exit 3, "configuration not
 exercised"), never a pass.
 
+Prefix caching likewise: a run whose servers have it on for a stage must show that stage's cache
+was hit (the servers' `vllm:prefix_cache_hits_total`, read before they stop). On the tiny suites it
+never is (the smoke suite sent twice, the same four requests: 302 tokens queried, 0 hit): their
+prompts fill no cache block, so such a run is no evidence about the cache, and says so.
+
 Chunked means more than one hand-off for every request longer than one frame: vLLM-Omni's first
 chunk is a single frame (its deploy's `initial_chunk`), so any longer request is handed over at
 least twice when chunking runs.
@@ -43,13 +48,45 @@ def async_chunks(candidate: dict, results: dict) -> dict | None:
     return out
 
 
+def prefix_cache(candidate: dict) -> dict | None:
+    """The finding for prefix caching, from the counters run.py read off the servers, or None when
+    no stage has it on."""
+    stages = candidate.get("prefix_caching_stages") or []
+    if not stages:
+        return None
+    counts = candidate.get("prefix_cache") or {}
+    out = {"configured": {"prefix_caching_stages": stages}, "counters": counts}
+    if "error" in counts or not counts:
+        return out | {"verdict": "error", "summary": (
+            f"configuration not exercised: prefix caching is on for stage {', '.join(map(str, stages))}, but the "
+            f"servers' cache counters could not be read ({counts.get('error', 'no counters')}): nothing shows it ran")}
+    cold = [st for st in stages if counts.get(str(st), {}).get("hits", 0) <= 0]
+    if cold:
+        c = counts.get(str(cold[0]), {})
+        return out | {"verdict": "error", "summary": (
+            f"configuration not exercised: prefix caching is on for stage {cold[0]}, but its cache was hit "
+            f"{c.get('hits', 0)} times in {c.get('queries', 0)} queried tokens: no request reused a cached prefix "
+            f"(a suite whose prompts share prefixes longer than a cache block exercises it)")}
+    return out | {"verdict": "pass", "summary": "prefix cache hits: " + ", ".join(
+        f"stage {st} {counts[str(st)]['hits']} of {counts[str(st)]['queries']} tokens" for st in stages)}
+
+
 def finding(candidate: dict, passes: dict[str, dict]) -> dict | None:
-    """One run-level finding over the candidate's passes (name -> segment -> Result: at N, at 1, the
-    repeat), or None when nothing was configured that needs showing."""
+    """One run-level finding over what was configured (async chunks over the candidate's passes,
+    name -> segment -> Result; prefix caching over the run), or None when nothing needs showing."""
+    checks = {}
     each = {name: async_chunks(candidate, results) for name, results in passes.items()}
     each = {k: v for k, v in each.items() if v is not None}
-    if not each:
+    if each:
+        bad = [(k, v) for k, v in each.items() if v["verdict"] != "pass"]
+        checks["async_chunk"] = {"verdict": "error" if bad else "pass", "passes": each,
+                                 "summary": f"{bad[0][0]}: {bad[0][1]['summary']}" if bad
+                                 else next(iter(each.values()))["summary"]}
+    cache = prefix_cache(candidate)
+    if cache:
+        checks["prefix_caching"] = cache
+    if not checks:
         return None
-    bad = [(k, v) for k, v in each.items() if v["verdict"] != "pass"]
-    verdict, summary = ("error", f"{bad[0][0]}: {bad[0][1]['summary']}") if bad else ("pass", next(iter(each.values()))["summary"])
-    return {"verdict": verdict, "summary": summary, "configured": {"async_chunk": True}, "passes": each}
+    bad = [c for c in checks.values() if c["verdict"] != "pass"]
+    return {"verdict": "error" if bad else "pass", "summary": "; ".join(c["summary"] for c in (bad or checks.values())),
+            "checks": checks}
