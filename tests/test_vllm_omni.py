@@ -77,6 +77,20 @@ def test_server_is_healthy_and_says_what_it_is(server):
     assert "StageEngineCoreProc_stage1" in log and "(Worker pid=" not in log
 
 
+def test_the_prefix_cache_counters_are_read_from_the_servers_metrics(server, runs):
+    """What difftest.verdicts.exercised reads when a stage caches prefixes: each stage's counters, from
+    the real server's /metrics (the shipped deploy file keeps caching off: nothing to show, no finding)."""
+    from difftest.engines.vllm_omni import prefix_cache_counters
+    from difftest.verdicts import exercised
+
+    _, _, info, _ = server
+    assert info["prefix_caching_stages"] == []
+    counters = prefix_cache_counters([info["url"]])
+    assert "error" not in counters and {"0", "1"} <= set(counters), counters
+    assert all(c["hits"] == 0 for c in counters.values())  # off: nothing reused
+    assert exercised.finding(info, {}) is None
+
+
 def test_overlay_written_and_used(server):
     _, _, info, _ = server
     ov = yaml.safe_load(Path(info["deploy_overlay"]).read_text())
