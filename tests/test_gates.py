@@ -137,6 +137,12 @@ def test_the_table_is_kept_and_continued_and_an_entry_no_cell_catches_fails(tmp_
     coverage.run_coverage(entries, load_matrix(gate), tmp_path / "out", None, RunOptions(store=tmp_path / "s"),
                           Path("py"))
     assert sorted(calls) == [("async-ref-context-1731", "two"), ("no-async-trim-4429", "two")]
+    calls.clear()  # one entry again (--only): the other's rows stay in the table
+    coverage.run_coverage(entries[1:], load_matrix(gate), tmp_path / "out", None, RunOptions(store=tmp_path / "s"),
+                          Path("py"))
+    s = json.loads((tmp_path / "out" / "coverage.json").read_text())
+    assert calls == [] and sorted(s["table"]) == ["async-ref-context-1731", "no-async-trim-4429"]
+    assert s["caught_by_no_cell"] == ["async-ref-context-1731"] and s["exit_code"] == 1
 
 
 # -- a configuration set is not a configuration tested -------------------------------------------

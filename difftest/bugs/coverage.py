@@ -97,10 +97,10 @@ def exit_code(entries: list[Entry], rows: list[dict], never: list[str]) -> int:
     return min(codes) if codes else EXIT_PASS
 
 
-def text_table(entries: list[Entry], cells: list[dict], table: dict) -> str:
+def text_table(entry_ids: list[str], cells: list[dict], table: dict) -> str:
     mark = {"caught": "caught", "missed": "-", "n/a": "n/a", "error": "ERROR", None: "?"}
     head = ["bug", *[c["cell"] for c in cells]]
-    lines = [head] + [[e.id, *[mark.get(table.get(e.id, {}).get(c["cell"]), "?") for c in cells]] for e in entries]
+    lines = [head] + [[e, *[mark.get(table.get(e, {}).get(c["cell"]), "?") for c in cells]] for e in entry_ids]
     widths = [max(len(x[i]) for x in lines) for i in range(len(head))]
     return "\n".join("  ".join(x[i].ljust(widths[i]) for i in range(len(head))).rstrip() for x in lines)
 
@@ -112,38 +112,45 @@ def run_coverage(entries: list[Entry], matrix, out: Path, policy, opts: RunOptio
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     state = out / "coverage.json"
-    old = {}
+    old, kept, kept_entries = {}, [], []
+    chosen_ids = {e.id for e in entries}
     if state.is_file():  # the same command again: rows whose run is the same are kept
         try:
             prior = json.loads(state.read_text(encoding="utf-8"))
             old = {(r["entry"], r["cell"]): r for r in prior.get("runs", []) if r.get("status") in ("caught", "missed")}
+            # entries this command does not run (--only): their rows stay in the table, as they were
+            kept = [r for r in prior.get("runs", []) if r["entry"] not in chosen_ids
+                    and r.get("status") in ("caught", "missed", "n/a")]
+            kept_entries = [e for e in prior.get("entries", []) if e["id"] in {r["entry"] for r in kept}]
         except (OSError, ValueError, KeyError, TypeError):
-            old = {}
+            old, kept, kept_entries = {}, [], []
     rows: list[dict] = []
     started = time.time()
     python = reference_python(opts.reference.python)
     cells = matrix.cells
 
     def summary(done: bool) -> dict:
-        table = {e.id: {} for e in entries if e.cpu}
-        for r in rows:
+        table = {e.id: {} for e in entries if e.cpu} | {e["id"]: {} for e in kept_entries}
+        for r in kept + rows:
             table[r["entry"]][r["cell"]] = r["status"]
         seconds: dict[str, float] = {}
-        for r in rows:
+        for r in kept + rows:
             if r["status"] in ("caught", "missed"):
                 seconds[r["cell"]] = seconds.get(r["cell"], 0.0) + r.get("seconds", 0.0)
-        runs = {c: sum(1 for r in rows if r["cell"] == c and r["status"] in ("caught", "missed")) for c in seconds}
+        runs = {c: sum(1 for r in kept + rows if r["cell"] == c and r["status"] in ("caught", "missed")) for c in seconds}
         mean = {c: round(seconds[c] / runs[c], 1) for c in seconds if runs[c]}
         chosen, never = minimal_cells(table, mean)
         return {"format": FORMAT, "gate": str(matrix.path), "gate_name": matrix.name, "complete": done,
-                "exit_code": exit_code(entries, rows, never) if done else None,
+                "exit_code": exit_code(entries, rows, [e for e in never if e not in {k["id"] for k in kept_entries
+                                                                                     if k.get("known_miss")}])
+                if done else None,
                 "seconds": round(time.time() - started, 1),
                 "cells": [{"cell": c["cell"], **cell_key(c), "covers": c.get("covers") or [],
                            "mean_run_seconds": mean.get(c["cell"])} for c in cells],
                 "entries": [{"id": e.id, "upstream": e.upstream_label, "expect": e.expect, "cpu": e.cpu,
-                             "known_miss": e.known_miss} for e in entries],
+                             "known_miss": e.known_miss} for e in entries] + kept_entries,
                 "table": table, "minimal_cells": chosen, "minimal_cells_seconds": round(sum(mean.get(c, 0) for c in chosen), 1),
-                "caught_by_no_cell": never, "runs": rows}
+                "caught_by_no_cell": never, "runs": kept + rows}
 
     def save(done=False) -> dict:
         s = summary(done)
@@ -167,7 +174,8 @@ def run_coverage(entries: list[Entry], matrix, out: Path, policy, opts: RunOptio
             save()
             if not todo:
                 continue
-            print(f"coverage {i}/{len(entries)} {e.id}: building the mutant", file=stream, flush=True)
+            print(f"coverage {i}/{len(entries)} {e.id}: " + ("the release itself carries it" if e.release_carries_bug
+                                                               else "building the mutant"), file=stream, flush=True)
             try:
                 with ExitStack() as held:
                     cand_python = base_python if e.release_carries_bug else held.enter_context(
@@ -196,7 +204,7 @@ def run_coverage(entries: list[Entry], matrix, out: Path, policy, opts: RunOptio
                                      "exit_code": EXIT_BAD_INPUT if isinstance(err, BadInput) else EXIT_INFRA})
                 save()
     s = save(done=True)
-    print(text_table([e for e in entries if e.cpu], cells, s["table"]))
+    print(text_table(sorted(s["table"]), cells, s["table"]))
     if s["minimal_cells"]:
         print(f"smallest gate that catches every entry a cell catches: {', '.join(s['minimal_cells'])} "
               f"(about {s['minimal_cells_seconds']:.0f} s of runs here)")
