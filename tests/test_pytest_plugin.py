@@ -7,6 +7,8 @@ the sample is its own pytest process."""
 from __future__ import annotations
 
 import importlib.metadata as md
+import json
+import re
 from pathlib import Path
 
 import pytest
@@ -50,7 +52,7 @@ def test_the_sample_passes_on_the_clean_engine_and_prints_the_divergence_on_the_
     assert hits and all("stage handoff, donor smoke-0" in ln for ln in hits), text[-3000:]
     # the vectors where the two part: the reference prefix the vocoder got is another request's
     at = text.index("reference prefix at the vocoder, frame")
-    ours, theirs = text[at:].splitlines()[1:3]
-    assert ours.split()[0] == "qwen-tts" and theirs.split()[0] == "candidate"
-    a, b = (eval(ln.split(None, 1)[1]) for ln in (ours, theirs))  # noqa: S307  (our own printed lists)
+    ours, theirs = (re.sub(r"^E\s+", "", ln).split(None, 1) for ln in text[at:].splitlines()[1:3])  # pytest's "E"
+    assert ours[0] == "qwen-tts" and theirs[0] == "candidate"
+    a, b = json.loads(ours[1]), json.loads(theirs[1])
     assert len(a) == len(b) == 16 and a != b
