@@ -39,46 +39,67 @@ def closed_uri() -> str:
 def serve(folder: Path, timeout_s: float = 120.0, store: Path | None = None):
     """`mlflow server` with a sqlite backend and artifacts in `folder`; yields its URI. The
     server runs in its own process group, which is ended on the way out, whatever happened.
-    `store`: an empty migrated database to start from (saves the server creating one)."""
-    port = free_port()
+    `store`: an empty migrated database to start from (saves the server creating one).
+
+    A free port can be taken between asking for it and binding it (another test's engine): the
+    server then exits with "address already in use" and is started again on another port, up to
+    three times. It is ready when MLflow's own API answers, not any /health on that port."""
     if store is not None:
         shutil.copyfile(store, folder / "server.db")
     log_path = folder / "server.log"
     # No job runner: it starts eight more mlflow processes (genai jobs) that difftest never uses.
     env = {**os.environ, "MLFLOW_DISABLE_TELEMETRY": "true", "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
     env.pop("MLFLOW_TRACKING_URI", None)
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
-             "--backend-store-uri", f"sqlite:///{folder / 'server.db'}",
-             "--artifacts-destination", str(folder / "artifacts"), "--workers", "1"],
-            stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=folder,
-            start_new_session=True)
-    uri = f"http://127.0.0.1:{port}"
+    proc = None
     try:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            try:
-                with urllib.request.urlopen(uri + "/health", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                tail = log_path.read_text(errors="replace")[-3000:]
-                why = f"exited with {proc.returncode}" if proc.poll() is not None else f"no /health in {timeout_s:.0f} s"
-                pytest.fail(f"mlflow server {why}; its log ends:\n{tail}")
-            time.sleep(0.25)
+        for attempt in range(3):
+            port = free_port()
+            with open(log_path, "wb") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "mlflow", "server", "--host", "127.0.0.1", "--port", str(port),
+                     "--backend-store-uri", f"sqlite:///{folder / 'server.db'}",
+                     "--artifacts-destination", str(folder / "artifacts"), "--workers", "1"],
+                    stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=folder,
+                    start_new_session=True)
+            uri = f"http://127.0.0.1:{port}"
+            if _wait_ready(proc, uri, log_path, timeout_s, last=attempt == 2):
+                break
         yield uri
     finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGTERM)
+        if proc is not None:
+            _stop(proc)
+
+
+def _wait_ready(proc, uri: str, log_path: Path, timeout_s: float, last: bool) -> bool:
+    """True once the server's experiments API answers; False when it lost its port (try another)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        if proc.poll() is not None:
+            tail = log_path.read_text(errors="replace")[-3000:]
+            if "address already in use" in tail and not last:
+                return False
+            pytest.fail(f"mlflow server exited with {proc.returncode}; its log ends:\n{tail}")
         try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+            with urllib.request.urlopen(uri + "/api/2.0/mlflow/experiments/search?max_results=1", timeout=2) as r:
+                if r.status == 200 and b"experiments" in r.read() and proc.poll() is None:
+                    return True
+        except OSError:
+            pass
+        if time.monotonic() > deadline:
+            tail = log_path.read_text(errors="replace")[-3000:]
+            pytest.fail(f"mlflow server: no answer in {timeout_s:.0f} s; its log ends:\n{tail}")
+        time.sleep(0.25)
+
+
+def _stop(proc) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def make_empty_store(folder: Path) -> Path:

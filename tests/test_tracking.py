@@ -293,3 +293,33 @@ def test_a_store_that_can_never_work_is_bad_input_with_no_pending_note(tmp_path,
         if uri.startswith("file:"):
             words = f"no MLflow store at {tmp_path / 'no-such-store'}"
         assert words in err, (uri, err)
+
+
+def test_a_test_mlflow_server_whose_port_was_taken_starts_on_another(tmp_path, monkeypatch):
+    """The port race CI met (2026-12-05: 'address already in use', three tests lost): the port handed
+    out is taken by another HTTP server answering /health before MLflow binds it; the helper must
+    not take that server for MLflow, and must start MLflow again on a free port."""
+    import http.server
+    import threading
+
+    import mlflow_support
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            self.send_response(200 if self.path == "/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *a):
+            pass
+
+    squatter = http.server.HTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    ports = iter([squatter.server_port])
+    real = mlflow_support.free_port
+    monkeypatch.setattr(mlflow_support, "free_port", lambda: next(ports, None) or real())
+    try:
+        with mlflow_support.serve(tmp_path) as uri:
+            assert uri != f"http://127.0.0.1:{squatter.server_port}"
+            assert MlflowClient(uri).search_experiments()  # MLflow itself answers there
+    finally:
+        squatter.shutdown()
