@@ -52,6 +52,7 @@ KINDS = {
     "package-index": "a package's versions on the package index (refreshed daily)",
     "bisect-build": "one commit's git worktree and overlay venv for `difftest bisect` / `difftest probe`",
     "bug-mutant": "a release's vLLM-Omni with one bug-corpus patch, an overlay venv for `difftest bugs`",
+    "tiny-checkpoint": "the seeded tiny checkpoint set, copied into each store that needs it (32 MB)",
 }
 
 _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")

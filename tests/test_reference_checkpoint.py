@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import subprocess
+from pathlib import Path
 
 from reference_support import REPO, Stopwatch, build_checkpoints, reference_python, tiny  # noqa: F401
 
@@ -138,3 +139,41 @@ print(json.dumps({{"scaled": scaled, "rows": rows, "ok": bool(ok)}}))
                              "talker.code_predictor.lm_head", "speaker_encoder.fc")) for k in got["scaled"])
     assert json.loads((tiny / "base" / "difftest-checkpoint.json").read_text())["listen"] == 3.0
     assert "listen" not in json.loads((tmp_path / "plain" / "difftest-checkpoint.json").read_text())
+
+
+def test_a_store_gets_the_set_from_the_cache_byte_for_byte_and_a_damaged_entry_is_built_again(tiny, tmp_path,
+                                                                                              monkeypatch):
+    """tiny_checkpoints: the first store builds the set into difftest's cache, the next ones copy it
+    (the builder then checks each copy against its manifest); the copies are the builder's own bytes."""
+    from difftest.cache import Cache
+    from difftest.engines import reference
+
+    monkeypatch.setenv("DIFFTEST_CACHE", str(tmp_path / "cache"))
+    py = reference_python()
+    first = reference.tiny_checkpoints(tmp_path / "store1", py)
+    [entry] = Cache().entries("tiny-checkpoint")
+    created = json.loads(entry.path.with_name(entry.path.name + ".entry.json").read_text())["created"]
+    second = reference.tiny_checkpoints(tmp_path / "store2", py)
+    assert [p.replace("store1", "store2") for p in first] == second
+    for t, folder in zip(TYPES, second):
+        assert _files(tiny / t) == _files(Path(folder)), t  # what a build in place writes
+    # the second store was a copy: the entry was not built again
+    [again] = Cache().entries("tiny-checkpoint")
+    assert json.loads(again.path.with_name(again.path.name + ".entry.json").read_text())["created"] == created
+
+    weights = entry.path / "base" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"damaged!")
+    third = reference.tiny_checkpoints(tmp_path / "store3", py)
+    assert _files(Path(third[0])) == _files(tiny / "base")  # rebuilt, not copied damaged
+
+    # the key is what the build comes from: the seed, and the builder's source
+    key = reference.tiny_cache_key(py)
+    assert reference.tiny_cache_key(py, seed=1) != key
+    fake = tmp_path / "repo" / "runners" / "reference"
+    fake.mkdir(parents=True)
+    for name in reference._BUILDER_SOURCES:
+        (fake / name).write_bytes((REPO / "runners" / "reference" / name).read_bytes())
+    monkeypatch.setattr(reference, "REPO", tmp_path / "repo")
+    assert reference.tiny_cache_key(py) == key
+    (fake / "tiny_checkpoint.py").write_text((fake / "tiny_checkpoint.py").read_text() + "\n# changed\n")
+    assert reference.tiny_cache_key(py) != key

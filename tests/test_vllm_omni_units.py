@@ -350,6 +350,24 @@ def test_a_server_that_never_becomes_healthy_is_stopped_and_reported(tmp_path):
                            stack, tasks={"voice_clone"})
 
 
+def test_each_environment_keeps_its_own_vllm_cache(tmp_path, monkeypatch):
+    """vLLM's model-class cache is one file per class name: the release and a mutant of it sharing
+    ~/.cache/vllm evict each other's entry. A venv's servers get <venv>/vllm-cache; an interpreter
+    outside a venv, or a VLLM_CACHE_ROOT the user set, is left as it is."""
+    monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
+    release, mutant = tmp_path / "release", tmp_path / "mutant"
+    for venv in (release, mutant):
+        (venv / "bin").mkdir(parents=True)
+        (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
+    roots = {vo.server_env(vo.VllmOmniOptions(), None, tmp_path, v / "bin" / "python")["VLLM_CACHE_ROOT"]
+             for v in (release, mutant)}
+    assert roots == {str(release / "vllm-cache"), str(mutant / "vllm-cache")}
+    assert "VLLM_CACHE_ROOT" not in vo.server_env(vo.VllmOmniOptions(), None, tmp_path, Path("/usr/bin/python3"))
+    assert "VLLM_CACHE_ROOT" not in vo.server_env(vo.VllmOmniOptions(), None, tmp_path)
+    monkeypatch.setenv("VLLM_CACHE_ROOT", "/mine")
+    assert vo.server_env(vo.VllmOmniOptions(), None, tmp_path, release / "bin" / "python")["VLLM_CACHE_ROOT"] == "/mine"
+
+
 def test_the_server_gets_the_capture_dir_and_no_stale_one(tmp_path, monkeypatch):
     monkeypatch.setenv("DIFFTEST_CAPTURE_DIR", "/somewhere/else")
     monkeypatch.setenv("DIFFTEST_ACCEPT_LENGTH_FINISH", "1")

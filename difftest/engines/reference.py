@@ -11,9 +11,13 @@ configuration. Runners write the result files; this side reads them back.
 from __future__ import annotations
 
 import argparse
+import fcntl
+import hashlib
 import json
 import os
+import shutil
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -71,14 +75,78 @@ def tiny_folder(seed: int = TINY_SEED) -> str:
 
 
 def tiny_checkpoints(store_root: Path, python: Path, seed: int = TINY_SEED) -> list[str]:
-    """Build (once) the tiny checkpoint set under the store; returns its three folders."""
+    """The tiny checkpoint set under the store (built once); returns its three folders.
+
+    A store without it gets a copy of the set from difftest's cache (kind `tiny-checkpoint`), built
+    there once per builder source and reference environment: building imports qwen-tts and draws
+    every tensor (about 7 s), copying takes a tenth of that. The builder then checks the folders it
+    would have built against their manifests (every file's sha256), as for a store built in place."""
     out = Path(store_root).resolve() / "checkpoints" / tiny_folder(seed)
+    if not all((out / t / TINY_MANIFEST).is_file() for t in TINY_TYPES):
+        _copy_cached_set(out, python, seed)
+    _tiny_builder(python, out, seed)
+    return [str(out / t) for t in TINY_TYPES]
+
+
+TINY_TYPES = ("base", "custom_voice", "voice_design")
+# What a build depends on in this repository: the builder and what it imports from here.
+_BUILDER_SOURCES = ("tiny_checkpoint.py", "checkpoint.py", "environment.py", "torchaudio_stub.py")
+
+
+def _tiny_builder(python: Path, out: Path, seed: int) -> None:
     cmd = [str(python), "-m", "runners.reference.tiny_checkpoint", str(out), "--seed", str(seed),
            "--listen", str(TINY_LISTEN)]
     r = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     if r.returncode != 0:
         raise InfraError(f"building the tiny checkpoint failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
-    return [str(out / t) for t in ("base", "custom_voice", "voice_design")]
+
+
+def tiny_cache_key(python: Path, seed: int = TINY_SEED) -> str:
+    """Everything a build comes from: seed and listening scale, the builder's source, and the
+    reference environment's interpreter and every installed distribution with its version."""
+    probe = ("import importlib.metadata as m, json, sys; print(json.dumps([sys.version, sorted("
+             "f\"{d.metadata['Name']}=={d.version}\" for d in m.distributions())]))")
+    r = subprocess.run([str(python), "-c", probe], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    if r.returncode != 0:
+        raise InfraError(f"{python}: could not list its packages: {r.stderr.strip()[-1500:]}")
+    h = hashlib.sha256(r.stdout.encode())
+    for name in _BUILDER_SOURCES:
+        h.update(name.encode() + b"\0" + (REPO / "runners" / "reference" / name).read_bytes())
+    return f"seed{seed}-listen{TINY_LISTEN}-{h.hexdigest()[:16]}"
+
+
+def _copy_cached_set(out: Path, python: Path, seed: int) -> None:
+    from ..cache import Cache
+
+    from runners.reference.checkpoint import hash_files
+
+    def intact(root: Path) -> bool:  # every file as its manifest says (a damaged entry is built again)
+        for t in TINY_TYPES:
+            try:
+                files = json.loads((root / t / TINY_MANIFEST).read_text(encoding="utf-8"))["files"]
+            except (OSError, ValueError, KeyError, TypeError):
+                return False
+            if files != hash_files(root / t):
+                return False
+        return True
+
+    with Cache().use("tiny-checkpoint", tiny_cache_key(python, seed), valid=intact,
+                     build=lambda root: (shutil.rmtree(root, ignore_errors=True), _tiny_builder(python, root, seed))
+                     ) as lease:
+        out.mkdir(parents=True, exist_ok=True)
+        for t in TINY_TYPES:
+            # the builder's own lock for out/t, and its rule: a folder that is there is not replaced here
+            with open(out / f".{t}.lock", "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if (out / t).exists():
+                    continue
+                tmp = Path(tempfile.mkdtemp(dir=out, prefix=f".{t}.", suffix=".tmp"))
+                try:
+                    shutil.copytree(lease.path / t, tmp, dirs_exist_ok=True)
+                    os.chmod(tmp, 0o755)
+                    os.replace(tmp, out / t)
+                finally:
+                    shutil.rmtree(tmp, ignore_errors=True)
 
 
 TINY_MANIFEST = "difftest-checkpoint.json"  # runners/reference/tiny_checkpoint.py MANIFEST

@@ -311,8 +311,16 @@ def server_argv(python: Path, model: str, overlay_path: Path, port: int, opts: V
             "--stage-init-timeout", str(int(opts.stage_init_timeout)), *map(str, opts.extra_args)]
 
 
-def server_env(opts: VllmOmniOptions, capture_dir: Path | None, speakers_dir: Path) -> dict:
+def server_env(opts: VllmOmniOptions, capture_dir: Path | None, speakers_dir: Path,
+               python: Path | None = None) -> dict:
     env = dict(os.environ)
+    venv = Path(python).absolute().parent.parent if python else None
+    if "VLLM_CACHE_ROOT" not in env and venv is not None and (venv / "pyvenv.cfg").is_file():
+        # vLLM keeps what it learns of a model class in one file per class name, its source's hash
+        # inside: environments sharing ~/.cache/vllm (the release, its bug mutants, bisect builds)
+        # evict each other's entry, and each start after a switch inspects the model again in a
+        # subprocess of its own (14 s on two busy cores). Each environment keeps its own.
+        env["VLLM_CACHE_ROOT"] = str(venv / "vllm-cache")
     env.pop("DIFFTEST_CAPTURE_DIR", None)
     env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                SPEAKER_SAMPLES_DIR=str(speakers_dir),  # registered voices stay with the run, not in ~/.cache
@@ -380,7 +388,7 @@ def _prepare(out_dir: Path, models: list[str], opts: VllmOmniOptions, tasks) -> 
     capture = out_dir / "capture" if opts.capture else None
     if capture is not None:
         capture.mkdir(parents=True, exist_ok=True)
-    env = server_env(opts, capture, out_dir / "vllm-omni" / "speakers")
+    env = server_env(opts, capture, out_dir / "vllm-omni" / "speakers", python)
     return python, env_info, to_serve, overlay_path, capture, env
 
 
