@@ -350,22 +350,30 @@ def test_a_server_that_never_becomes_healthy_is_stopped_and_reported(tmp_path):
                            stack, tasks={"voice_clone"})
 
 
-def test_each_environment_keeps_its_own_vllm_cache(tmp_path, monkeypatch):
-    """vLLM's model-class cache is one file per class name: the release and a mutant of it sharing
-    ~/.cache/vllm evict each other's entry. A venv's servers get <venv>/vllm-cache; an interpreter
-    outside a venv, or a VLLM_CACHE_ROOT the user set, is left as it is."""
+def test_each_model_source_keeps_its_own_vllm_cache(tmp_path, monkeypatch):
+    """vLLM's model-class cache is one file per class name: the release and a mutant of its talker
+    sharing ~/.cache/vllm evict each other's entry. Servers get a cache per Qwen3-TTS model source:
+    a mutant that leaves the model files as they are shares the release's; one the user set stays."""
     monkeypatch.delenv("VLLM_CACHE_ROOT", raising=False)
-    release, mutant = tmp_path / "release", tmp_path / "mutant"
-    for venv in (release, mutant):
-        (venv / "bin").mkdir(parents=True)
-        (venv / "pyvenv.cfg").write_text("home = /usr/bin\n")
-    roots = {vo.server_env(vo.VllmOmniOptions(), None, tmp_path, v / "bin" / "python")["VLLM_CACHE_ROOT"]
-             for v in (release, mutant)}
-    assert roots == {str(release / "vllm-cache"), str(mutant / "vllm-cache")}
-    assert "VLLM_CACHE_ROOT" not in vo.server_env(vo.VllmOmniOptions(), None, tmp_path, Path("/usr/bin/python3"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+
+    def env_with(talker: str, where: str) -> dict:
+        pkg = tmp_path / where / "vllm_omni"
+        (pkg / "deploy").mkdir(parents=True)
+        (pkg / "model_executor" / "models" / "qwen3_tts").mkdir(parents=True)
+        (pkg / "model_executor" / "models" / "qwen3_tts" / "qwen3_tts_talker.py").write_text(talker)
+        return {"deploy_dir": str(pkg / "deploy")}
+
+    release, same, mutant = env_with("fixed", "release"), env_with("fixed", "b"), env_with("reverted", "c")
+    keys = [vo.model_source_key(e) for e in (release, same, mutant)]
+    assert keys[0] == keys[1] != keys[2]
+    root = vo.server_env(vo.VllmOmniOptions(), None, tmp_path, keys[0])["VLLM_CACHE_ROOT"]
+    assert root == str(tmp_path / "xdg" / "vllm" / "difftest-model-source" / keys[0])
+    assert vo.server_env(vo.VllmOmniOptions(), None, tmp_path, keys[2])["VLLM_CACHE_ROOT"] != root
+    assert vo.model_source_key({"deploy_dir": str(tmp_path / "none" / "deploy")}) is None
     assert "VLLM_CACHE_ROOT" not in vo.server_env(vo.VllmOmniOptions(), None, tmp_path)
     monkeypatch.setenv("VLLM_CACHE_ROOT", "/mine")
-    assert vo.server_env(vo.VllmOmniOptions(), None, tmp_path, release / "bin" / "python")["VLLM_CACHE_ROOT"] == "/mine"
+    assert vo.server_env(vo.VllmOmniOptions(), None, tmp_path, keys[0])["VLLM_CACHE_ROOT"] == "/mine"
 
 
 def test_the_server_gets_the_capture_dir_and_no_stale_one(tmp_path, monkeypatch):

@@ -203,6 +203,19 @@ def environment_info(python: Path) -> dict:
     return info
 
 
+def model_source_key(env_info: dict) -> str | None:
+    """A digest of the Qwen3-TTS model files the environment imports (what vLLM's model-class
+    cache is keyed by), or None when they are not where 0.30.0 keeps them."""
+    folder = Path(env_info["deploy_dir"]).parent / "model_executor" / "models" / "qwen3_tts"
+    files = sorted(folder.rglob("*.py")) if folder.is_dir() else []
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.relative_to(folder).as_posix().encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def models_for_tasks(models: list[str], tasks) -> dict[str, str]:
     """checkpoint type -> model, one per type the tasks need. vLLM-Omni serves one checkpoint per server."""
     if not models:
@@ -312,15 +325,15 @@ def server_argv(python: Path, model: str, overlay_path: Path, port: int, opts: V
 
 
 def server_env(opts: VllmOmniOptions, capture_dir: Path | None, speakers_dir: Path,
-               python: Path | None = None) -> dict:
+               model_source: str | None = None) -> dict:
     env = dict(os.environ)
-    venv = Path(python).absolute().parent.parent if python else None
-    if "VLLM_CACHE_ROOT" not in env and venv is not None and (venv / "pyvenv.cfg").is_file():
-        # vLLM keeps what it learns of a model class in one file per class name, its source's hash
-        # inside: environments sharing ~/.cache/vllm (the release, its bug mutants, bisect builds)
-        # evict each other's entry, and each start after a switch inspects the model again in a
-        # subprocess of its own (14 s on two busy cores). Each environment keeps its own.
-        env["VLLM_CACHE_ROOT"] = str(venv / "vllm-cache")
+    if model_source and "VLLM_CACHE_ROOT" not in env:
+        # vLLM keeps what it learns of a model class in one file per class name, the source's hash
+        # inside: the release and a bug mutant of its talker, sharing ~/.cache/vllm, evict each
+        # other's entry, and each start after a switch inspects the model again in a subprocess
+        # (14 s on two busy cores). One cache per model source: a mutant elsewhere shares the release's.
+        home = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "vllm"
+        env["VLLM_CACHE_ROOT"] = str(home / "difftest-model-source" / model_source)
     env.pop("DIFFTEST_CAPTURE_DIR", None)
     env.update(HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
                SPEAKER_SAMPLES_DIR=str(speakers_dir),  # registered voices stay with the run, not in ~/.cache
@@ -388,7 +401,7 @@ def _prepare(out_dir: Path, models: list[str], opts: VllmOmniOptions, tasks) -> 
     capture = out_dir / "capture" if opts.capture else None
     if capture is not None:
         capture.mkdir(parents=True, exist_ok=True)
-    env = server_env(opts, capture, out_dir / "vllm-omni" / "speakers", python)
+    env = server_env(opts, capture, out_dir / "vllm-omni" / "speakers", model_source_key(env_info))
     return python, env_info, to_serve, overlay_path, capture, env
 
 
