@@ -130,6 +130,12 @@ def test_caught_needs_the_verdict_the_stage_and_the_donor(tmp_path):
     assert not judge(e, {"verdict": "fail", "segments": [{**seg, "donor": None}]})["caught"]
     assert not judge(e, {"verdict": "fail", "segments": [{**seg, "stage": "vocoder"}]})["caught"]
     assert not judge(e, {"verdict": "pass", "segments": [seg]})["caught"]
+    # the release's own finding on the same segment is not the bug's; on another segment it is
+    release = {"verdict": "fail", "segments": [seg]}
+    assert not judge(e, {"verdict": "fail", "segments": [seg]}, release)["caught"]
+    other = {**seg, "id": "vcc-03"}
+    got = judge(e, {"verdict": "fail", "segments": [seg, other]}, release)
+    assert got["caught"] and got["segment"] == "vcc-03"
     assert exit_code([{"status": "caught"}, {"status": "known miss"}, {"status": "not on CPU"}]) == 0
     assert exit_code([{"status": "caught"}, {"status": "missed"}, {"status": "error", "exit_code": 3}]) == 1
     assert exit_code([{"status": "error", "exit_code": 3}, {"status": "error", "exit_code": 2}]) == 2

@@ -145,6 +145,46 @@ def test_the_table_is_kept_and_continued_and_an_entry_no_cell_catches_fails(tmp_
     assert s["caught_by_no_cell"] == ["async-ref-context-1731"] and s["exit_code"] == 1
 
 
+def test_a_finding_of_the_release_itself_catches_no_bug(tmp_path, monkeypatch):
+    """In a cell where the unmodified release already fails a segment with the verdict a mutant's
+    entry expects, that segment does not count for the mutant (the release's runs are its control;
+    they run first): the float ceil of 0.30.0 is a talker_defect wherever the 28-frame reference
+    goes, and used to credit prompt-len-fallback-1554 and prefix-salt-3665 with it."""
+    from contextlib import nullcontext
+
+    from difftest.run import RunOptions
+
+    gate = tmp_path / "g.yaml"
+    gate.write_text(f"candidates: [vllm-omni]\ncells:\n  - {{name: one, suite: {SMOKE}, concurrency: 4, covers: [x]}}\n")
+    entries = load_corpus(only=["prompt-len-fallback-1554", "prompt-len-float-ceil"])
+    shows = {"prompt-len-float-ceil": ["s"], "prompt-len-fallback-1554": ["s"]}
+
+    def fake_run(e, cell, cand_python, out, *a, **k):  # writes its report where difftest.run.run does
+        segs = [{"id": sid, "verdict": "talker_defect", "stage": "talker", "donor": None, "summary": "",
+                 "first_divergent_chunk": 0, "first_divergent_frame": 0} for sid in shows[e.id]]
+        mutant = None if e.release_carries_bug else {"bug": e.id}
+        report = {"verdict": "fail", "segments": segs, "candidate": {"versions": {"vllm_omni_mutant": mutant}}}
+        (out / e.id / cell["cell"]).mkdir(parents=True, exist_ok=True)
+        (out / e.id / cell["cell"] / "report.json").write_text(json.dumps(report))
+        return report
+
+    monkeypatch.setattr(coverage, "_run_cell", fake_run)
+    monkeypatch.setattr(coverage, "mutant_env", lambda *a, **k: nullcontext(Path(sys.executable)))
+    monkeypatch.setattr(coverage, "reference_python", lambda *a: Path(sys.executable))
+    coverage.run_coverage(entries, load_matrix(gate), tmp_path / "out", None, RunOptions(store=tmp_path / "s"), Path("py"))
+    s = json.loads((tmp_path / "out" / "coverage.json").read_text())
+    assert s["table"] == {"prompt-len-fallback-1554": {"one": "missed"}, "prompt-len-float-ceil": {"one": "caught"}}
+    # the mutant's report on disk now shows it on a segment of its own too: judged again, without a run
+    report = tmp_path / "out" / "prompt-len-fallback-1554" / "one" / "report.json"
+    r = json.loads(report.read_text())
+    r["segments"].append({**r["segments"][0], "id": "t"})
+    report.write_text(json.dumps(r))
+    coverage.run_coverage(entries, load_matrix(gate), tmp_path / "out", None, RunOptions(store=tmp_path / "s"), Path("py"))
+    s = json.loads((tmp_path / "out" / "coverage.json").read_text())
+    assert s["table"]["prompt-len-fallback-1554"] == {"one": "caught"}
+    assert next(r for r in s["runs"] if r["entry"] == "prompt-len-fallback-1554")["segment"] == "t"
+
+
 # -- a configuration set is not a configuration tested -------------------------------------------
 
 def _result(sid: str, frames: int, handoff: str | None, chunks: int | None):

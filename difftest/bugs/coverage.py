@@ -122,6 +122,9 @@ def run_coverage(entries: list[Entry], matrix, out: Path, policy, opts: RunOptio
             kept = [r for r in prior.get("runs", []) if r["entry"] not in chosen_ids
                     and r.get("status") in ("caught", "missed", "n/a")]
             kept_entries = [e for e in prior.get("entries", []) if e["id"] in {r["entry"] for r in kept}]
+            expects = {e["id"]: e.get("expect") or {} for e in kept_entries}
+            kept = [_judged_again(r["entry"], expects[r["entry"]], r["cell"], r, out)
+                    if r.get("status") in ("caught", "missed") and r["entry"] in expects else r for r in kept]
         except (OSError, ValueError, KeyError, TypeError):
             old, kept, kept_entries = {}, [], []
     rows: list[dict] = []
@@ -159,6 +162,7 @@ def run_coverage(entries: list[Entry], matrix, out: Path, policy, opts: RunOptio
 
     with ExitStack() as stack:
         runners: dict[tuple, object] = {}
+        entries = sorted(entries, key=lambda e: not e.release_carries_bug)  # the release's runs first: controls
         for i, e in enumerate(entries, 1):
             if not e.cpu:
                 continue
@@ -168,7 +172,8 @@ def run_coverage(entries: list[Entry], matrix, out: Path, policy, opts: RunOptio
                 if not applicable(e, c):
                     rows.append({**row, "status": "n/a"})
                 elif (e.id, c["cell"]) in old and old[(e.id, c["cell"])].get("run") == cell_key(c):
-                    rows.append({**old[(e.id, c["cell"])], "reused": True})
+                    rows.append(_judged_again(e.id, e.expect, c["cell"], {**old[(e.id, c["cell"])], "reused": True},
+                                              out))
                 else:
                     todo.append((c, row))
             save()
@@ -185,9 +190,11 @@ def run_coverage(entries: list[Entry], matrix, out: Path, policy, opts: RunOptio
                         print(f"coverage {e.id} x {c['cell']}: running", file=stream, flush=True)
                         try:
                             report = _run_cell(e, c, cand_python, out, policy, opts, python, runners, stack)
-                            got = judge(e, report)
+                            control = None if e.release_carries_bug else release_report(out, c["cell"])
+                            got = judge(e, report, control)
                             row.update(status="caught" if got["caught"] else "missed", where=got["where"],
-                                       got=got["got"], segment=got["segment"], run_verdict=got["run_verdict"])
+                                       got=got["got"], segment=got["segment"], run_verdict=got["run_verdict"],
+                                       control=bool(control))
                         except DifftestError as err:
                             row.update(status="error", error=str(err).splitlines()[0],
                                        exit_code=EXIT_BAD_INPUT if isinstance(err, BadInput) else EXIT_INFRA)
@@ -212,6 +219,41 @@ def run_coverage(entries: list[Entry], matrix, out: Path, policy, opts: RunOptio
         print(f"caught by no cell: {', '.join(s['caught_by_no_cell'])}")
     print(f"table: {state}")
     return s["exit_code"]
+
+
+def release_report(out: Path, cell: str) -> dict | None:
+    """The unmodified release's report of `cell` in this table, when an entry the release itself
+    carries (no patch: its runs are the release's) has run it; else None."""
+    for path in sorted(out.glob(f"*/{cell}/report.json")):
+        try:
+            report = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            continue
+        if _is_release(report):
+            return report
+    return None
+
+
+def _is_release(report: dict) -> bool:
+    versions = (report.get("candidate") or {}).get("versions") or {}
+    return "vllm_omni_mutant" in versions and versions["vllm_omni_mutant"] is None
+
+
+def _judged_again(entry_id: str, expect: dict, cell: str, row: dict, out: Path) -> dict:
+    """A stored row judged again from its report on disk, against the release's report of the
+    cell (which may have run after it); as it was when its report is missing."""
+    from types import SimpleNamespace
+
+    from .run import judge
+
+    try:
+        report = json.loads((out / entry_id / cell / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return row
+    control = None if _is_release(report) else release_report(out, cell)
+    got = judge(SimpleNamespace(expect=expect), report, control)
+    return {**row, "status": "caught" if got["caught"] else "missed", "where": got["where"], "got": got["got"],
+            "segment": got["segment"], "run_verdict": got["run_verdict"], "control": bool(control)}
 
 
 def _run_cell(e: Entry, cell: dict, cand_python: Path, out: Path, policy, opts: RunOptions, python: Path,

@@ -42,11 +42,14 @@ from .mutant import mutant_env
 FORMAT = "difftest.bugs/1"
 
 
-def judge(entry: Entry, report: dict) -> dict:
-    """Whether the run caught the entry's bug, and the segment that shows it."""
+def judge(entry: Entry, report: dict, control: dict | None = None) -> dict:
+    """Whether the run caught the entry's bug, and the segment that shows it. `control`: the
+    unmodified release's report of the same run (suite, configuration): a segment that gets the
+    expected verdict there too is the release's own finding, not the bug's, and catches nothing."""
     want = entry.expect
+    own = {(s["id"], s["verdict"], s.get("stage")) for s in (control or {}).get("segments", [])}
     hits = [s for s in report["segments"] if s["verdict"] == want["verdict"] and s.get("stage") == want["stage"]
-            and (s.get("donor") or not want.get("donor"))]
+            and (s.get("donor") or not want.get("donor")) and (s["id"], s["verdict"], s.get("stage")) not in own]
     got = sorted({f"{s['verdict']}@{s.get('stage') or '-'}" for s in report["segments"]})
     seg = hits[0] if hits else None
     return {"caught": report["verdict"] == "fail" and bool(hits), "got": got,
