@@ -323,3 +323,21 @@ def test_a_test_mlflow_server_whose_port_was_taken_starts_on_another(tmp_path, m
             assert MlflowClient(uri).search_experiments()  # MLflow itself answers there
     finally:
         squatter.shutdown()
+
+
+def test_a_spectrogram_picture_carries_nothing_of_the_one_before(tmp_path):
+    """The pictures share one figure (redrawn per segment, difftest/records/segment_media.py): a
+    segment's picture is the same whether another, longer one with its own onset came before it."""
+    from difftest.records.segment_media import spectrogram_difference
+
+    rng = np.random.default_rng(3)
+    ref = (0.3 * rng.standard_normal(48000)).astype(np.float32)
+    a = {"id": "a", "verdict": "vocoder_defect", "first_divergent_frame": 7, "stage": "vocoder",
+         "first_divergent_chunk": 0}
+    b = {"id": "b", "verdict": "length_mismatch", "first_divergent_frame": None}
+    assert spectrogram_difference(ref, ref + 0.01, 24000, tmp_path / "a1.png", a)
+    long = (0.3 * rng.standard_normal(96000)).astype(np.float32)
+    assert spectrogram_difference(long, long[:30000], 24000, tmp_path / "b.png", b)
+    assert spectrogram_difference(ref, ref + 0.01, 24000, tmp_path / "a2.png", a)
+    assert (tmp_path / "a1.png").read_bytes() == (tmp_path / "a2.png").read_bytes()
+    assert (tmp_path / "a1.png").read_bytes() != (tmp_path / "b.png").read_bytes()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import re
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -74,6 +75,7 @@ def write_segment_media(seg: dict, out_dir: Path, staging: Path, *, picture: boo
 
 _PANELS = (("reference", "magma"), ("candidate", "magma"), ("candidate - reference (log-mel)", "RdBu_r"))
 _figure = None  # (figure, [(axes, image, colorbar)]): drawn again for each segment
+_figure_lock = threading.Lock()  # one picture at a time on the shared figure
 
 
 def _spectrogram_figure():
@@ -112,6 +114,11 @@ def spectrogram_difference(ref: np.ndarray, cand: np.ndarray, sample_rate: int, 
     diff = b[:n] - a[:n]
     seconds = MEL_HOP / sample_rate
     lim = (float(np.abs(diff).max()) if diff.size else 0.0) or 1.0
+    with _figure_lock:
+        return _draw(a, b, diff, lim, seconds, sample_rate, path, seg)
+
+
+def _draw(a, b, diff, lim, seconds, sample_rate, path, seg) -> bool:
     fig, panels = _spectrogram_figure()
     onset = seg.get("first_divergent_frame")
     for (ax, im, bar), m, (title, _), v in zip(panels, (a, b, diff), _PANELS, (None, None, lim)):
