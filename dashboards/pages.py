@@ -353,9 +353,39 @@ def run_page(run, ctx: Context) -> str:
                    run=run, line=run.line, tags=t, stats=st, cards=cards, change=ch,
                    previous=ctx.runs.get(ch.previous) if ch else None,
                    heat=heatmap(run), diverged=diverged_segments(rep), failing=set(run.failing), facts=facts,
-                   nulls=null_tests(rep),
+                   nulls=null_tests(rep), sampling=sampling_rows(rep),
                    ml=mlflow_url(ctx, run.experiment_id, run.run_id),
                    children={sid: mlflow_url(ctx, run.experiment_id, cid) for sid, cid in run.children.items()})
+
+
+# -- the sampling test ----------------------------------------------------------------------------------
+SAMPLING_ROLES = {"candidate": "candidate at N", "control": "candidate at 1", "reference": "qwen-tts (calibration)",
+                  "null": "qwen-tts in the candidate's numerics (calibration)"}
+
+
+def sampling_rows(report: dict) -> list[dict]:
+    """The sampling test (difftest/verdicts/sampling.py), a row per role and sampler site: z, the
+    e-value against the sampler bank and its line, the PIT's p, the estimated temperature, and the
+    power the suite had against a temperature error of 0.1 (what it could see)."""
+    f = report.get("sampling")
+    if not isinstance(f, dict):
+        return []
+    power = f.get("power") or {}
+    rows = []
+    for role, stat in (f.get("statistics") or {}).items():
+        for site, s in (stat.get("parts") or {}).items():
+            ev, pit, t = s.get("evalue") or {}, s.get("pit") or {}, s.get("temperature") or {}
+            ci = t.get("ci95") or []
+            rows.append({"role": SAMPLING_ROLES.get(role, role), "site": SITE_NAMES.get(site, site),
+                         "tokens": s.get("tokens"), "z": s.get("z"),
+                         "log_e": ev.get("log_e"), "line": ev.get("line"), "leading": ev.get("leading"),
+                         "pit_p": pit.get("p"),
+                         "temperature": f"{t['estimate']:.3g} ({ci[0]:.3g}-{ci[1]:.3g}; {t['requested']:.3g} asked)"
+                         if t else "",
+                         "power": (power.get(site) or {}).get("temperature_0.1") if role == "candidate" else None,
+                         "flagged": bool(ev.get("flagged") or pit.get("flagged")
+                                         or abs(s.get("z") or 0) > f.get("max_z", 4.0))})
+    return rows
 
 
 # -- the measured null ----------------------------------------------------------------------------------

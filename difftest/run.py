@@ -499,6 +499,9 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
                               noise, support)
 
     ordered = [verdicts[s.id] for s in suite.segments]
+    # qwen-tts's samples in the candidate's numerics calibrate the sampling test too (not where that
+    # is the reference's own: the reference's samples say it already)
+    sampling_roles = {**scores[0], **({"null": alone[1]} if alone and not numerics["exact"] else {})}
     # The candidate at concurrency 1 judged on its own against the reference: a defect that only
     # concurrency causes must leave this clean (no extra model work: every input is already here).
     at_one = [classify(Evidence(s.id, ref_run.results.get(s.id), ctrl.results.get(s.id),
@@ -520,11 +523,13 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         warnings=[f"{sid}: reference: {e['message']}" for sid, e in ref_run.errors.items()]
         + [f"{sid}: teacher forcing of qwen-tts's own sample: {m}" for sid, m in scores[1].get("reference", {}).items()]
         + null_warnings,
-        sampling=sampling.judge(scores[0], policy.forced.sampling_max_z), null=null, null_n=null_n,
+        sampling=sampling.judge(sampling_roles, policy.forced.sampling_max_z, policy.forced.sampling_false_flag_rate),
+        null=null, null_n=null_n,
         configuration=exercised.finding(cand_info, {f"c={opts.concurrency}": cand.results, "c=1": ctrl.results,
                                                     **({"repeat": again.results} if again else {})}),
     )
-    one = sampling.judge({k: v for k, v in scores[0].items() if k != "candidate"}, policy.forced.sampling_max_z)
+    one = sampling.judge({k: v for k, v in sampling_roles.items() if k != "candidate"}, policy.forced.sampling_max_z,
+                         policy.forced.sampling_false_flag_rate)
     report["at_concurrency_1"] = {
         "verdict": overall(at_one, policy, [f for f in (one, null) if f])[0],
         "segments": [{"id": v.id, "verdict": v.verdict, "first_divergent_chunk": v.first_divergent_chunk,

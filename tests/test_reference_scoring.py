@@ -85,6 +85,37 @@ def test_sampled_output_lies_inside_the_support_and_ranks_below_top1(world):
     assert sf.settings["top_k"] == 20 and sf.settings["do_sample"] is True
 
 
+def test_sampled_scores_carry_the_sampler_bank_consistently(world):
+    """The bank's arrays (issue #31) agree with the scores they extend: at the grid point of the
+    requested temperature the likelihood is the drawn token's own; an alternative's llr is the
+    difference of its and the requested log-probabilities; KLs are >= 0; a wider top-k adds mass only
+    outside the support; an alternative equal to the request (no penalty to drop: 1.0 here) is NaN."""
+    from difftest import sampler_bank
+
+    a = world["arrays"]["sampled"]
+    sf = _score(world, "bank-sampled", "sampled", a["codes"])
+    names = list(sampler_bank.ALTERNATIVES)
+    assert sf.bank["alternatives"] == names and set(sf.bank["sites"]) == {"talker", "code_predictor"}
+    talker = dict(zip(names, sf.bank["sites"]["talker"]["applicable"]))
+    assert talker["temperature+0.1"] and talker["top_k_ignored"] and not talker["repetition_penalty_ignored"]
+    grid = sf.bank["sites"]["talker"]["temperature_grid"]
+    mid = int(np.argmin(np.abs(np.asarray(grid) - 0.9)))
+    assert abs(grid[mid] - 0.9) < 1e-9
+    # the support here is top-k then top-p 0.8 at 0.9, held fixed over the grid: equal at the asked point
+    assert np.allclose(sf.arrays["temp_loglik"][:, :, mid], sf.arrays["sample_logprob"], atol=1e-4)
+    kl = sf.arrays["alt_kl"]
+    assert np.nanmin(kl) > -1e-5 and np.isnan(kl[:, 0, names.index("repetition_penalty_ignored")]).all()
+    wide = names.index("top_k_ignored")
+    assert (sf.arrays["alt_outside"][:, :, wide] > 0).mean() > 0.5 and np.allclose(kl[:, :, wide], 0.0, atol=1e-5)
+    hot = names.index("temperature+0.1")
+    assert (kl[:, :, hot] >= 0).all() and (kl[:, :, hot] > 0).mean() > 0.9
+    # top-p 1.0 (the code predictor's): a temperature keeps the top-k support; top-p 0.8 (the talker's) widens
+    assert (sf.arrays["alt_outside"][:, 1:, hot] < 1e-6).all() and (sf.arrays["alt_outside"][:, 0, hot] > 0).any()
+    p_x = np.exp(sf.arrays["sample_logprob"])
+    assert ((sf.arrays["mass_above"] >= 0) & (sf.arrays["mass_above"] + p_x <= 1 + 1e-5)).all()
+    assert (sf.arrays["mass_above"][sf.arrays["rank"] == 0] == 0).all()  # the top-1 has nothing ranked before it
+
+
 def test_another_prompt_makes_the_stream_implausible(world):
     """The same codes judged as another segment's (another text and voice): far from the top-1."""
     a = world["arrays"]["icl"]

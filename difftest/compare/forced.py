@@ -27,6 +27,7 @@ class ForcedPolicy:
     near_tie_max_gap: float = 0.05  # where no null at N is measured
     near_tie_gross_gap: float = 0.5  # where the null at N parts too: its run-level tests judge the rest
     sampling_max_z: float = 4.0
+    sampling_false_flag_rate: float = 0.01  # the sampling test's e-value and PIT, over roles and sites
     support_max_gap: float = 0.15  # where no null covered the sampled sites
     support_gross_gap: float = 1.5  # where the null samples outside the support too: its count test judges the rest
     min_top1_share: float = 0.8

@@ -202,6 +202,27 @@ def parent_metrics(report: dict) -> dict[str, float]:
                 out[f"{prefix}.flips.width_p_value"] = float(flips["width_p_value"])
         if null:
             out[f"{prefix}.pass"] = 1.0 if null.get("verdict") == "pass" else 0.0
+    out.update(sampling_metrics(report.get("sampling")))
+    return out
+
+
+def sampling_metrics(sampling: dict | None) -> dict[str, float]:
+    """The sampling test per role and site (difftest/verdicts/sampling.py): `sampling.<role>.<site>.*`
+    (z, log_e, pit_p, temperature and its interval, tokens) and what the suite could see
+    (`sampling.power.<site>.temperature_0.1`)."""
+    if not sampling:
+        return {}
+    out = {"sampling.pass": 1.0 if sampling.get("verdict") == "pass" else 0.0}
+    for role, stat in (sampling.get("statistics") or {}).items():
+        for site, s in (stat.get("parts") or {}).items():
+            p = f"sampling.{role}.{site}"
+            values = {"z": s.get("z"), "tokens": s.get("tokens"), "log_e": _at(s, "evalue.log_e"),
+                      "pit_p": _at(s, "pit.p"), "temperature": _at(s, "temperature.estimate")}
+            ci = _at(s, "temperature.ci95") or [None, None]
+            values.update({"temperature_lo": ci[0], "temperature_hi": ci[1]})
+            out.update({f"{p}.{k}": float(v) for k, v in values.items() if finite(k, v) is not None})
+    for site, pw in (sampling.get("power") or {}).items():
+        out[f"sampling.power.{site}.temperature_0.1"] = float(pw["temperature_0.1"])
     return out
 
 

@@ -33,10 +33,12 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
+from difftest import sampler_bank
 from difftest.scores import DTYPES, FIELDS
 
 # Bump when scoring changes what it writes for the same inputs: cached scores are keyed by it.
-VERSION = 3  # 2: the sampling distribution's log-probability, expectation and variance; 3: support_gap
+VERSION = 4  # 2: the sampling distribution's log-probability, expectation and variance; 3: support_gap;
+# 4: the sampler bank (alt_*), the temperature likelihood grid and the PIT's mass_above (difftest/sampler_bank.py)
 
 
 class Captured(Exception):
@@ -52,6 +54,7 @@ class Scores:
     arrays: dict  # FIELD -> (T, 16)
     eos: dict | None  # FIELD -> value for the EOS after the last frame; None when the stream ended at the cap
     settings: dict  # the decode settings the processors applied
+    bank: dict | None = None  # the sampler bank's description (scores.ScoreFile.bank); None when nothing is sampled
 
 
 def capture_prompt(tts, call) -> dict:
@@ -152,6 +155,80 @@ def _rows(scores, logp, support, forced, sampling: bool, torch) -> dict:
             "logprob_var": var.numpy(), "support_gap": support_gap.numpy()}
 
 
+def _restrict(logp, keep, torch):
+    """log-probabilities renormalised over `keep` (-inf outside)."""
+    return torch.log_softmax(logp.masked_fill(~keep, -float("inf")), dim=-1)
+
+
+def _xlogy_sum(p_log, diff):
+    """sum over the vocabulary of exp(p_log) * diff, with 0 where exp(p_log) is 0."""
+    w = p_log.exp()
+    return (w * diff.masked_fill(w == 0, 0.0)).sum(-1)
+
+
+def _on_columns(rows, alt: dict, cols, torch):
+    """log q over its own support for the alternative `alt`, on the columns `cols` (N, M) only; -inf
+    outside q's support. Exact wherever q's support lies within `cols` (top-k no wider than M) or q
+    keeps the whole vocabulary without a nucleus (then only its normaliser needs every column)."""
+    sub = rows.gather(-1, cols)
+    if 0 < alt["top_k"] <= cols.shape[-1]:
+        return _restrict(*_support(sub, True, alt["top_k"], alt["top_p"], alt["temperature"], torch), torch)
+    if alt["top_p"] >= 1.0:
+        scaled = rows / alt["temperature"]
+        z = scaled.masked_fill(~torch.isfinite(scaled), -float("inf")).logsumexp(-1, keepdim=True)
+        return (sub / alt["temperature"] - z).masked_fill(~torch.isfinite(sub), -float("inf"))
+    return _restrict(*_support(rows, True, alt["top_k"], alt["top_p"], alt["temperature"], torch), torch).gather(-1, cols)
+
+
+def _bank(rows_for, requested: dict, forced, settings: dict, site: str, torch) -> tuple[dict, dict]:
+    """The sampler bank at one site's sampled rows (difftest/sampler_bank.py).
+
+    `rows_for(params)` gives the (N, V) logits as the processors leave them for an alternative's
+    parameters (before the temperature). Per row: for each alternative q, `alt_outside` (q's mass
+    outside the requested support S), and with q' = q renormalised over S: `alt_llr` (log q'(x) -
+    log p(x) at the forced token x), `alt_kl` (KL(q' || p): the mean llr when q' draws) and `alt_var`
+    (its variance); `temp_loglik` (N, G): log p_T(x) over S for the grid temperatures; `mass_above`:
+    p's mass on tokens ranked before x (more likely, or as likely with a lower id), the randomised
+    probability-integral transform's lower end. Everything but q's normaliser is computed on the M
+    columns of each row's largest logits that hold S and every top-k alternative's support (M = 50
+    for top-k 50, not the whole codebook: 20x less work on the code predictor's 2048 entries)."""
+    rows = rows_for(requested)
+    alts = [(j, sampler_bank.alternative(settings, site, name)) for j, name in enumerate(sampler_bank.ALTERNATIVES)]
+    ks = [requested["top_k"]] + [a["top_k"] for _, a in alts if a is not None and a["top_k"] > 0]
+    m = rows.shape[-1] if requested["top_k"] <= 0 else min(rows.shape[-1], max(ks))
+    cols = torch.topk(rows, m, dim=-1).indices  # the requested support is the top-k of these rows
+    lp = _restrict(*_support(rows.gather(-1, cols), True, requested["top_k"], requested["top_p"],
+                             requested["temperature"], torch), torch)
+    keep = torch.isfinite(lp)
+    idx = forced.view(-1, 1)
+    at = (cols == idx).float().argmax(-1, keepdim=True)  # x's column (0 where x lies outside: not used)
+    inside = (cols == idx).any(-1)
+    lp_x = lp.gather(-1, at).squeeze(-1).masked_fill(~inside, -float("inf"))
+    n, a = rows.shape[0], len(sampler_bank.ALTERNATIVES)
+    out = {f: torch.full((n, a), float("nan")) for f in ("alt_llr", "alt_kl", "alt_var", "alt_outside")}
+    for j, alt in alts:
+        if alt is None:
+            continue
+        lq = _on_columns(rows if alt == requested else rows_for(alt), alt, cols, torch)
+        inside_mass = lq.masked_fill(~keep, -float("inf")).logsumexp(-1)
+        out["alt_outside"][:, j] = (1.0 - inside_mass.exp()).clamp(0.0, 1.0)
+        lq_s = _restrict(lq, keep, torch)  # q' (NaN rows where q puts nothing on S)
+        diff = (lq_s - lp).masked_fill(~keep, 0.0)
+        kl = _xlogy_sum(lq_s, diff)
+        out["alt_kl"][:, j] = kl
+        out["alt_var"][:, j] = (_xlogy_sum(lq_s, diff * diff) - kl * kl).clamp_min(0.0)
+        out["alt_llr"][:, j] = lq_s.gather(-1, at).squeeze(-1) - lp_x
+    # Temperature likelihood over S (held fixed), every grid point at once: (N, G, M).
+    vals = rows.gather(-1, cols).masked_fill(~keep, -float("inf"))
+    grid = sampler_bank.temperature_grid(requested["temperature"])
+    scaled = vals.unsqueeze(1) / torch.tensor(grid, dtype=vals.dtype).view(1, -1, 1)
+    out["temp_loglik"] = torch.log_softmax(scaled, dim=-1).gather(-1, at.unsqueeze(1).expand(-1, len(grid), 1)).squeeze(-1)
+    before = (lp > lp_x.unsqueeze(-1)) | ((lp == lp_x.unsqueeze(-1)) & (cols < idx))
+    out["mass_above"] = (lp.exp() * before).sum(-1).clamp(0.0, 1.0)
+    return {k: v.numpy() for k, v in out.items()}, {"applicable": [x is not None for _, x in alts],
+                                                     "temperature_grid": grid}
+
+
 def score_stream(tts, kwargs: dict, codes: np.ndarray, ended_by_eos: bool) -> Scores:
     """Teacher-force `codes` (T, 16) through the talker and code predictor under the captured prompt `kwargs`."""
     import torch
@@ -213,4 +290,34 @@ def score_stream(tts, kwargs: dict, codes: np.ndarray, ended_by_eos: bool) -> Sc
                                            "subtalker_dosample", "subtalker_top_k", "subtalker_top_p",
                                            "subtalker_temperature", "min_new_tokens", "max_new_tokens",
                                            "eos_token_id")}
-    return Scores(arrays, eos, settings)
+    bank = None
+    if kwargs.get("do_sample") or kwargs.get("subtalker_dosample"):
+        by_penalty = {float(kwargs.get("repetition_penalty") or 1.0): rows0[:T]}
+
+        def talker_rows(params):
+            if not params["processed"]:
+                return logits0[:T].float()
+            r = params["repetition_penalty"]
+            if r not in by_penalty:
+                kw = {**kwargs, "repetition_penalty": r}
+                by_penalty[r] = torch.stack([_processed(logits0[k], tokens0[:k], k, kw, torch, talker=True)
+                                             for k in range(T)])
+            return by_penalty[r]
+
+        sites = {}
+        width = {f: len(sampler_bank.ALTERNATIVES) for f in ("alt_llr", "alt_kl", "alt_var", "alt_outside")}
+        width.update(temp_loglik=sampler_bank.GRID_POINTS, mass_above=None)
+        for f, w in width.items():
+            arrays[f] = np.full((T, n_groups) + ((w,) if w else ()), np.nan, dtype=np.float32)
+        for site, rows_for, forced, cols in (
+                ("talker", talker_rows, torch.from_numpy(codes[:, 0]), slice(0, 1)),
+                ("code_predictor", lambda params: flat, torch.from_numpy(codes[:, 1:].reshape(-1)), slice(1, None))):
+            requested = sampler_bank.site_parameters(settings, site)
+            if requested is None:
+                continue
+            values, sites[site] = _bank(rows_for, requested, forced, settings, site, torch)
+            for f, v in values.items():
+                arrays[f][:, cols] = v.reshape((T, cols.stop - cols.start if cols.stop else n_groups - 1)
+                                               + v.shape[1:])
+        bank = {"alternatives": list(sampler_bank.ALTERNATIVES), "sites": sites}
+    return Scores(arrays, eos, settings, bank)

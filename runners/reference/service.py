@@ -285,7 +285,7 @@ class ReferenceService:
                            {**self.provenance, "op": "score", "input": str(src),
                             "checkpoint": {"path": str(ckpt.path), "sha256": ckpt.sha256,
                                            "tts_model_type": ckpt.model_type}},
-                           {"score_s": seconds, "frames": int(len(codes))})
+                           {"score_s": seconds, "frames": int(len(codes))}, bank=sc.bank)
         side = write_scores(Path(out), result)
         emit("result", item=name, segment=sid, path=str(side), cached=False, seconds=seconds)
 
