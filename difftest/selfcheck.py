@@ -29,13 +29,14 @@ from .verdicts.policy import Policy
 from .verdicts.talker_input import DONOR_KIND
 
 CLEAN = {"identical", "numeric_drift"}
+POWER_TOKENS = 1920  # the `power` variant's talker tokens (sampled-power's; bench_sampling_power.py measures)
 
 
 @dataclass(frozen=True)
 class Check:
     name: str
     defect: str | None  # None: the clean engine
-    variant: str  # greedy | sampled | long
+    variant: str  # greedy | sampled | long | power
     expect: frozenset  # verdicts that count as catching it (empty: must pass)
     concurrency_only: bool  # must be invisible at concurrency 1
     caught_at_one: bool = False  # must fail at concurrency 1 alone as well (a talker defect acts there too)
@@ -45,6 +46,7 @@ class Check:
 CHECKS = (
     Check("clean", None, "greedy", frozenset(), False),
     Check("clean, sampled", None, "sampled", frozenset(), False),
+    Check("clean, power", None, "power", frozenset(), False),
     Check("ref-leak", "ref-leak", "greedy", frozenset({"contamination"}), True),
     Check("shared-rng", "shared-rng", "sampled", frozenset({"concurrency_defect"}), True),
     Check("batch-mixup", "batch-mixup", "greedy", frozenset({"concurrency_defect", "contamination"}), True),
@@ -59,11 +61,18 @@ CHECKS = (
     *(Check(d, d, "greedy", frozenset({"talker_defect"}), False, True, "talker_input")
       for d in ("prompt-truncated", "language-dropped", "streaming-layout", "speaker-scaled", "text-word-dropped")),
     Check("speaker-leak", "speaker-leak", "greedy", frozenset({"contamination"}), True, stage="talker_input"),
-    # sampling tighter than asked: every token inside the support, the suite's likelihood too high (run-level).
-    # (temperature-ignored is not here: on the tiny checkpoint's flat logits it moves z to about -2.5 only;
-    # docs/verdicts.md, blind spots.)
+    # sampling tighter or hotter than asked: every token inside the support, only the run-level sampling test sees it
+    # (temperature-ignored moved z to about -2.5 only; the likelihood ratio against the sampler bank catches it)
+    Check("temperature-ignored", "temperature-ignored", "sampled", frozenset({"sampling_defect"}), False, True),
     Check("top-k-narrowed", "top-k-narrowed", "sampled", frozenset({"sampling_defect"}), False, True),
     Check("top-k-ignored", "top-k-ignored", "sampled", frozenset({"talker_defect"}), False, True),
+    # the sampler bank's alternatives (#31): the strong ones on the sampled variant; a temperature off by 0.1 and
+    # the repetition penalty dropped or doubled need the talker tokens of the `power` variant
+    Check("top-p-applied", "top-p-applied", "sampled", frozenset({"sampling_defect"}), False, True),
+    Check("unprocessed-logits", "unprocessed-logits", "sampled", frozenset({"talker_defect"}), False, True),
+    *(Check(d, d, "power", frozenset({"sampling_defect"}), False, True)
+      for d in ("talker-temperature-hot", "talker-temperature-cold", "repetition-penalty-dropped",
+                "repetition-penalty-twice")),
     # below every per-token line: only the whole run against the measured null shows it (#28)
     Check("prompt-embeds-scaled", "prompt-embeds-scaled", "greedy", frozenset({"talker_defect"}), False, True),
     # a co-batched request's conditioning altered a little: its codes at N part from those at 1 on near-ties,
@@ -78,13 +87,19 @@ DEFECTS = tuple(c.defect for c in CHECKS if c.defect)
 def variant(suite: Suite, kind: str) -> Suite:
     """The suite as a check needs it: greedy as is; `sampled` (seeded talker sampling: the RNG
     families only show there); `long` (two segments whose decoder input crosses qwen-tts's
-    300-frame chunked decode, where chunk-boundary defects live)."""
+    300-frame chunked decode, where chunk-boundary defects live); `power` (sampled as production
+    serves it, repetition penalty 1.05, each segment its own seed, long enough for POWER_TOKENS talker
+    tokens in all: what the sampling test needs to see a temperature off by 0.1, cases/suites/sampled-power.yaml)."""
     if kind == "greedy":
         return suite
     segs = []
     for s in suite.segments:
         if kind == "sampled":
             decode = {**s.decode, "do_sample": True, "temperature": 0.9, "top_k": 50}
+        elif kind == "power":
+            decode = {**s.decode, "do_sample": True, "temperature": 0.9, "top_k": 50, "top_p": 1.0,
+                      "repetition_penalty": 1.05, "seed": 101 + len(segs),
+                      "max_new_tokens": -(-POWER_TOKENS // len(suite.segments)) + 1}
         elif kind == "long":
             if len(segs) == 2 or s.voice is None:
                 continue
@@ -215,8 +230,9 @@ def cmd_selfcheck(args) -> int:
     if unknown:
         raise BadInput(f"--defects: unknown {', '.join(sorted(unknown))} (known: {', '.join(DEFECTS)})")
     checks = [c for c in CHECKS if c.defect is None or c.defect in wanted]
-    if not any(c.variant == "sampled" and c.defect for c in checks):
-        checks = [c for c in checks if not (c.defect is None and c.variant == "sampled")]
+    for kind in ("sampled", "power"):  # a clean variant runs only beside a defect that needs it
+        if not any(c.variant == kind and c.defect for c in checks):
+            checks = [c for c in checks if not (c.defect is None and c.variant == kind)]
     opts = RunOptions(concurrency=args.concurrency, store=Path(args.store),
                       reference=ReferenceOptions(python=args.reference_python))
     rows = selfcheck(suite, Path(args.out), policy, opts, checks)

@@ -113,7 +113,9 @@ def test_defect_names():
                             "prompt-truncated", "prompt-padded", "sampled-greedy", "codebook-shift",
                             "language-dropped", "streaming-layout", "temperature-ignored", "top-k-narrowed",
                             "top-k-ignored", "ref-audio-rate", "speaker-scaled", "speaker-leak", "text-word-dropped",
-                            "prompt-embeds-scaled", "cobatch-blend"}
+                            "prompt-embeds-scaled", "cobatch-blend", "talker-temperature-hot",
+                            "talker-temperature-cold", "top-p-applied", "repetition-penalty-dropped",
+                            "repetition-penalty-twice", "unprocessed-logits", "subtalker-temperature-hot"}
     assert check("none") is None and check(None) is None
     with pytest.raises(ValueError, match="unknown defect"):
         check("everything")
@@ -448,3 +450,24 @@ def test_one_voice_rule_for_suites_the_reference_runner_and_the_engine(tmp_path)
                                      "segments: [{id: a, text: hi, voice: v}]\n")
     with pytest.raises(SuiteError, match=problem):
         load_suite(tmp_path / "s.yaml")
+
+
+@pytest.mark.parametrize("defect,changed", [
+    (None, {}),
+    ("talker-temperature-hot", {"temperature": 1.0}), ("talker-temperature-cold", {"temperature": 0.8}),
+    ("top-p-applied", {"top_p": 0.8}), ("repetition-penalty-dropped", {"repetition_penalty": 1.0}),
+    ("repetition-penalty-twice", {"repetition_penalty": 1.05 ** 2}),
+    ("unprocessed-logits", {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}),
+    ("subtalker-temperature-hot", {"subtalker_temperature": 1.0}),
+])
+def test_sampler_bank_defects_change_only_their_parameter(defect, changed, store):
+    """Each planted sampler defect (issue #31) draws with exactly the alternative it stands for."""
+    from runners.cpu_engine.engine import BatchEngine, SubtalkerSampling
+
+    engine = BatchEngine({}, defect=defect, subtalker=SubtalkerSampling(do_sample=True), qwen=object())
+    job = parse_speech(base_body(extra_params={"temperature": 0.9, "top_k": 50, "top_p": 1.0,
+                                               "repetition_penalty": 1.05}), MODELS, store)
+    clean = {"do_sample": True, "temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05,
+             "subtalker_dosample": True, "subtalker_temperature": 0.9, "subtalker_top_k": 50, "subtalker_top_p": 1.0}
+    got = engine._generate_kwargs(job)
+    assert {k: got[k] for k in clean} == pytest.approx({**clean, **changed})

@@ -89,6 +89,19 @@ reports what the request asked for, so only teacher forcing can see them:
   draws from its top 5 instead of the top-k asked. Sampled requests only.
   Acts in: engine._generate_kwargs.
 
+One per alternative of the sampling test's bank (issue #31, difftest/sampler_bank.py): each is
+caught only by a suite with the power for it (`sampled-power`; report.json `sampling.power` says).
+Sampled requests only; all act in engine._generate_kwargs.
+
+- `talker-temperature-hot` / `talker-temperature-cold`: the talker draws at the asked temperature
+  plus / minus 0.1 (a default or a rounded value served in place of the request's).
+- `top-p-applied`: the talker draws from the nucleus of mass 0.8 where top-p 1.0 was asked (another
+  deploy's default applied).
+- `repetition-penalty-dropped` / `repetition-penalty-twice`: the talker's repetition penalty not
+  applied, or applied twice (penalty squared): a processor left out of, or run twice in, the chain.
+- `unprocessed-logits`: the talker draws from its raw logits (temperature 1, no top-k, no penalty).
+- `subtalker-temperature-hot`: the code predictor draws at its temperature plus 0.1.
+
 Defects in what the talker's prompt is made of (issue #29). The talker's input is captured
 (schema v3), so these are named at stage `talker_input`, the field with them:
 
@@ -204,6 +217,41 @@ DEFECTS: dict[str, dict] = {
         "summary": "a sampled request's talker draws from its top 5",
         "concurrency_only": False, "talker": True,
     },
+    "talker-temperature-hot": {
+        "family": ["per-request sampling parameters served wrong"],
+        "summary": "a sampled request's talker draws at the asked temperature + 0.1",
+        "concurrency_only": False, "talker": True,
+    },
+    "talker-temperature-cold": {
+        "family": ["per-request sampling parameters served wrong"],
+        "summary": "a sampled request's talker draws at the asked temperature - 0.1",
+        "concurrency_only": False, "talker": True,
+    },
+    "top-p-applied": {
+        "family": ["sampling tighter than asked"],
+        "summary": "a sampled request's talker draws from the nucleus of mass 0.8 (top-p 1.0 asked)",
+        "concurrency_only": False, "talker": True,
+    },
+    "repetition-penalty-dropped": {
+        "family": ["a logits processor left out or run twice"],
+        "summary": "a sampled request's talker draws without its repetition penalty",
+        "concurrency_only": False, "talker": True,
+    },
+    "repetition-penalty-twice": {
+        "family": ["a logits processor left out or run twice"],
+        "summary": "a sampled request's talker applies its repetition penalty twice (squared)",
+        "concurrency_only": False, "talker": True,
+    },
+    "unprocessed-logits": {
+        "family": ["a logits processor left out or run twice"],
+        "summary": "a sampled request's talker draws from its raw logits (temperature 1, no top-k, no penalty)",
+        "concurrency_only": False, "talker": True,
+    },
+    "subtalker-temperature-hot": {
+        "family": ["per-request sampling parameters served wrong"],
+        "summary": "the code predictor draws at its temperature + 0.1",
+        "concurrency_only": False, "talker": True,
+    },
     "speaker-scaled": {
         "family": ["speaker embedding altered before the prompt"],
         "summary": "a clone's speaker embedding is scaled by 0.9 before the talker",
@@ -237,6 +285,8 @@ BLEND = 0.03
 SPEAKER_SCALE = 0.9
 HOT_TEMPERATURE = 1.5
 NARROW_TOP_K = 5
+TEMPERATURE_STEP = 0.1
+NUCLEUS = 0.8
 WRONG_RATE = 22050
 PADDED_ROWS = 24
 

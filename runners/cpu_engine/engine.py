@@ -166,11 +166,23 @@ class BatchEngine:
                 kw["top_k"] = defects.NARROW_TOP_K
             elif self.defect == "top-k-ignored":
                 kw["top_k"] = 0
+            elif self.defect in ("talker-temperature-hot", "talker-temperature-cold"):
+                kw["temperature"] = job.temperature + defects.TEMPERATURE_STEP * (1 if self.defect.endswith("hot") else -1)
+            elif self.defect == "top-p-applied":
+                kw["top_p"] = defects.NUCLEUS
+            elif self.defect == "repetition-penalty-dropped":
+                kw["repetition_penalty"] = 1.0
+            elif self.defect == "repetition-penalty-twice":
+                kw["repetition_penalty"] = job.repetition_penalty ** 2
+            elif self.defect == "unprocessed-logits":
+                kw.update(temperature=1.0, top_k=0, top_p=1.0, repetition_penalty=1.0)
         elif self.defect == "sampled-greedy":
             kw.update(do_sample=True, temperature=0.9, top_k=50, top_p=1.0)
         if self.defect == "streaming-layout":
             kw["non_streaming_mode"] = not job.non_streaming_mode
         kw.update(self.subtalker.kwargs())
+        if self.defect == "subtalker-temperature-hot" and job.do_sample and kw.get("subtalker_dosample"):
+            kw["subtalker_temperature"] += defects.TEMPERATURE_STEP
         return kw
 
     def _talker(self, jobs: list[SpeechJob]):
