@@ -171,7 +171,10 @@ def _site(files: list[ScoreFile], part: str, alpha: float, label: str) -> dict |
     component_line = line + math.log(max(k, 1))
     finite = llr[applicable]
     log_e = float(np.logaddexp.reduce(finite) - math.log(k)) if k else float("-inf")
-    lead = names[int(np.argmax(np.where(applicable, llr, -np.inf)))] if k else None
+    # the first of the alternatives that lead (two can coincide over S: the raw logits at a site without
+    # penalty or suppression are temperature 1.0 there; float noise must not pick the later name)
+    best = np.max(np.where(applicable, llr, -np.inf)) if k else None
+    lead = next(n for j, n in enumerate(names) if applicable[j] and llr[j] >= best - 1e-3) if k else None
     alternatives = {}
     for j, name in enumerate(names):
         if not applicable[j]:
