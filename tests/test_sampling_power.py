@@ -236,3 +236,21 @@ def test_report_mlflow_and_dashboard_show_each_sites_statistic_power_and_tempera
     run = Run("r1", "1", "difftest/toy", "n", 0, {"verdict": "fail"}, {}, report, "report.json", media={})
     page = pages.run_page(run, pages.Context(ui_url="http://x", uri="u", built="now"))
     assert "The sampling test" in page and "temperature-0.3" in page and "0.9 asked" in page
+
+
+def test_the_power_variant_and_suite_have_the_talker_tokens_and_distinct_seeds():
+    """selfcheck's `power` variant and the sampled-power suite: sampled as production serves it, every
+    segment its own seed (shared seeds share random numbers: the e-value's product would not be a
+    martingale across them), and at least the 1,700 talker tokens a temperature error of 0.1 needs."""
+    from pathlib import Path
+
+    from difftest.selfcheck import POWER_TOKENS, variant
+    from difftest.suites.suite import load_suite
+
+    cases = Path(__file__).resolve().parents[1] / "cases" / "suites"
+    for suite in (variant(load_suite(cases / "smoke.yaml"), "power"), load_suite(cases / "sampled-power.yaml")):
+        d = [s.decode for s in suite.segments]
+        assert len({x["seed"] for x in d}) == len(d)
+        assert all(x["do_sample"] and x["temperature"] == 0.9 and x["top_k"] == 50 and x["repetition_penalty"] == 1.05
+                   for x in d)
+        assert sum(x["max_new_tokens"] - 1 for x in d) >= POWER_TOKENS >= 1700
