@@ -68,6 +68,7 @@ CHECKS = (
     Check("top-k-ignored", "top-k-ignored", "sampled", frozenset({"talker_defect"}), False, True),
     # the sampler bank's alternatives (#31): the strong ones on the sampled variant; a temperature off by 0.1 and
     # the repetition penalty dropped or doubled need the talker tokens of the `power` variant
+    Check("top-k-halved", "top-k-halved", "sampled", frozenset({"sampling_defect"}), False, True),
     Check("top-p-applied", "top-p-applied", "sampled", frozenset({"sampling_defect"}), False, True),
     Check("unprocessed-logits", "unprocessed-logits", "sampled", frozenset({"talker_defect"}), False, True),
     *(Check(d, d, "power", frozenset({"sampling_defect"}), False, True)

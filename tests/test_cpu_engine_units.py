@@ -114,7 +114,7 @@ def test_defect_names():
                             "language-dropped", "streaming-layout", "temperature-ignored", "top-k-narrowed",
                             "top-k-ignored", "ref-audio-rate", "speaker-scaled", "speaker-leak", "text-word-dropped",
                             "prompt-embeds-scaled", "cobatch-blend", "talker-temperature-hot",
-                            "talker-temperature-cold", "top-p-applied", "repetition-penalty-dropped",
+                            "talker-temperature-cold", "top-k-halved", "top-p-applied", "repetition-penalty-dropped",
                             "repetition-penalty-twice", "unprocessed-logits", "subtalker-temperature-hot"}
     assert check("none") is None and check(None) is None
     with pytest.raises(ValueError, match="unknown defect"):
@@ -455,7 +455,7 @@ def test_one_voice_rule_for_suites_the_reference_runner_and_the_engine(tmp_path)
 @pytest.mark.parametrize("defect,changed", [
     (None, {}),
     ("talker-temperature-hot", {"temperature": 1.0}), ("talker-temperature-cold", {"temperature": 0.8}),
-    ("top-p-applied", {"top_p": 0.8}), ("repetition-penalty-dropped", {"repetition_penalty": 1.0}),
+    ("top-k-halved", {"top_k": 25}), ("top-p-applied", {"top_p": 0.8}), ("repetition-penalty-dropped", {"repetition_penalty": 1.0}),
     ("repetition-penalty-twice", {"repetition_penalty": 1.05 ** 2}),
     ("unprocessed-logits", {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "repetition_penalty": 1.0}),
     ("subtalker-temperature-hot", {"subtalker_temperature": 1.0}),

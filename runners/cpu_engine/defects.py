@@ -95,6 +95,7 @@ Sampled requests only; all act in engine._generate_kwargs.
 
 - `talker-temperature-hot` / `talker-temperature-cold`: the talker draws at the asked temperature
   plus / minus 0.1 (a default or a rounded value served in place of the request's).
+- `top-k-halved`: the talker draws from the top half of the top-k asked (25 for 50).
 - `top-p-applied`: the talker draws from the nucleus of mass 0.8 where top-p 1.0 was asked (another
   deploy's default applied).
 - `repetition-penalty-dropped` / `repetition-penalty-twice`: the talker's repetition penalty not
@@ -225,6 +226,11 @@ DEFECTS: dict[str, dict] = {
     "talker-temperature-cold": {
         "family": ["per-request sampling parameters served wrong"],
         "summary": "a sampled request's talker draws at the asked temperature - 0.1",
+        "concurrency_only": False, "talker": True,
+    },
+    "top-k-halved": {
+        "family": ["sampling tighter than asked"],
+        "summary": "a sampled request's talker draws from the top half of its top-k",
         "concurrency_only": False, "talker": True,
     },
     "top-p-applied": {

@@ -168,6 +168,8 @@ class BatchEngine:
                 kw["top_k"] = 0
             elif self.defect in ("talker-temperature-hot", "talker-temperature-cold"):
                 kw["temperature"] = job.temperature + defects.TEMPERATURE_STEP * (1 if self.defect.endswith("hot") else -1)
+            elif self.defect == "top-k-halved":
+                kw["top_k"] = job.top_k // 2
             elif self.defect == "top-p-applied":
                 kw["top_p"] = defects.NUCLEUS
             elif self.defect == "repetition-penalty-dropped":
