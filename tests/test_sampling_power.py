@@ -254,3 +254,12 @@ def test_the_power_variant_and_suite_have_the_talker_tokens_and_distinct_seeds()
         assert all(x["do_sample"] and x["temperature"] == 0.9 and x["top_k"] == 50 and x["repetition_penalty"] == 1.05
                    for x in d)
         assert sum(x["max_new_tokens"] - 1 for x in d) >= POWER_TOKENS >= 1700
+
+
+def test_the_temperature_interval_narrower_than_a_grid_step_holds_its_estimate():
+    """30,000 tokens (a code predictor's worth): the interval is narrower than the grid's 1.75% step;
+    it must still hold the estimate and, at 95%, the truth."""
+    t = talker(sampling.statistic([site(30000, 1100)], label="narrow"))["temperature"]
+    lo, hi = t["ci95"]
+    assert lo < t["estimate"] < hi and hi - lo < 0.9 * 0.0175 * 2
+    assert lo <= 0.9 <= hi

@@ -91,16 +91,19 @@ def tokens_for_power(kl: float, var: float, line: float, power_z: float = Z95) -
 
 def _temperature(loglik: np.ndarray, grid: list[float], requested: float) -> dict:
     """Maximum-likelihood temperature over the grid (parabolic refinement in log T) and its 95%
-    profile-likelihood interval, linearly interpolated; an end of the grid is reported as a bound."""
+    profile-likelihood interval: where it lies within a grid step of the maximum, from the parabola
+    through the three points there; else interpolated between grid points. An end of the grid is
+    reported as a bound."""
     g = np.log(np.asarray(grid))
+    h = g[1] - g[0]
     i = int(np.argmax(loglik))
-    best, t_hat = float(loglik[i]), g[i]
+    best, t_hat, den = float(loglik[i]), g[i], 0.0
     if 0 < i < len(g) - 1:
         a, b, c = loglik[i - 1], loglik[i], loglik[i + 1]
         den = a - 2 * b + c
         if den < 0:
             off = 0.5 * (a - c) / den
-            t_hat = g[i] + off * (g[1] - g[0])
+            t_hat = g[i] + off * h
             best = float(b - 0.25 * (a - c) * off)
     line = best - CI_DROP
 
@@ -110,6 +113,9 @@ def _temperature(loglik: np.ndarray, grid: list[float], requested: float) -> dic
             j += step
         if not 0 <= j + step < len(g):
             return float(np.exp(g[j])), True
+        if j == i and den < 0:  # narrower than a grid step (many tokens): the parabola's own crossing
+            half = h * math.sqrt(2.0 * CI_DROP / -den)
+            return float(np.exp(np.clip(t_hat + step * half, g[i - 1], g[i + 1]))), False
         y0, y1 = loglik[j], loglik[j + step]
         frac = (y0 - line) / (y0 - y1) if y0 != y1 else 0.0
         return float(np.exp(g[j] + frac * (g[j + step] - g[j]))), False
