@@ -269,6 +269,18 @@ def score_streams(scorer: Scorer, suite: Suite, outcomes: dict, only: set | None
     return scores, errors
 
 
+def shared_seeds(suite: Suite) -> list[str]:
+    """A warning for sampled segments that share a seed: they draw the same random numbers, so their
+    tokens are not independent and the sampling test's false-flag rate is not what it states."""
+    by_seed: dict = {}
+    for s in suite.segments:
+        if s.decode.get("do_sample") or s.decode.get("subtalker_dosample"):
+            by_seed.setdefault(s.decode.get("seed"), []).append(s.id)
+    return [f"sampled segments {', '.join(ids)} share seed {seed}: their draws are not independent, and the "
+            f"sampling test's false-flag rate holds only for segments with seeds of their own"
+            for seed, ids in by_seed.items() if len(ids) > 1]
+
+
 def null_finding(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine, ref_run, control: dict,
                  numerics: dict, policy: Policy, share: float = 1.0) -> tuple[dict | None, list[str], tuple | None]:
     """The measured null's run-level test of the candidate's streams at concurrency 1 (`control`:
@@ -522,7 +534,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         provenance={"difftest": __version__, "timings": {k: round(v, 3) for k, v in timings.items()}},
         warnings=[f"{sid}: reference: {e['message']}" for sid, e in ref_run.errors.items()]
         + [f"{sid}: teacher forcing of qwen-tts's own sample: {m}" for sid, m in scores[1].get("reference", {}).items()]
-        + null_warnings,
+        + null_warnings + shared_seeds(suite),
         sampling=sampling.judge(sampling_roles, policy.forced.sampling_max_z, policy.forced.sampling_false_flag_rate),
         null=null, null_n=null_n,
         configuration=exercised.finding(cand_info, {f"c={opts.concurrency}": cand.results, "c=1": ctrl.results,

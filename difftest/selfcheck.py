@@ -95,8 +95,8 @@ def variant(suite: Suite, kind: str) -> Suite:
         return suite
     segs = []
     for s in suite.segments:
-        if kind == "sampled":
-            decode = {**s.decode, "do_sample": True, "temperature": 0.9, "top_k": 50}
+        if kind == "sampled":  # each segment its own seed: the sampling test's tokens must be independent
+            decode = {**s.decode, "do_sample": True, "temperature": 0.9, "top_k": 50, "seed": 201 + len(segs)}
         elif kind == "power":
             decode = {**s.decode, "do_sample": True, "temperature": 0.9, "top_k": 50, "top_p": 1.0,
                       "repetition_penalty": 1.05, "seed": 101 + len(segs),

@@ -263,3 +263,16 @@ def test_the_temperature_interval_narrower_than_a_grid_step_holds_its_estimate()
     lo, hi = t["ci95"]
     assert lo < t["estimate"] < hi and hi - lo < 0.9 * 0.0175 * 2
     assert lo <= 0.9 <= hi
+
+
+def test_sampled_segments_sharing_a_seed_are_warned_of():
+    from pathlib import Path
+
+    from difftest.run import shared_seeds
+    from difftest.suites.suite import load_suite
+
+    cases = Path(__file__).resolve().parents[1] / "cases" / "suites"
+    (w,) = shared_seeds(load_suite(cases / "sampled.yaml"))
+    assert w.startswith("sampled segments sam-01, sam-02,") and "share seed 7" in w and "sam-08" not in w
+    assert shared_seeds(load_suite(cases / "sampled-power.yaml")) == []
+    assert shared_seeds(load_suite(cases / "smoke.yaml")) == []  # greedy: the seed draws nothing
