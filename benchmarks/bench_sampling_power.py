@@ -30,7 +30,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -67,7 +66,7 @@ def main(argv=None) -> int:
     from difftest.engines.reference import ReferenceOptions, reference_python, runner_argv, tiny_checkpoints
     from difftest.engines.runner_client import RunnerProcess
     from difftest.results import read_result
-    from difftest.scores import read_scores
+    from difftest.engines.scorer import Scorer, ScoreItem
     from difftest.suites.suite import content_hash, load_suite
     from difftest.verdicts import sampling
 
@@ -94,6 +93,13 @@ def main(argv=None) -> int:
             out.append(replace(s, hash=content_hash(s.fingerprint())))
         return out
 
+    scorers = {}
+
+    def scorer_of(runner, tmp: Path):  # teacher forcing as `difftest run` asks for it, cached in a store per runner
+        if id(runner) not in scorers:
+            scorers[id(runner)] = Scorer(runner, tmp / f"store-{len(scorers)}", 3600)
+        return scorers[id(runner)]
+
     def one(runner, tmp: Path, r: int, variant: str) -> dict:
         asked = segments(r, lambda d: d)
         drawn = segments(r, lambda d: variant_decode(d, variant))
@@ -101,15 +107,10 @@ def main(argv=None) -> int:
         gen = {e["segment"]: e for e in runner.request("generate", timeout=3600, segments=[s.to_job() for s in drawn],
                                                        out_dir=str(where / "gen"), concurrency=1, codes_only=True)
                if e.get("event") == "result"}
-        items, outside = [], 0
-        for s in asked:
-            res = read_result(gen[s.id]["path"])
-            src = where / f"{s.id}.in.npz"
-            np.savez(src, codes=res.codes, ref_codes=res.ref_codes)
-            items.append({"name": s.id, "segment": s.to_job(), "input": str(src), "out": str(where / "scores" / s.id),
-                          "condition": "given" if len(res.ref_codes) else "voice", "ended_by_eos": False})
-        scored = {e["item"]: read_scores(e["path"]) for e in runner.request("score", timeout=3600, items=items)
-                  if e.get("event") == "result"}
+        scored = scorer_of(runner, tmp).score({s.id: ScoreItem(s, (res := read_result(gen[s.id]["path"])).codes,
+                                                               res.ref_codes if len(res.ref_codes) else None, False)
+                                               for s in asked})
+        scored = {sid: sf for sid, sf in scored.items() if not isinstance(sf, str)}
         outside = sum(int((~sf.arrays["in_support"]).sum()) for sf in scored.values())
         stat = sampling.statistic(list(scored.values()), alpha, f"bench-{r}-{variant}")
         flags = sampling._flags(stat, 4.0)
