@@ -70,7 +70,7 @@ class KillRunnerAfterFirstResult(Progress):
             os.kill(pids[0], signal.SIGKILL)
 
 
-def test_dies_mid_suite_then_resumes_then_serves_from_the_store(tiny, suite, tmp_path, capsys):
+def test_dies_mid_suite_then_resumes_then_serves_from_the_store(tiny, suite, tmp_path, capsys, plain_processes):
     store = tmp_path / "store"
     options = reference.ReferenceOptions(models=all_models(tiny), python=str(reference_python()))
 

@@ -142,7 +142,7 @@ def _run_until_the_candidate_is_up(store, tmp_path, out):
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_a_signal_stops_every_process_it_started(store, tmp_path, sig):
+def test_a_signal_stops_every_process_it_started(store, tmp_path, sig, plain_processes):
     """Signalled once the candidate is up (its announcement on stderr), `difftest run` stops the CPU
     engine and the reference runner, keeps its finished results, and exits 3."""
     out = tmp_path / "run"
@@ -160,7 +160,7 @@ def test_a_signal_stops_every_process_it_started(store, tmp_path, sig):
     assert json.loads((out / "results" / "candidate-c1" / "identity.json").read_text())["engine"]["kind"] == "cpu-engine"
 
 
-def test_a_kill_9_of_difftest_takes_its_engines_with_it_and_strays_are_reported(store, tmp_path):
+def test_a_kill_9_of_difftest_takes_its_engines_with_it_and_strays_are_reported(store, tmp_path, plain_processes):
     """#34 item 5. Reproduced before: after `kill -9` of `difftest run`, the CPU engine (680 MB)
     and the reference runner ran on under PID 1. Now each child's watchdog ends its process group
     once difftest is gone; and a process an earlier difftest started that outlived it is named

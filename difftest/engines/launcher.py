@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from ..errors import InfraError
-from . import lifeline
+from . import lifeline, zygote
 from .speech_client import SpeechClient
 
 PROGRESS_EVERY_S = 15.0
@@ -126,7 +126,7 @@ class ServerProcess:
         log = open(self.log_path, "ab")
         t0 = time.monotonic()
         try:
-            self.proc = subprocess.Popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            self.proc = zygote.popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=lifeline.child_env(self.env), cwd=self.cwd, start_new_session=True)
         except OSError as e:
             raise InfraError(f"cannot start {self.name} ({self.argv[0]}): {e}") from None

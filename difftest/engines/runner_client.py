@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import InfraError
-from . import lifeline
+from . import lifeline, zygote
 
 _EOF = object()
 
@@ -63,7 +63,7 @@ class RunnerProcess:
         env = lifeline.child_env(self.env)
         env.setdefault("PYTHONUNBUFFERED", "1")
         try:
-            self.proc = subprocess.Popen(
+            self.proc = zygote.popen(
                 self.argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 env=env, cwd=self.cwd, text=True, bufsize=1, start_new_session=True)
         except OSError as e:
