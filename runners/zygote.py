@@ -162,6 +162,8 @@ def _finish() -> None:
 
 def serve(path: str) -> None:
     env0 = dict(os.environ)  # what a fresh runner's imports would have read (they may set defaults)
+    with open(path + ".starting", "w") as f:  # clients wait for a zygote that says it is starting
+        f.write(str(os.getpid()))
     _preload()
     threads = len(os.listdir("/proc/self/task"))
     if os.path.exists(path):
@@ -172,6 +174,7 @@ def serve(path: str) -> None:
     with open(path + ".env.json.tmp", "w") as f:  # clients read it; its presence says the zygote listens
         json.dump(env0, f)
     os.replace(path + ".env.json.tmp", path + ".env.json")
+    os.unlink(path + ".starting")
     sel = selectors.DefaultSelector()
     sel.register(listener, selectors.EVENT_READ)
     children: dict[int, socket.socket] = {}

@@ -131,3 +131,22 @@ def test_another_interpreter_or_no_zygote_starts_fresh(sock, tmp_path):
     for python, env in cases:
         p = zygote.popen([python, "-m", "json.tool", "--help"], stdout=subprocess.DEVNULL, env=env)
         assert isinstance(p, subprocess.Popen) and p.wait(120) == 0
+
+
+def test_a_starting_zygote_is_waited_for_while_it_lives(tmp_path):
+    """A zygote still importing writes SOCKET.starting with its pid: a request waits for it (bounded),
+    but not for one that died while starting."""
+    sock = str(tmp_path / "z.sock")
+    Path(sock + ".starting").write_text("999999999")  # no such process
+    t0 = time.monotonic()
+    assert zygote._hello_env(sock, wait=30) is None and time.monotonic() - t0 < 5
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        Path(sock + ".starting").write_text(str(sleeper.pid))
+        t0 = time.monotonic()
+        assert zygote._hello_env(sock, wait=1.0) is None and 1.0 <= time.monotonic() - t0 < 10
+        Path(sock + ".env.json").write_text('{"HF_HUB_OFFLINE": "1"}')  # it listens now
+        assert zygote._hello_env(sock, wait=30) == {"HF_HUB_OFFLINE": "1"}
+    finally:
+        sleeper.kill()
+        sleeper.wait()

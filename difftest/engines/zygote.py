@@ -33,6 +33,7 @@ ZYGOTE_FIXED = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "ONEDNN_", "DNNL_"
                 "TOKENIZERS_", "NVIDIA_")
 # Read later: applied in the child (runners/zygote.py), or read when used (Ray's driver sets the
 # breakpoint hook in the tester's environment, which its children inherit).
+STARTING_WAIT_S = 120.0
 LATE_PYTHON = ("PYTHONUNBUFFERED", "PYTHONBREAKPOINT")
 
 
@@ -143,13 +144,22 @@ def refusal(argv, env: dict) -> str | None:
     return f"the environment differs from the zygote's in {', '.join(differ)}" if differ else None
 
 
-def _hello_env(sock: str) -> dict | None:
-    """The zygote's environment, as it started (cached per socket)."""
-    if sock not in _HELLO:
+def _hello_env(sock: str, wait: float = STARTING_WAIT_S) -> dict | None:
+    """The zygote's environment, as it started (cached per socket). A zygote still importing is
+    waited for (bounded, and only while its process lives): on busy cores a fresh interpreter would
+    spend that time importing the same packages beside it."""
+    end = time.monotonic() + wait
+    while sock not in _HELLO:
         try:
             _HELLO[sock] = json.loads(Path(sock + ".env.json").read_text())
         except (OSError, ValueError):
-            return None
+            try:
+                starting = int(Path(sock + ".starting").read_text())
+            except (OSError, ValueError):
+                return None
+            if not _alive(starting) or time.monotonic() > end:
+                return None
+            time.sleep(0.2)
     return _HELLO[sock]
 
 
