@@ -74,40 +74,14 @@ def pytest_collection_modifyitems(config, items):
 # A zygote for the qwen-tts environment (runners/zygote.py, difftest/engines/zygote.py): every
 # runner and CPU engine the tests start, in this process or in a `difftest` they run, is forked from
 # it instead of importing torch, transformers and qwen-tts again (6-15 s each on two cores, about a
-# hundred times a session). Started in the background: what starts before it is ready starts as
-# before. Tests of process lifecycles that follow parent links use `plain_processes`.
+# hundred times a session). Started in the background: a runner started meanwhile waits for it.
+# Tests of process lifecycles that follow parent links use `plain_processes`.
 @pytest.fixture(scope="session", autouse=True)
 def _qwen_tts_zygote(tmp_path_factory):
-    import signal
-    import subprocess
-    import tempfile
+    from zygote_support import zygote_of_the_reference
 
-    from difftest.engines.zygote import ENV
-
-    python = ROOT / ".venv-reference" / "bin" / "python"
-    if not python.exists() or os.environ.get("DIFFTEST_TEST_ZYGOTE") == "0":
-        yield None
-        return
-    folder = Path(tempfile.mkdtemp(prefix="dt-zygote-", dir="/tmp"))  # short: a socket path has 107 bytes
-    sock = folder / "qwen-tts.sock"
-    env = dict(os.environ, HF_HUB_OFFLINE="1")  # as runner_env and the CPU engine set it
-    env.pop(ENV, None)
-    with open(tmp_path_factory.getbasetemp() / "zygote.log", "wb") as log:
-        proc = subprocess.Popen([str(python), "-m", "runners.zygote", "--socket", str(sock)], cwd=ROOT, env=env,
-                                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
-    os.environ[ENV] = f"{python}={sock}"
-    try:
+    with zygote_of_the_reference(tmp_path_factory.getbasetemp() / "zygote.log") as sock:
         yield sock
-    finally:
-        os.environ.pop(ENV, None)
-        try:
-            os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(10)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(proc.pid, signal.SIGKILL)
-        for p in folder.iterdir():
-            p.unlink()
-        folder.rmdir()
 
 
 @pytest.fixture

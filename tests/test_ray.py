@@ -45,8 +45,19 @@ def _cluster(nodes: int = 2):
     return c
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _ray_workers_zygote(tmp_path_factory):
+    """Ray starts its workers with OMP_NUM_THREADS=1, which the session's zygote cannot stand for
+    (OpenMP reads it when torch loads): the runners on Ray are forked from one of their own. Set
+    before any cluster of this module starts, so its workers inherit the name."""
+    from zygote_support import zygote_of_the_reference
+
+    with zygote_of_the_reference(tmp_path_factory.getbasetemp() / "zygote-ray.log", OMP_NUM_THREADS="1") as sock:
+        yield sock
+
+
 @pytest.fixture(scope="module")
-def _module_cluster():
+def _module_cluster(_ray_workers_zygote):
     """One cluster for the module's tests (its start is about 25 s on two cores)."""
     c = _cluster()
     ray.init(address=c.address, log_to_driver=False, include_dashboard=False)

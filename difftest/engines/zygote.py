@@ -41,14 +41,16 @@ def _fixed(key: str) -> bool:
     return key.startswith(ZYGOTE_FIXED) and key not in LATE_PYTHON
 
 
-def zygotes(environ=None) -> dict[str, str]:
-    """interpreter path -> socket path, from $DIFFTEST_ZYGOTE."""
+def zygotes(environ=None) -> list[tuple[str, str]]:
+    """(interpreter path, socket path) pairs from $DIFFTEST_ZYGOTE, in order. One interpreter may
+    have several zygotes, each started under other fixed variables (Ray's workers set
+    OMP_NUM_THREADS=1): a request goes to the first whose environment matches."""
     spec = (os.environ if environ is None else environ).get(ENV, "")
-    out = {}
+    out = []
     for part in filter(None, spec.split(":")):
         python, _, sock = part.rpartition("=")
         if python and sock:
-            out[os.path.abspath(python)] = sock
+            out.append((os.path.abspath(python), sock))
     return out
 
 
@@ -130,18 +132,29 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def refusal(argv, env: dict) -> str | None:
-    """Why a fork of a zygote cannot stand for `argv` under `env` (None: it can)."""
+def choose(argv, env: dict) -> tuple[str | None, str | None]:
+    """(the socket of a zygote that can stand for `argv` under `env`, None), or (None, why not)."""
     if len(argv) < 3 or argv[1] != "-m":
-        return "not `PYTHON -m MODULE ...`"
-    sock = zygotes(env).get(os.path.abspath(str(argv[0])))
-    if sock is None:
-        return f"no zygote serves {argv[0]} (${ENV})"
-    zenv = _hello_env(sock)
-    if zenv is None:
-        return f"the zygote at {sock} does not listen yet"
-    differ = sorted(k for k in {*env, *zenv} if _fixed(k) and env.get(k) != zenv.get(k))
-    return f"the environment differs from the zygote's in {', '.join(differ)}" if differ else None
+        return None, "not `PYTHON -m MODULE ...`"
+    python = os.path.abspath(str(argv[0]))
+    why = f"no zygote serves {argv[0]} (${ENV})"
+    for served, sock in zygotes(env):
+        if served != python:
+            continue
+        zenv = _hello_env(sock)
+        if zenv is None:
+            why = f"the zygote at {sock} does not listen yet"
+            continue
+        differ = sorted(k for k in {*env, *zenv} if _fixed(k) and env.get(k) != zenv.get(k))
+        if not differ:
+            return sock, None
+        why = f"the environment differs from the zygote's in {', '.join(differ)}"
+    return None, why
+
+
+def refusal(argv, env: dict) -> str | None:
+    """Why no zygote can stand for `argv` under `env` (None: one can)."""
+    return choose(argv, env)[1]
 
 
 def _hello_env(sock: str, wait: float = STARTING_WAIT_S) -> dict | None:
@@ -195,10 +208,11 @@ def popen(argv, *, stdin=None, stdout=None, stderr=None, env=None, cwd=None, sta
           text=False, bufsize=-1):
     """subprocess.Popen, or a fork of the zygote that serves argv[0] (see the module's doc)."""
     env = dict(os.environ if env is None else env)
-    if refusal(argv, env) is not None:
+    sock, _ = choose(argv, env)
+    if sock is None:
         return subprocess.Popen(argv, stdin=stdin, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
                                 start_new_session=start_new_session, text=text, bufsize=bufsize)
-    proc = _fork(zygotes(env)[os.path.abspath(str(argv[0]))], argv, env, cwd, start_new_session, stdin, stdout, stderr, text, bufsize)
+    proc = _fork(sock, argv, env, cwd, start_new_session, stdin, stdout, stderr, text, bufsize)
     if proc is None:  # the zygote did not take it
         return subprocess.Popen(argv, stdin=stdin, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
                                 start_new_session=start_new_session, text=text, bufsize=bufsize)
