@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import subprocess
 import sys
 import time
@@ -17,6 +18,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from difftest.engines import zygote
 from difftest.engines.runner_client import RunnerProcess
 from difftest.suites import wavio
 from difftest.suites.suite import DECODE_DEFAULTS, Segment, Voice, content_hash
@@ -36,7 +38,8 @@ def reference_python() -> Path:
 
 def build_checkpoints(out: Path, *args: str) -> subprocess.CompletedProcess:
     cmd = [str(reference_python()), "-m", "runners.reference.tiny_checkpoint", str(out), *args]
-    return subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+    # forked where the session's zygote can stand for it (offline, as the builder makes itself)
+    return zygote.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
 
 
 @pytest.fixture(scope="session")

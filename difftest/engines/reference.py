@@ -27,6 +27,7 @@ from ..results import CorruptResult, Result, ResultStore, read_result
 from ..suites.suite import Suite, load_suite
 from .base import Outcome
 from .placement import device_arg, gpu_env, parse_device
+from . import zygote
 from .runner_client import RunnerDied, RunnerProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -96,7 +97,8 @@ _BUILDER_SOURCES = ("tiny_checkpoint.py", "checkpoint.py", "environment.py", "to
 def _tiny_builder(python: Path, out: Path, seed: int) -> None:
     cmd = [str(python), "-m", "runners.reference.tiny_checkpoint", str(out), "--seed", str(seed),
            "--listen", str(TINY_LISTEN)]
-    r = subprocess.run(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # offline as the builder makes itself (import_qwen_tts), set here so a zygote can stand for it
+    r = zygote.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     if r.returncode != 0:
         raise InfraError(f"building the tiny checkpoint failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
 
