@@ -256,7 +256,7 @@ def _fork(sock, argv, env, cwd, new_session, stdin, stdout, stderr, text, bufsiz
             conn.sendall(body)
             line = b""
             while not line.endswith(b"\n"):
-                ready, _, _ = select.select([conn], [], [], 30)
+                ready, _, _ = select.select([conn], [], [], 120)  # the zygote answers once the child is set up
                 chunk = conn.recv(4096) if ready else b""
                 if not chunk:
                     raise OSError("the zygote did not answer")
