@@ -39,6 +39,7 @@ SUBCOMMANDS = (
     ("difftest.bisect.cli", "add_bisect_parser"),
     ("difftest.bisect.cli", "add_probe_parser"),
     ("difftest.bugs.run", "add_bugs_parser"),
+    ("difftest.repro.cli", "add_repro_parser"),
     ("difftest.selfcheck", "add_selfcheck_parser"),
     ("difftest.records.gate", "add_gate_parser"),
     ("difftest.records.tracking", "add_log_parser"),

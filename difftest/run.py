@@ -457,6 +457,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
             "suite": str(suite.path), "suite_hash": suite.hash, "candidate": spec.label, "engine": engine,
             "concurrency": opts.concurrency, "pattern": pattern, "order": opts.order,
             "store": str(store.root.resolve()), "models": models, "difftest_version": __version__,
+            "replay": replay_record(spec, opts),
         }, indent=1, sort_keys=True).encode())
 
         with timings("reference_s"):
@@ -549,6 +550,18 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
     }
     write_report(out, report)
     return report
+
+
+def replay_record(spec: CandidateSpec, opts: RunOptions) -> dict:
+    """What starting this candidate again takes (`difftest repro` serves its probes to the same
+    engine and configuration): the spec's fields and the run's engine settings, as JSON."""
+    return {"spec": {"kind": spec.kind, "url": spec.url, "defect": spec.defect, "api": spec.api,
+                     "capture_dir": str(spec.capture_dir) if spec.capture_dir else None,
+                     "declared": spec.declared, "python": spec.python, "engine_args": [str(a) for a in spec.engine_args],
+                     "options": spec.options},
+            "vllm_omni": opts.vllm_omni, "voice_mode": opts.voice_mode, "candidate_dtype": opts.candidate_dtype,
+            "repeat": opts.repeat, "reference": {"dtype": opts.reference.dtype, "device": opts.reference.device,
+                                                 "python": opts.reference.python}}
 
 
 def _announce(info: dict, stream=sys.stderr) -> None:

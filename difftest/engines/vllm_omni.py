@@ -108,7 +108,8 @@ class VllmOmniOptions:
             for k in ("temperature", "top_k", "top_p"):
                 if f"subtalker_{k}" in decode:
                     sub[k] = decode[f"subtalker_{k}"]
-        opts = cls(max_num_seqs=max(concurrency, 1), repetition_penalty=float(decode["repetition_penalty"]),
+        # max_num_seqs given: a server kept for runs at several concurrencies (`difftest repro`'s probes)
+        opts = cls(max_num_seqs=overrides.pop("max_num_seqs", max(concurrency, 1)), repetition_penalty=float(decode["repetition_penalty"]),
                    subtalker=sub, **overrides)
         return opts
 

@@ -81,6 +81,19 @@ def info(path_or_bytes: str | os.PathLike | bytes) -> WavInfo:
     return _parse(data)[0]
 
 
+def head(data: bytes, n_frames: int) -> bytes:
+    """The first n_frames frames of a WAV, their bytes unchanged (no decode and re-encode: a 16-bit
+    recording cut stays the same samples), under a plain fmt/data header."""
+    wi, payload = _parse(data)
+    block = wi.channels * wi.bits // 8
+    body = payload[: max(n_frames, 0) * block]
+    tag = FORMAT_FLOAT if wi.format == "float" else FORMAT_PCM
+    return (b"RIFF" + struct.pack("<I", 36 + len(body)) + b"WAVE"
+            + b"fmt " + struct.pack("<IHHIIHH", 16, tag, wi.channels, wi.sample_rate, wi.sample_rate * block, block,
+                                    wi.bits)
+            + b"data" + struct.pack("<I", len(body)) + body)
+
+
 def read(path_or_bytes: str | os.PathLike | bytes) -> tuple[np.ndarray, WavInfo]:
     """Samples as float32 in [-1, 1), shape (n,) for mono or (n, channels)."""
     data = path_or_bytes if isinstance(path_or_bytes, bytes) else Path(path_or_bytes).read_bytes()

@@ -1,0 +1,180 @@
+"""A finding's bundle: what a maintainer files upstream, runnable without difftest.
+
+    bundle/
+      repro.py        stdlib only (difftest/repro/standalone.py): sends the minimal requests, exits 1/0
+      bundle.json     the requests, their arrival, the expected audio, the tolerance
+      suite.yaml      the minimal case as a difftest suite (`difftest run`, `difftest bisect --suite`)
+      voices/         the reference voices the requests send
+      expected/       per request: the audio it must give (32-bit float, from frame 0)
+      ISSUE.md        title, environment, symptom, diagnosis, donor, minimal requests, command
+      specdiff.png    the target's spectrogram against the expected one, and the difference
+
+Everything is read from the final probe's run folder (its report.json and result files).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from ..engines.speech_client import speech_request
+from ..results import atomic_write, read_result
+from ..suites import wavio
+from ..suites.suite import SAMPLES_PER_FRAME, load_suite
+from .probe import Finding, write_suite
+from .shrink import Case
+
+STANDALONE = Path(__file__).with_name("standalone.py")
+
+
+def _audio(path: str, run_dir: Path):
+    p = Path(path)
+    return read_result(p if p.is_absolute() else run_dir / p)
+
+
+def write_bundle(folder: Path, origin, finding: Finding, case: Case, probe_dir: Path, policy, meta: dict) -> dict:
+    """Write the bundle for the minimal case whose probe ran in `probe_dir`; returns bundle.json."""
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    suite_path = write_suite(origin.suite, case, folder, f"repro-{finding.segment}", copy_voices=True)
+    suite = load_suite(suite_path)
+    report = json.loads((probe_dir / "run" / "report.json").read_text())
+    segs = {s["id"]: s for s in report["segments"]}
+    against = "own_c1" if case.concurrency > 1 and finding.needs_concurrency else "qwen_tts"
+    requests = []
+    (folder / "expected").mkdir()
+    for seg in suite.segments:
+        arts = segs[seg.id].get("artifacts") or {}
+        cand = _audio(arts["candidate"], probe_dir / "run")
+        want = _audio(arts["control" if against == "own_c1" else "reference"], probe_dir / "run")
+        exp = f"expected/{seg.id}.wav"
+        wavio.write(folder / exp, want.grid_wav, want.sample_rate, "float")  # exact: no second quantisation
+        body = speech_request(seg, f"repro-{seg.id}", voice_mode="inline")
+        item = {"id": seg.id, "expected": exp, "lead_samples": cand.lead_samples}
+        if "ref_audio" in body:
+            body.pop("ref_audio")
+            item["ref_audio_file"] = str(seg.voice.wav.relative_to(folder))
+        body["extra_params"].pop("difftest_tag", None)  # difftest's capture tag: nothing to the server
+        item["body"] = body
+        requests.append(item)
+    title = issue_title(finding, case, meta)
+    bundle = {"format": "difftest.repro-bundle/1", "title": title, "target": finding.segment,
+              "donor": finding.donor, "concurrency": case.concurrency,
+              "pattern": "barrier" if case.pattern == "batch" else case.pattern,
+              "against": against,
+              "against_label": "the candidate's own audio at concurrency 1" if against == "own_c1"
+              else "qwen-tts's audio (the reference, float32)",
+              "samples_per_frame": SAMPLES_PER_FRAME, "chunks": dict(origin.suite.chunks),
+              "tolerance": {"close_max_abs": policy.close_max_abs, "close_snr_db": policy.close_snr_db},
+              "requests": requests}
+    atomic_write(folder / "bundle.json", (json.dumps(bundle, indent=1, ensure_ascii=False) + "\n").encode())
+    shutil.copyfile(STANDALONE, folder / "repro.py")
+    (folder / "repro.py").chmod(0o755)
+    picture = _picture(folder, shown_by(report, finding), probe_dir / "run", against)
+    atomic_write(folder / "ISSUE.md", issue_text(origin, finding, case, report, bundle, meta, picture).encode())
+    return bundle
+
+
+def shown_by(report: dict, finding: Finding) -> dict:
+    """The report's segment that shows the finding: the target's, or the donor's where the leak ran
+    the other way in this try."""
+    segs = {s["id"]: s for s in report["segments"]}
+    seg = segs[finding.segment]
+    if finding.donor and not finding.matches(seg) and finding.matches_swapped(segs.get(finding.donor)):
+        return segs[finding.donor]
+    return seg
+
+
+def _picture(folder: Path, seg: dict, run_dir: Path, against: str) -> bool:
+    from ..records.segment_media import spectrogram_difference
+
+    arts = seg.get("artifacts") or {}
+    want = _audio(arts["control" if against == "own_c1" else "reference"], run_dir)
+    got = _audio(arts["candidate"], run_dir)
+    view = {**seg, "first_divergent_frame": (seg.get("comparisons", {}).get("codes") or {}).get("first_divergent_frame")}
+    return spectrogram_difference(want.grid_wav, got.grid_wav, got.sample_rate, folder / "specdiff.png", view)
+
+
+def issue_title(finding: Finding, case: Case, meta: dict) -> str:
+    what = {"contamination": f"one request's {finding.donor_kind or 'reference'} reaches another request",
+            "concurrency_defect": "audio changes with concurrency",
+            "talker_defect": "the talker is conditioned on another input than the request's",
+            "handoff_defect": "the talker-to-vocoder hand-off loses or alters frames",
+            "length_mismatch": "the audio's length differs from the reference's",
+            "vocoder_defect": "the vocoder decodes the same codes differently"}.get(finding.verdict, finding.verdict)
+    cond = f"at concurrency {case.concurrency}" if case.concurrency > 1 else "at concurrency 1"
+    engine = meta.get("engine_label") or "the candidate"
+    return f"{engine}: {what} ({finding.stage or 'stage unknown'}, {cond}, {len(case.segments)} request(s))"
+
+
+def _diagnosis(seg: dict) -> list[str]:
+    lines = [f"- verdict `{seg['verdict']}` at stage `{seg.get('stage') or '-'}`, first divergent chunk "
+             f"{seg.get('first_divergent_chunk')}: {seg.get('summary')}"]
+    codes = (seg.get("comparisons") or {}).get("codes") or {}
+    if codes.get("frames"):
+        lines.append(f"- codes: {codes.get('frames_differing')} of {codes['frames'][0]} frames differ from qwen-tts's, "
+                     f"the first at frame {codes.get('first_divergent_frame')}")
+    if seg.get("donor"):
+        lines.append(f"- donor: `{seg['donor']}` (its {seg.get('donor_kind') or 'reference'} reached this request)")
+    for k, v in (seg.get("evidence") or {}).items() if isinstance(seg.get("evidence"), dict) else []:
+        lines.append(f"- {k}: {v}")
+    return lines
+
+
+def issue_text(origin, finding: Finding, case: Case, report: dict, bundle: dict, meta: dict, picture: bool) -> str:
+    seg = shown_by(report, finding)
+    cand = report.get("candidate") or {}
+    versions = cand.get("versions") or {}
+    env = [f"- engine: {cand.get('engine') or cand.get('label')}",
+           *(f"- {k}: {v}" for k, v in sorted(versions.items()) if v and not isinstance(v, dict)),
+           f"- device: {cand.get('device') or (cand.get('identity') or {}).get('device') or '?'}",
+           f"- checkpoints: {', '.join(f'{k} {v[:12]}' for k, v in sorted(((cand.get('identity') or {}).get('checkpoints') or {}).items()))}"]
+    if versions.get("vllm_omni_mutant"):
+        m = versions["vllm_omni_mutant"]
+        env.append(f"- a re-created bug: {m.get('bug')} (upstream {m.get('upstream')}) reverted into {m.get('release')}")
+    if case.settings:
+        env.append(f"- settings: {', '.join(f'{k}={v}' for k, v in case.settings)}")
+    if cand.get("deploy_overlay"):
+        env.append(f"- deploy overlay: `{cand['deploy_overlay']}`")
+    reqs = []
+    for item in bundle["requests"]:
+        b = item["body"]
+        voice = f", reference `{item['ref_audio_file']}`" if item.get("ref_audio_file") else ""
+        reqs.append(f"| `{item['id']}`{' (target)' if item['id'] == finding.segment else ''}"
+                    f"{' (donor)' if item['id'] == finding.donor else ''} | {b['task_type']} | {b.get('language')} | "
+                    f"{b['input']!s}{voice} | {b['max_new_tokens']} |")
+    rate = meta.get("rate")
+    text = [f"# {bundle['title']}", "",
+            "## Symptom", "",
+            f"{seg.get('summary')}.", "",
+            f"Found by difftest in the run `{origin.out}` (suite `{origin.suite.name}`, {len(origin.suite.segments)} "
+            f"segments at concurrency {origin.run['concurrency']}, {origin.run['pattern']} arrivals), segment "
+            f"`{finding.segment}`: `{finding.verdict}` at `{finding.stage}`"
+            + (f", donor `{finding.donor}`" if finding.donor else "") + ".", "",
+            "## Environment", "", *env, "",
+            "## Minimal reproduction", "",
+            f"{case.describe()}; reproduced in {rate['reproduced']} of {rate['tries']} tries"
+            + (" (it depends on scheduling)" if rate and rate["reproduced"] < rate["tries"] else "") + "."
+            if rate else case.describe() + ".", "",
+            "| request | task | language | text | max_new_tokens |", "|---|---|---|---|---|", *reqs, "",
+            "```",
+            "python3 repro.py --url http://127.0.0.1:PORT   # exit 1: the defect shows; 0: it does not",
+            "```", "",
+            f"`repro.py` needs only Python's standard library and the server. It compares the target's audio with "
+            f"{bundle['against_label']} (`expected/`), chunk by chunk.", "",
+            "## Diagnosis (from difftest's capture of what each stage received)", "", *_diagnosis(seg), ""]
+    if meta.get("validation"):
+        text += ["## Checked", ""]
+        for who, code in meta["validation"].items():
+            text.append(f"- `repro.py` against {who}: exit {code}")
+        text.append("")
+    if meta.get("notes"):
+        text += ["## Notes", "", *(f"- {n}" for n in meta["notes"]), ""]
+    if picture:
+        text += ["![the target's spectrogram against the expected one, and the difference](specdiff.png)", ""]
+    text += ["The minimal case as a difftest suite: `suite.yaml` (`difftest run suite.yaml --candidate URL`, "
+             "`difftest bisect --suite suite.yaml`).", ""]
+    return "\n".join(text)
+

@@ -1,0 +1,127 @@
+"""`difftest repro` end to end on the CPU test engine (the negative control, not vLLM-Omni): three
+planted defects found by `difftest run`, each shrunk against the engine started again, bundled, and
+the bundle's repro.py run without difftest against the defective engine (exit 1) and the clean one
+(exit 0). The real vLLM-Omni entries' table is docs/repro.md (minutes of server starts each)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from reference_support import reference_python
+
+from difftest.suites.suite import load_suite
+
+REPO = Path(__file__).resolve().parents[1]
+SMOKE = REPO / "cases" / "suites" / "smoke.yaml"
+# defect -> (concurrency of the run, repro's extra arguments). The leak gets the whole search; the
+# others the steps that decide their minimal set, to keep the file short.
+CASES = {"ref-leak": (4, []),
+         "speaker-leak": (4, ["--steps", "requests,concurrency", "--repeats", "2"]),
+         "off-by-one": (2, ["--steps", "requests,concurrency,frames", "--repeats", "1"])}
+
+
+def _difftest(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "difftest", *map(str, args)], capture_output=True, text=True,
+                          timeout=1500, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def repros(tmp_path_factory):
+    reference_python()
+    w = tmp_path_factory.mktemp("repro")
+    out = {}
+    for defect, (n, extra) in CASES.items():
+        run = w / defect
+        p = _difftest("run", SMOKE, "--candidate", f"cpu-engine:{defect}", "-n", n, "--out", run,
+                      "--store", w / "store", "--no-mlflow", cwd=w)
+        assert p.returncode == 1, p.stdout + p.stderr[-3000:]
+        report = json.loads((run / "report.json").read_text())
+        target = next(s for s in report["segments"] if s["id"] in report["failing"] and
+                      (s.get("donor") or defect == "off-by-one"))
+        p = _difftest("repro", run, target["id"], *extra, cwd=w)
+        assert p.returncode == 0, p.stdout + p.stderr[-4000:]
+        row = json.loads((run / "repro" / target["id"] / "repro.json").read_text())
+        out[defect] = (target, row, p)
+    return w, out
+
+
+def test_the_seed_like_leak_shrinks_to_target_and_donor(repros):
+    _, out = repros
+    target, row, p = out["ref-leak"]
+    m = row["minimal"]
+    assert row["reproduced"] and row["complete"] and row["finding"]["donor"] == target["donor"]
+    assert sorted(m["segments"]) == sorted([target["id"], target["donor"]])  # 2 requests, from a wave of 4
+    assert m["concurrency"] == 2 and m["pattern"] == "barrier"
+    assert row["rate"] == {"reproduced": 3, "tries": 3}
+    steps = {s["step"]: s for s in row["steps"]}
+    assert list(steps) == ["requests", "concurrency", "arrival", "settings", "frames", "text", "reference"]
+    edits = {(who, name): v for who, name, v in m["edits"]}
+    assert edits[("*", "max_new_tokens")] < 32 and steps["frames"]["kept"]  # the frames step ran and shrank
+    assert steps["text"]["tried"] >= 1 and steps["reference"]["tried"] >= 1  # the text and reference steps were probed
+    assert row["validation"] == {"the candidate": 1, "the clean control": 0}
+    assert f"{target['id']}: 2 request(s)" in p.stdout and "repro.py the candidate: exit 1" in p.stdout
+
+
+def test_the_bundle_is_a_valid_suite_and_an_issue_text(repros):
+    _, out = repros
+    target, row, _ = out["ref-leak"]
+    b = Path(row["bundle"])
+    suite = load_suite(b / "suite.yaml")  # `difftest run` and `difftest bisect --suite` take it
+    assert sorted(s.id for s in suite.segments) == sorted(row["minimal"]["segments"])
+    assert all(s.voice.wav.is_relative_to(b) for s in suite.segments)
+    bundle = json.loads((b / "bundle.json").read_text())
+    assert bundle["against"] == "own_c1" and bundle["concurrency"] == 2 and bundle["donor"] == target["donor"]
+    assert all((b / r["expected"]).is_file() and (b / r["ref_audio_file"]).is_file() for r in bundle["requests"])
+    assert "import difftest" not in (b / "repro.py").read_text() and "numpy" not in (b / "repro.py").read_text()
+    issue = (b / "ISSUE.md").read_text()
+    for part in ("## Symptom", "## Environment", "## Minimal reproduction", "## Diagnosis", "`repro.py` against "
+                 "the candidate: exit 1", f"donor: `{target['donor']}`", "difftest CPU test engine (not vLLM-Omni)"):
+        assert part in issue, part
+    assert (b / "specdiff.png").stat().st_size > 10_000
+    log = (Path(row["run"]) / "repro" / target["id"] / "logs" / "repro-py-candidate.log").read_text()
+    assert "the defect SHOWS" in log and "chunk 0 differs from sample 0" in log
+
+
+def test_a_second_repro_reads_every_probe_from_its_cache(repros):
+    w, out = repros
+    target, row, _ = out["ref-leak"]
+    p = _difftest("repro", row["run"], target["id"], cwd=w)
+    assert p.returncode == 0, p.stderr[-3000:]
+    again = json.loads((Path(row["run"]) / "repro" / target["id"] / "repro.json").read_text())
+    assert again["probes_run"] == 0 and again["probes"] == row["probes"]
+    assert again["minimal"] == row["minimal"] and again["validation"] == row["validation"]
+
+
+def test_a_talker_input_leak_keeps_its_donor_and_stage(repros):
+    _, out = repros
+    target, row, _ = out["speaker-leak"]
+    assert row["finding"]["stage"] == "talker_input" and row["finding"]["verdict"] == "contamination"
+    assert sorted(row["minimal"]["segments"]) == sorted([target["id"], target["donor"]])
+    assert row["minimal"]["concurrency"] == 2 and row["rate"]["reproduced"] >= 1
+    assert row["validation"] == {"the candidate": 1, "the clean control": 0}
+
+
+def test_a_defect_without_concurrency_ends_with_one_request_at_one(repros):
+    _, out = repros
+    target, row, _ = out["off-by-one"]
+    assert row["minimal"]["segments"] == [target["id"]] and row["minimal"]["concurrency"] == 1
+    bundle = json.loads((Path(row["bundle"]) / "bundle.json").read_text())
+    assert bundle["against"] == "qwen_tts"  # the engine is float32: qwen-tts's own audio is what it must give
+    assert row["validation"] == {"the candidate": 1, "the clean control": 0}
+    log = (Path(row["run"]) / "repro" / target["id"] / "logs" / "repro-py-candidate.log").read_text()
+    assert "expected" in log and "frames of 80 ms" in log  # the lost frame, said as such
+
+
+def test_repro_refuses_what_it_cannot_reproduce(repros, tmp_path):
+    w, out = repros
+    run = Path(out["ref-leak"][1]["run"])
+    report = json.loads((run / "report.json").read_text())
+    passing = next(s["id"] for s in report["segments"] if s["id"] not in report["failing"])
+    p = _difftest("repro", run, passing, cwd=w)
+    assert p.returncode == 2 and f"segment {passing!r}" in p.stderr and "not a failure to reproduce" in p.stderr
+    p = _difftest("repro", run, "nope", cwd=w)
+    assert p.returncode == 2 and "segment 'nope': not in the run" in p.stderr
+    p = _difftest("repro", tmp_path, "x", cwd=w)
+    assert p.returncode == 2 and "not a finished run folder" in p.stderr
