@@ -35,6 +35,7 @@ REPORT_SHA = "difftest.report_sha256"
 # difftest/bisect/record.py's names (as found there; one place to change if they change)
 BISECT_KIND, PROBE_KIND = "bisect", "bisect-probe"
 CULPRIT = "difftest.culprit"
+REPRO_TAG = "difftest.repro"  # difftest/records/tracking.py: segments with a repro bundle (artifacts repro/<segment>/)
 BISECT_STATE = "bisect.json"
 
 FETCHED = "fetched.json"
@@ -242,6 +243,17 @@ def _suite_texts(report: dict) -> dict[str, str]:
     return {seg.id: seg.text for seg in s.segments} if s.hash == want else {}
 
 
+def _repro_bundle(folder: Path, rel: str) -> dict | None:
+    """A segment's `difftest repro` bundle in the site: its title, minimal case and files."""
+    bundle = _read_json(folder / "bundle.json")
+    if not isinstance(bundle, dict) or not (folder / "ISSUE.md").is_file():
+        return None
+    files = [f for f in ("ISSUE.md", "repro.py", "bundle.json", "suite.yaml", "specdiff.png") if (folder / f).is_file()]
+    return {"title": bundle.get("title", ""), "requests": [r.get("id") for r in bundle.get("requests") or []],
+            "concurrency": bundle.get("concurrency"), "pattern": bundle.get("pattern"),
+            "against": bundle.get("against_label", ""), "files": {f: f"{rel}/{f}" for f in files}}
+
+
 def _fetch_run(client, parent, kids: list, site: Path, exp_name: str, notes: list) -> Run:
     run_id = parent.info.run_id
     tags = parent.data.tags
@@ -263,26 +275,32 @@ def _fetch_run(client, parent, kids: list, site: Path, exp_name: str, notes: lis
             if isinstance(report, dict):
                 shutil.copyfile(got, folder / "report.json")
         media_ok = bool(listed)  # a failed listing or download is tried again by the next build
-        for sub in ("audio", "specdiff"):
+        for sub in ("audio", "specdiff", "repro"):
             if sub in listed:
                 (folder / "media").mkdir(exist_ok=True)
                 media_ok = _download(client, run_id, sub, folder / "media") is not None and media_ok
+    elif fetched.get("repro") != tags.get(REPRO_TAG):  # bundles added since (`difftest repro` after the run)
+        shutil.rmtree(folder / "media" / "repro", ignore_errors=True)
+        (folder / "media").mkdir(exist_ok=True)
+        media_ok = _download(client, run_id, "repro", folder / "media") is not None
     source = "report.json"
     if not isinstance(report, dict) or not isinstance(report.get("segments"), list):
         report = _report_from_children(parent, kids, client)
         source = "child runs"
         notes.append(f"run {run_id} ({exp_name}): no readable report.json artifact; segments rebuilt from its child runs")
     if media_ok:
-        (folder / FETCHED).write_text(json.dumps({"format": FETCHED_FORMAT, "report_sha256": sha, "source": source},
-                                                 indent=1) + "\n")
+        (folder / FETCHED).write_text(json.dumps({"format": FETCHED_FORMAT, "report_sha256": sha, "source": source,
+                                                  "repro": tags.get(REPRO_TAG)}, indent=1) + "\n")
     media = {}
     for seg in report.get("segments") or []:
         name = safe_name(seg["id"])
         audio = {role: f"media/audio/{name}/{role}.wav" for role in AUDIO_ROLES
                  if (folder / "media" / "audio" / name / f"{role}.wav").is_file()}
         png = folder / "media" / "specdiff" / f"{name}.png"
-        if audio or png.is_file():
-            media[seg["id"]] = {"audio": audio, "specdiff": f"media/specdiff/{name}.png" if png.is_file() else None}
+        repro = _repro_bundle(folder / "media" / "repro" / name, f"media/repro/{name}")
+        if audio or png.is_file() or repro:
+            media[seg["id"]] = {"audio": audio, "specdiff": f"media/specdiff/{name}.png" if png.is_file() else None,
+                                "repro": repro}
     children = {k.data.tags.get("segment.id") or k.info.run_name: k.info.run_id for k in kids}
     return Run(run_id, parent.info.experiment_id, exp_name, parent.info.run_name or run_id,
                parent.info.start_time or 0, dict(tags), dict(parent.data.metrics), report, source, children, media,

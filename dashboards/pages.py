@@ -560,6 +560,12 @@ def forced_plot(seg: dict, max_gap: float | None) -> dict | None:
             "summary": (seg["comparisons"]["forced"].get("decoding"), seg["comparisons"]["forced"].get("top1_share"))}
 
 
+def _repro_links(repro: dict | None) -> dict | None:
+    if not repro:
+        return None
+    return {**repro, "files": {name: href(*path.split("/")) for name, path in repro["files"].items()}}
+
+
 def segment_page(run, index: int, seg: dict, ctx: Context) -> str:
     root = "../../"
     media = run.media.get(seg["id"]) or {}
@@ -584,6 +590,7 @@ def segment_page(run, index: int, seg: dict, ctx: Context) -> str:
                    crumbs=crumbs, run=run, seg=seg, failing=seg["id"] in set(run.failing), facts=facts,
                    players=players, chunks=per_chunk(seg), close=model.close_logmel(run.report),
                    specdiff=href(*media["specdiff"].split("/")) if media.get("specdiff") else None,
+                   repro=_repro_links(media.get("repro")),
                    codes=codes_at_divergence(seg), codes_note=codes_agree_note(seg), donor=donor(run, seg),
                    nulls=segment_null(run.report, seg["id"]),
                    tie=((seg.get("comparisons") or {}).get("near_tie") or {}).get("null_n"),

@@ -28,7 +28,7 @@ def _difftest(*args, cwd):
 
 
 @pytest.fixture(scope="module")
-def repros(tmp_path_factory):
+def repros(tmp_path_factory, mlflow_server):
     reference_python()
     w = tmp_path_factory.mktemp("repro")
     out = {}
@@ -37,6 +37,8 @@ def repros(tmp_path_factory):
         p = _difftest("run", SMOKE, "--candidate", f"cpu-engine:{defect}", "-n", n, "--out", run,
                       "--store", w / "store", "--no-mlflow", cwd=w)
         assert p.returncode == 1, p.stdout + p.stderr[-3000:]
+        if defect == "speaker-leak":  # logged before its repro: the repro adds its bundle to that MLflow run
+            assert _difftest("log", run, "--tracking-uri", mlflow_server, cwd=w).returncode == 0
         report = json.loads((run / "report.json").read_text())
         target = next(s for s in report["segments"] if s["id"] in report["failing"] and
                       (s.get("donor") or defect == "off-by-one"))
@@ -125,3 +127,31 @@ def test_repro_refuses_what_it_cannot_reproduce(repros, tmp_path):
     assert p.returncode == 2 and "segment 'nope': not in the run" in p.stderr
     p = _difftest("repro", tmp_path, "x", cwd=w)
     assert p.returncode == 2 and "not a finished run folder" in p.stderr
+
+
+def test_bundles_reach_mlflow_and_the_dashboard_links_them(repros, mlflow_server, tmp_path):
+    """One run logged after its repro (the bundle goes up with it), one before (the repro adds it)."""
+    from mlflow import MlflowClient
+
+    w, out = repros
+    leak_run = Path(out["ref-leak"][1]["run"])
+    assert _difftest("log", leak_run, "--tracking-uri", mlflow_server, cwd=w).returncode == 0
+    client = MlflowClient(mlflow_server)
+    for defect in ("ref-leak", "speaker-leak"):
+        target, row, _ = out[defect]
+        state = json.loads((Path(row["run"]) / "mlflow.json").read_text())
+        run_id = next(r["run_id"] for r in state["runs"] if r["tracking_uri"] == mlflow_server)
+        assert client.get_run(run_id).data.tags["difftest.repro"] == target["id"]
+        files = {f.path for f in client.list_artifacts(run_id, f"repro/{target['id']}")}
+        assert {f"repro/{target['id']}/{f}" for f in ("ISSUE.md", "repro.py", "bundle.json", "suite.yaml")} <= files
+    site = tmp_path / "site"
+    p = subprocess.run([sys.executable, "-m", "dashboards", "--out", str(site), "--tracking-uri", mlflow_server],
+                       capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    for defect in ("ref-leak", "speaker-leak"):
+        target, row, _ = out[defect]
+        issue = next(site.glob(f"runs/*/media/repro/{target['id']}/ISSUE.md"), None)
+        assert issue is not None and (issue.parent / "repro.py").is_file() and (issue.parent / "voices").is_dir()
+        pages = [h for h in site.glob("runs/*/*.html") if f'href="media/repro/{target["id"]}/ISSUE.md"' in h.read_text()]
+        assert pages, f"no segment page links {target['id']}'s bundle"
+        assert "Minimal reproduction" in pages[0].read_text() and "repro.py" in pages[0].read_text()

@@ -33,7 +33,7 @@ from pathlib import Path
 from ..errors import EXIT_INFRA, EXIT_PASS, BadInput
 from ..results import atomic_write
 from . import mlflow_records as rec
-from .segment_media import write_segment_media
+from .segment_media import safe_name, write_segment_media
 
 log = logging.getLogger(__name__)
 
@@ -290,6 +290,23 @@ def _previous_upload(client, exp_id: str, sha: str, state: dict, uri: str):
     return found
 
 
+REPRO_TAG = "difftest.repro"  # the segments with a `difftest repro` bundle among the run's artifacts (repro/<segment>/)
+
+
+def repro_bundles(out: Path) -> dict[str, Path]:
+    """segment id -> its `difftest repro` bundle folder under OUT/repro/ (those written whole)."""
+    found = {}
+    for rj in sorted(Path(out).glob("repro/*/repro.json")):
+        try:
+            row = json.loads(rj.read_text())
+        except (OSError, ValueError):
+            continue
+        b = rj.parent / "bundle"
+        if row.get("reproduced") and (b / "ISSUE.md").is_file():
+            found[row["segment"]] = b
+    return found
+
+
 def _stage_artifacts(report: dict, out: Path, staging: Path) -> None:
     for name in PARENT_FILES:
         if (out / name).is_file():
@@ -297,6 +314,28 @@ def _stage_artifacts(report: dict, out: Path, staging: Path) -> None:
     for seg in report.get("segments") or []:
         if seg.get("verdict") not in rec.CLEAN:
             write_segment_media(seg, out, staging)
+    for sid, bundle in repro_bundles(out).items():
+        shutil.copytree(bundle, staging / "repro" / safe_name(sid))
+
+
+def log_repro(out_dir: Path, stream=sys.stderr) -> list[str]:
+    """Add OUT's repro bundles to every MLflow run OUT was logged as (OUT/mlflow.json), with the
+    parent's `difftest.repro` tag listing them: the dashboard's segment pages link them. A run not
+    logged yet gets them when it is; MLflow out of reach: one warning, the bundles stay on disk."""
+    out = Path(out_dir)
+    bundles = repro_bundles(out)
+    done = []
+    for r in read_state(out).get("runs", []):
+        try:
+            with mlflow_client(r["tracking_uri"]) as client:
+                for sid, b in bundles.items():
+                    client.log_artifacts(r["run_id"], str(b), f"repro/{safe_name(sid)}")
+                client.set_tag(r["run_id"], REPRO_TAG, ",".join(sorted(bundles)))
+            done.append(r["run_id"])
+        except TrackingUnavailable as e:
+            print(f"difftest: warning: repro bundles not added to MLflow run {r['run_id']} at {r['tracking_uri']}: "
+                  f"{e} (they are in {out / 'repro'})", file=stream)
+    return done
 
 
 def _upload(client, out: Path, report: dict, sha: str, experiment: str, extra_tags: dict, state: dict, uri: str):
@@ -305,7 +344,9 @@ def _upload(client, out: Path, report: dict, sha: str, experiment: str, extra_ta
     if prior is not None:
         log.info("%s is already logged as run %s", out, prior.info.run_id)
         return prior.info.run_id, prior.info.experiment_id
-    tags = rec.parent_tags(report, sha, {"difftest.out_dir": str(out.resolve()), **extra_tags})
+    repro = sorted(repro_bundles(out))
+    tags = rec.parent_tags(report, sha, {"difftest.out_dir": str(out.resolve()),
+                                         **({REPRO_TAG: ",".join(repro)} if repro else {}), **extra_tags})
     label = tags.get("candidate.label", "candidate")
     name = f"{label} c{report.get('concurrency') or '?'} {report.get('verdict', '?')}"
     # Born with its kind and report hash, so a broken-off upload is found and replaced next time.

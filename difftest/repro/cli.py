@@ -182,6 +182,11 @@ def cmd_repro(args) -> int:
         live = Live(origin, stack, out / "repro")
         for sid in segments:
             rows.append(reproduce(origin, sid, policy, runner, live, opts, args.budget, args.repeats, steps))
+    if any(r["reproduced"] for r in rows) and not args.no_mlflow:
+        from ..records.tracking import log_repro
+
+        for run_id in log_repro(out):
+            print(f"bundles added to MLflow run {run_id} (the dashboard's segment pages link them)", file=sys.stderr)
     print(table(rows))
     return EXIT_PASS if all(r["reproduced"] for r in rows) else EXIT_FAIL
 
@@ -216,5 +221,7 @@ def add_repro_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--steps", default="all", help=f"comma-separated steps of the search (default all: {','.join(STEPS)})")
     p.add_argument("--store", help="reference result store (default: the run's)")
     p.add_argument("--policy", help="policy YAML (default: the one the run used)")
+    p.add_argument("--no-mlflow", action="store_true",
+                   help="do not add the bundles to the MLflow runs the run folder was logged as (OUT/mlflow.json)")
     p.set_defaults(func=cmd_repro)
     return p
