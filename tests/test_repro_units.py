@@ -58,6 +58,7 @@ def test_a_concurrency_finding_shrinks_to_target_and_donor_at_two():
     assert c.edit("vs3", "ref_samples") == 10 * 1920 + 860  # 20 -> 10 frames; 5 loses it; remainder kept
     assert c.edit("vs1", "ref_samples") == S.MIN_REF_FRAMES * 1920 + 860  # s1's own voice does not matter
     assert [s["step"] for s in got.steps] == list(S.STEPS)
+    assert got.steps[0]["tried"] == 1  # the target and its donor alone: the first and only request probe
     assert S.shrink(start, _subject(), leak_double, budget=100).case == c  # deterministic
 
 
@@ -196,3 +197,15 @@ def test_repro_py_exits_2_when_the_server_gives_no_audio(bundle):
     near = audio["t"] + np.float32(0.0004)
     p = _standalone(b, {"t": wavio.encode(near, 24000, "pcm16"), "d": wavio.encode(audio["d"], 24000, "pcm16")})
     assert p.returncode == 0, p.stdout
+
+
+def test_a_donor_needed_beside_others_is_found_by_ddmin_and_flaky_probes_get_a_second_try():
+    """s1 takes s3's reference only when s4 is in the batch too; and only on every other try."""
+    def flaky(case):
+        return {"s1", "s3", "s4"} <= set(case.segments) and case.attempt % 2 == 1
+
+    start = S.Case(("s1", "s2", "s3", "s4"), 4)
+    once = S.shrink(start, _subject(), flaky, budget=100, steps=("requests",), repeats=2)
+    assert once.reproduced and once.case.segments == start.segments  # one try per smaller case: every one missed
+    twice = S.shrink(start, _subject(), flaky, budget=100, steps=("requests",), repeats=2, tries=2)
+    assert twice.case.segments == ("s1", "s3", "s4")

@@ -80,6 +80,7 @@ def reproduce(origin: Origin, sid: str, policy, runner, live: Live, opts, budget
     result = None
     for start in starts(origin, finding, opts):
         result = shrink(start, subject, prober, budget=budget, repeats=repeats, steps=steps,
+                        tries=2 if finding.donor else 1,
                         on_step=lambda name, case: print(f"repro {sid}: step {name}: {case.describe()}",
                                                          file=stream, flush=True))
         if result.reproduced:

@@ -6,7 +6,8 @@ frames generated, whole 80 ms frames cut from a reference). `shrink(start, probe
 smaller cases in a fixed order and keeps each one that still reproduces:
 
 1. requests: the target alone at concurrency 1 first (a finding that needs no concurrency ends
-   there); otherwise ddmin (Zeller) over the other requests of its wave, the target and its donor kept;
+   there); the target and its donor alone; otherwise ddmin (Zeller) over the other requests of
+   its wave, the target and its donor kept;
 2. concurrency: the lowest that still shows it;
 3. arrival: barrier, suite order (where the run used another);
 4. settings: each candidate setting dropped, one at a time;
@@ -121,20 +122,25 @@ def ddmin(items: list, keep: Callable[[list], bool]) -> list:
 
 
 def shrink(start: Case, subject: Subject, probe: Callable[[Case], bool], *, budget: int = 40,
-           repeats: int = 1, steps=STEPS, on_step=lambda name, case: None) -> Shrunk:
+           repeats: int = 1, tries: int = 1, steps=STEPS, on_step=lambda name, case: None) -> Shrunk:
     """The smallest case that still reproduces. `repeats`: attempts of the starting case before
-    it is called not reproduced (a scheduling-dependent finding may pass a try)."""
+    it is called not reproduced (a scheduling-dependent finding may pass a try). `tries`: attempts
+    of every smaller case before it is given up (2 for a finding that depends on scheduling: a
+    leak's donor is whichever request the engine took last)."""
     out = Shrunk(start)
 
-    def attempt(case: Case) -> bool:
+    def one(case: Case) -> bool:
         if out.probes >= budget:
             raise _Budget
         out.probes += 1
         return probe(case)
 
+    def attempt(case: Case) -> bool:
+        return any(one(replace(case, attempt=k)) for k in range(max(tries, 1)))
+
     try:
         for k in range(max(repeats, 1)):
-            if attempt(replace(start, attempt=k)):
+            if one(replace(start, attempt=k)):
                 out.case = replace(start, attempt=k)
                 break
         else:
@@ -163,7 +169,8 @@ def _requests(case: Case, subject: Subject, attempt) -> Case:
         trial = replace(case, segments=tuple(s for s in case.segments if s in chosen))
         return trial == case or attempt(trial)
 
-    best = ddmin(others, keep)
+    # the target and its donor alone first: the seed's answer, and a subset ddmin itself never tries
+    best = [] if others and keep([]) else ddmin(others, keep)
     chosen = set(best) | fixed
     return replace(case, segments=tuple(s for s in case.segments if s in chosen))
 
