@@ -14,10 +14,21 @@ install_bg() {  # NAME COMMAND...: start an install in the background
     _install_start[$name]=$SECONDS
 }
 
-wait_installs() {  # wait for every install started; non-zero when one failed
+with_rc() {  # FILE COMMAND...: run it, then write its exit status to FILE (read by another process)
+    local file=$1 rc=0; shift
+    rm -f "$file"
+    "$@" || rc=$?
+    echo "$rc" > "$file.tmp" && mv "$file.tmp" "$file"
+    return "$rc"
+}
+
+wait_installs() {  # [NAME...]: wait for these installs (default: every one started); non-zero when one failed
     local failed=0 spoke=$SECONDS name pid log
-    while (( ${#_install_pid[@]} )); do
-        for name in "${!_install_pid[@]}"; do
+    local -a only=("$@")
+    _pending() { if (( ${#only[@]} )); then for n in "${only[@]}"; do [[ -n ${_install_pid[$n]:-} ]] && echo "$n"; done
+                 else printf '%s\n' "${!_install_pid[@]}"; fi; }
+    while [[ -n $(_pending) ]]; do
+        for name in $(_pending); do
             pid=${_install_pid[$name]}
             kill -0 "$pid" 2>/dev/null && continue
             log=".cache/logs/install-$name.log"
@@ -28,7 +39,7 @@ wait_installs() {  # wait for every install started; non-zero when one failed
             fi
             unset "_install_pid[$name]"
         done
-        (( ${#_install_pid[@]} )) || break
+        [[ -n $(_pending) ]] || break
         if (( SECONDS - spoke >= 20 )); then
             for name in "${!_install_pid[@]}"; do
                 echo "   ... $name: $((SECONDS - _install_start[$name])) s so far; $(tail -n 1 ".cache/logs/install-$name.log" | cut -c1-110)"

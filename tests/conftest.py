@@ -69,6 +69,37 @@ def pytest_collection_modifyitems(config, items):
             s, name = line.split(maxsplit=1)
             seconds[name] = float(s)
     items.sort(key=lambda item: -seconds.get(item.path.name, 0.0))  # stable: a file's tests keep their order
+    if _install_pending():
+        # the vLLM-Omni environment is still installing (scripts/test.sh starts the tests meanwhile): the
+        # two slowest files that do not need it go first, so neither worker starts by waiting for it
+        free = [f for f in dict.fromkeys(item.path for item in items) if not _needs_vllm_omni(f)][:2]
+        items.sort(key=lambda item: item.path not in free)
+
+
+# Files that may use the vLLM-Omni environment (a broad net: a file caught wrongly only waits).
+_VLLM_OMNI_WORDS = ("vllm", "omni", "bisect", "bugs", "handoff")
+
+
+def _needs_vllm_omni(path: Path) -> bool:
+    text = path.read_text(encoding="utf-8", errors="replace").lower()
+    return any(w in text for w in _VLLM_OMNI_WORDS)
+
+
+def _install_pending() -> bool:
+    from difftest.engines.vllm_omni import INSTALL_RC_VAR
+
+    rc = os.environ.get(INSTALL_RC_VAR)
+    return bool(rc) and not Path(rc).exists()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _vllm_omni_installed(request):
+    """A file that may use the vLLM-Omni environment waits until scripts/test.sh has installed it
+    (module scope and autouse: before the file's own module fixtures start anything)."""
+    if _install_pending() and _needs_vllm_omni(request.path):
+        from difftest.engines.vllm_omni import wait_for_install
+
+        wait_for_install()
 
 
 # A zygote for the qwen-tts environment (runners/zygote.py, difftest/engines/zygote.py): every

@@ -32,6 +32,7 @@ import hashlib
 import json
 import os
 import subprocess
+import time
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -132,8 +133,31 @@ def decode_settings(segments) -> tuple[dict, list[str]]:
     return first, warnings
 
 
+INSTALL_RC_VAR = "DIFFTEST_VLLM_OMNI_INSTALL_RC"  # scripts/test.sh: the tests start while the environment installs
+
+
+def wait_for_install(timeout: float = 1800.0) -> None:
+    """Where scripts/test.sh is still installing the vLLM-Omni environment (it names a file in
+    $DIFFTEST_VLLM_OMNI_INSTALL_RC that the install writes its exit status to when it ends), wait
+    for it: its interpreter exists long before its packages do. InfraError if the install failed."""
+    rc_file = os.environ.get(INSTALL_RC_VAR)
+    if not rc_file:
+        return
+    rc = Path(rc_file)
+    deadline = time.monotonic() + timeout
+    while not rc.exists():
+        if time.monotonic() > deadline:
+            raise InfraError(f"the vLLM-Omni environment's install did not finish in {timeout:.0f} s ({rc} not written)")
+        time.sleep(1.0)
+    status = rc.read_text().strip()
+    if status != "0":
+        raise InfraError(f"the vLLM-Omni environment's install failed (exit {status}; .cache/logs/install-vllm-omni.log)")
+
+
 def omni_python(explicit: str | None = None) -> Path:
     """The interpreter of the vLLM-Omni environment; BadInput naming the fix when it is absent."""
+    if not explicit and not os.environ.get(PYTHON_ENV_VAR):
+        wait_for_install()
     path = Path(explicit or os.environ.get(PYTHON_ENV_VAR) or DEFAULT_VENV / "bin" / "python")
     if not path.exists():
         raise BadInput(f"vLLM-Omni environment not found: {path} (create it with {MAKE_ENV}, "
