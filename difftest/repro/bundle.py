@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 from ..engines.speech_client import speech_request
+from ..errors import DifftestError
 from ..results import atomic_write, read_result
 from ..suites import wavio
 from ..suites.suite import SAMPLES_PER_FRAME, load_suite
@@ -26,6 +27,10 @@ from .probe import Finding, write_suite
 from .shrink import Case
 
 STANDALONE = Path(__file__).with_name("standalone.py")
+
+
+class NoBundle(DifftestError):
+    """This try's run lacks audio a bundle needs (a request that failed); another try may have it."""
 
 
 def _audio(path: str, run_dir: Path):
@@ -47,8 +52,12 @@ def write_bundle(folder: Path, origin, finding: Finding, case: Case, probe_dir: 
     (folder / "expected").mkdir()
     for seg in suite.segments:
         arts = segs[seg.id].get("artifacts") or {}
+        need = ("candidate", "control" if against == "own_c1" else "reference")
+        if not all(arts.get(k) for k in need):
+            raise NoBundle(f"{probe_dir}: {seg.id} has no {' or '.join(k for k in need if not arts.get(k))} audio "
+                           f"({segs[seg.id]['verdict']}: {segs[seg.id].get('summary', '')[:120]})")
         cand = _audio(arts["candidate"], probe_dir / "run")
-        want = _audio(arts["control" if against == "own_c1" else "reference"], probe_dir / "run")
+        want = _audio(arts[need[1]], probe_dir / "run")
         exp = f"expected/{seg.id}.wav"
         wavio.write(folder / exp, want.grid_wav, want.sample_rate, "float")  # exact: no second quantisation
         body = speech_request(seg, f"repro-{seg.id}", voice_mode="inline")

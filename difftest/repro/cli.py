@@ -27,10 +27,10 @@ from dataclasses import replace
 from pathlib import Path
 
 from ..engines.reference import ReferenceOptions, reference_python
-from ..errors import EXIT_FAIL, EXIT_PASS, BadInput
+from ..errors import EXIT_FAIL, EXIT_PASS, BadInput, InfraError
 from ..results import atomic_write
 from ..verdicts.policy import load_policy
-from .bundle import write_bundle
+from .bundle import NoBundle, write_bundle
 from .probe import Finding, Live, Origin, Prober, opts_for
 from .shrink import STEPS, Case, Subject, settings_of, shrink
 
@@ -93,10 +93,10 @@ def reproduce(origin: Origin, sid: str, policy, runner, live: Live, opts, budget
         outcomes = [prober.outcome(replace(case, attempt=k)) for k in range(max(repeats, 1))]
         tries = [o["reproduced"] for o in outcomes]
         rate = {"reproduced": sum(tries), "tries": len(tries)}
-        # the bundle is written from a try that shows the finding as the run did (target and donor as named)
-        first = next((k for k, o in enumerate(outcomes) if o["reproduced"] and not o.get("swapped")),
-                     next((k for k, ok in enumerate(tries) if ok), case.attempt))
-        case = replace(case, attempt=first)
+        # the bundle is written from a try that shows the finding as the run did (target and donor as
+        # named), else from one where it ran the other way; the search's own reproducing try last
+        order = sorted(range(len(outcomes)), key=lambda k: (not outcomes[k]["reproduced"], outcomes[k].get("swapped")))
+        candidates = [replace(case, attempt=k) for k in order if outcomes[k]["reproduced"]] + [case]
         notes = []
         swaps = sum(o.get("swapped", False) for o in outcomes)
         if swaps:
@@ -105,10 +105,17 @@ def reproduce(origin: Origin, sid: str, policy, runner, live: Live, opts, budget
         if rate["reproduced"] < rate["tries"]:
             notes.append(f"reproduced in {rate['reproduced']} of {rate['tries']} tries: it depends on how the "
                          f"engine schedules the requests (which share a step)")
-        cand = json.loads((prober.folder(case) / "run" / "report.json").read_text())["candidate"]
-        meta = {"rate": rate, "notes": notes, "engine_label": cand.get("engine") or cand.get("label")}
         bundle_dir = work / "bundle"
-        write_bundle(bundle_dir, origin, finding, case, prober.folder(case), policy, meta)
+        for case in candidates:
+            cand = json.loads((prober.folder(case) / "run" / "report.json").read_text())["candidate"]
+            meta = {"rate": rate, "notes": notes, "engine_label": cand.get("engine") or cand.get("label")}
+            try:
+                write_bundle(bundle_dir, origin, finding, case, prober.folder(case), policy, meta)
+                break
+            except NoBundle as e:
+                notes.append(f"not bundled from {prober.folder(case).name}: {e}")
+        else:
+            raise InfraError(f"repro {sid}: no try of the minimal case has every request's audio ({notes[-1]})")
         validation = validate(bundle_dir, live, case, origin, opts, work)
         meta["validation"] = validation
         write_bundle(bundle_dir, origin, finding, case, prober.folder(case), policy, meta)  # with the checks

@@ -31,7 +31,7 @@ from typing import Callable
 from ..suites.suite import SAMPLES_PER_FRAME, content_hash
 
 STEPS = ("requests", "concurrency", "arrival", "settings", "frames", "text", "reference")
-MIN_REF_FRAMES = 4  # a reference shorter than 0.32 s is refused by some speaker encoders
+MIN_REF_FRAMES = 13  # 1.04 s: vLLM-Omni refuses a reference under 1 s (HTTP 400, "Reference audio too short")
 
 
 @dataclass(frozen=True)
