@@ -8,6 +8,7 @@
       expected/       per request: the audio it must give (32-bit float, from frame 0)
       ISSUE.md        title, environment, symptom, diagnosis, donor, minimal requests, command
       specdiff.png    the target's spectrogram against the expected one, and the difference
+      deploy-overlay.yaml  vLLM-Omni's deploy configuration as difftest served it (a vLLM-Omni candidate)
 
 Everything is read from the final probe's run folder (its report.json and result files).
 """
@@ -38,8 +39,15 @@ def _audio(path: str, run_dir: Path):
     return read_result(p if p.is_absolute() else run_dir / p)
 
 
-def write_bundle(folder: Path, origin, finding: Finding, case: Case, probe_dir: Path, policy, meta: dict) -> dict:
-    """Write the bundle for the minimal case whose probe ran in `probe_dir`; returns bundle.json."""
+AGAINST = {"own_c1": "the candidate's own audio at concurrency 1",
+           "qwen_tts": "qwen-tts's audio (the reference, float32)",
+           "clean": "the clean control's audio (the same engine and numerics without the defect)"}
+
+
+def write_bundle(folder: Path, origin, finding: Finding, case: Case, probe_dir: Path, policy, meta: dict,
+                 clean_dir: Path | None = None) -> dict:
+    """Write the bundle for the minimal case whose probe ran in `probe_dir`; returns bundle.json.
+    `clean_dir`: the same case's probe on the clean control, whose audio is then the expected."""
     if folder.exists():
         shutil.rmtree(folder)
     folder.mkdir(parents=True)
@@ -47,17 +55,22 @@ def write_bundle(folder: Path, origin, finding: Finding, case: Case, probe_dir: 
     suite = load_suite(suite_path)
     report = json.loads((probe_dir / "run" / "report.json").read_text())
     segs = {s["id"]: s for s in report["segments"]}
-    against = "own_c1" if case.concurrency > 1 and finding.needs_concurrency else "qwen_tts"
+    against = ("own_c1" if case.concurrency > 1 and finding.needs_concurrency else
+               "clean" if clean_dir is not None else "qwen_tts")
+    clean = ({s["id"]: s for s in json.loads((clean_dir / "run" / "report.json").read_text())["segments"]}
+             if against == "clean" else {})
     requests = []
     (folder / "expected").mkdir()
     for seg in suite.segments:
-        arts = segs[seg.id].get("artifacts") or {}
-        need = ("candidate", "control" if against == "own_c1" else "reference")
+        arts = dict(segs[seg.id].get("artifacts") or {})
+        if against == "clean":
+            arts["clean"] = ((clean.get(seg.id) or {}).get("artifacts") or {}).get("candidate")
+        need = ("candidate", {"own_c1": "control", "qwen_tts": "reference", "clean": "clean"}[against])
         if not all(arts.get(k) for k in need):
             raise NoBundle(f"{probe_dir}: {seg.id} has no {' or '.join(k for k in need if not arts.get(k))} audio "
                            f"({segs[seg.id]['verdict']}: {segs[seg.id].get('summary', '')[:120]})")
         cand = _audio(arts["candidate"], probe_dir / "run")
-        want = _audio(arts[need[1]], probe_dir / "run")
+        want = _audio(arts[need[1]], (clean_dir if need[1] == "clean" else probe_dir) / "run")
         exp = f"expected/{seg.id}.wav"
         wavio.write(folder / exp, want.grid_wav, want.sample_rate, "float")  # exact: no second quantisation
         body = speech_request(seg, f"repro-{seg.id}", voice_mode="inline")
@@ -72,16 +85,18 @@ def write_bundle(folder: Path, origin, finding: Finding, case: Case, probe_dir: 
     bundle = {"format": "difftest.repro-bundle/1", "title": title, "target": finding.segment,
               "donor": finding.donor, "concurrency": case.concurrency,
               "pattern": "barrier" if case.pattern == "batch" else case.pattern,
-              "against": against,
-              "against_label": "the candidate's own audio at concurrency 1" if against == "own_c1"
-              else "qwen-tts's audio (the reference, float32)",
+              "against": against, "against_label": AGAINST[against],
               "samples_per_frame": SAMPLES_PER_FRAME, "chunks": dict(origin.suite.chunks),
               "tolerance": {"close_max_abs": policy.close_max_abs, "close_snr_db": policy.close_snr_db},
               "requests": requests}
     atomic_write(folder / "bundle.json", (json.dumps(bundle, indent=1, ensure_ascii=False) + "\n").encode())
+    overlay = (report.get("candidate") or {}).get("deploy_overlay")
+    if overlay and Path(overlay).is_file():
+        shutil.copyfile(overlay, folder / "deploy-overlay.yaml")
     shutil.copyfile(STANDALONE, folder / "repro.py")
     (folder / "repro.py").chmod(0o755)
-    picture = _picture(folder, shown_by(report, finding), probe_dir / "run", against)
+    picture = _picture(folder, shown_by(report, finding), probe_dir / "run", against,
+                       clean.get(finding.segment), clean_dir)
     atomic_write(folder / "ISSUE.md", issue_text(origin, finding, case, report, bundle, meta, picture).encode())
     return bundle
 
@@ -96,18 +111,24 @@ def shown_by(report: dict, finding: Finding) -> dict:
     return seg
 
 
-def _picture(folder: Path, seg: dict, run_dir: Path, against: str) -> bool:
+def _picture(folder: Path, seg: dict, run_dir: Path, against: str, clean_seg: dict | None = None,
+             clean_dir: Path | None = None) -> bool:
     from ..records.segment_media import spectrogram_difference
 
     arts = seg.get("artifacts") or {}
-    want = _audio(arts["control" if against == "own_c1" else "reference"], run_dir)
+    if against == "clean":
+        want = _audio(clean_seg["artifacts"]["candidate"], clean_dir / "run")
+    else:
+        want = _audio(arts["control" if against == "own_c1" else "reference"], run_dir)
     got = _audio(arts["candidate"], run_dir)
     view = {**seg, "first_divergent_frame": (seg.get("comparisons", {}).get("codes") or {}).get("first_divergent_frame")}
     return spectrogram_difference(want.grid_wav, got.grid_wav, got.sample_rate, folder / "specdiff.png", view)
 
 
 def issue_title(finding: Finding, case: Case, meta: dict) -> str:
-    what = {"contamination": f"one request's {finding.donor_kind or 'reference'} reaches another request",
+    kind = {"codes": "reference codes", "generated": "generated codes", "length": "reference length"}.get(
+        finding.donor_kind or "codes", (finding.donor_kind or "input").replace("_", " "))
+    what = {"contamination": f"one request's {kind} reach another request",
             "concurrency_defect": "audio changes with concurrency",
             "talker_defect": "the talker is conditioned on another input than the request's",
             "handoff_defect": "the talker-to-vocoder hand-off loses or alters frames",
@@ -123,8 +144,15 @@ def _diagnosis(seg: dict) -> list[str]:
              f"{seg.get('first_divergent_chunk')}: {seg.get('summary')}"]
     codes = (seg.get("comparisons") or {}).get("codes") or {}
     if codes.get("frames"):
-        lines.append(f"- codes: {codes.get('frames_differing')} of {codes['frames'][0]} frames differ from qwen-tts's, "
-                     f"the first at frame {codes.get('first_divergent_frame')}")
+        if not codes.get("frames_differing"):
+            lines.append(f"- the generated codes equal qwen-tts's ({codes['frames'][0]} frames): the talker is right, "
+                         f"the fault lies after it")
+        else:
+            lines.append(f"- codes: {codes['frames_differing']} of {codes['frames'][0]} frames differ from qwen-tts's, "
+                         f"the first at frame {codes.get('first_divergent_frame')}")
+        if codes.get("ref_codes_equal") is False:
+            lines.append(f"- the reference codes the vocoder got agree with qwen-tts's encoding of the request's own "
+                         f"voice in {codes.get('ref_codes_agreement', 0):.0%} of entries")
     if seg.get("donor"):
         lines.append(f"- donor: `{seg['donor']}` (its {seg.get('donor_kind') or 'reference'} reached this request)")
     for k, v in (seg.get("evidence") or {}).items() if isinstance(seg.get("evidence"), dict) else []:
@@ -142,11 +170,17 @@ def issue_text(origin, finding: Finding, case: Case, report: dict, bundle: dict,
            f"- checkpoints: {', '.join(f'{k} {v[:12]}' for k, v in sorted(((cand.get('identity') or {}).get('checkpoints') or {}).items()))}"]
     if versions.get("vllm_omni_mutant"):
         m = versions["vllm_omni_mutant"]
-        env.append(f"- a re-created bug: {m.get('bug')} (upstream {m.get('upstream')}) reverted into {m.get('release')}")
+        up = m.get("upstream") or {}
+        env.append(f"- a re-created bug: {m.get('bug')} (upstream "
+                   + ", ".join(f"{k} #{v}" for k, v in up.items() if v) + f") reverted into {m.get('release')}")
     if case.settings:
         env.append(f"- settings: {', '.join(f'{k}={v}' for k, v in case.settings)}")
+    serve = []
     if cand.get("deploy_overlay"):
-        env.append(f"- deploy overlay: `{cand['deploy_overlay']}`")
+        env.append("- deploy configuration: `deploy-overlay.yaml` (bundled)")
+        serve = ["The server, as difftest started it (one per checkpoint type; the model is the checkpoint folder):", "",
+                 "```", "vllm serve MODEL --omni --deploy-config deploy-overlay.yaml --host 127.0.0.1 --port PORT",
+                 "```", ""]
     reqs = []
     for item in bundle["requests"]:
         b = item["body"]
@@ -168,6 +202,7 @@ def issue_text(origin, finding: Finding, case: Case, report: dict, bundle: dict,
             + (" (it depends on scheduling)" if rate and rate["reproduced"] < rate["tries"] else "") + "."
             if rate else case.describe() + ".", "",
             "| request | task | language | text | max_new_tokens |", "|---|---|---|---|---|", *reqs, "",
+            *serve,
             "```",
             "python3 repro.py --url http://127.0.0.1:PORT   # exit 1: the defect shows; 0: it does not",
             "```", "",

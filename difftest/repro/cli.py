@@ -106,11 +106,24 @@ def reproduce(origin: Origin, sid: str, policy, runner, live: Live, opts, budget
             notes.append(f"reproduced in {rate['reproduced']} of {rate['tries']} tries: it depends on how the "
                          f"engine schedules the requests (which share a step)")
         bundle_dir = work / "bundle"
+        clean_dir = None
+        exact = ((origin.report.get("measured_null") or {}).get("numerics") or {}).get("exact", True)
+        if not exact and not (case.concurrency > 1 and finding.needs_concurrency):
+            # qwen-tts's float32 audio is no yardstick for another numerics' audio (a correct bfloat16
+            # engine differs from it too): where a clean control exists, its audio of the same case is
+            clean_case = replace(case, attempt=0)
+            try:
+                ctrl = prober.outcome(clean_case, clean=True)
+                clean_dir = prober.folder(clean_case, clean=True)
+                if ctrl["reproduced"]:
+                    notes.append("the clean control shows the same finding on this case: it is not the defect's alone")
+            except BadInput:
+                pass  # no clean control: compared with qwen-tts, and ISSUE.md says what that can show
         for case in candidates:
             cand = json.loads((prober.folder(case) / "run" / "report.json").read_text())["candidate"]
             meta = {"rate": rate, "notes": notes, "engine_label": cand.get("engine") or cand.get("label")}
             try:
-                write_bundle(bundle_dir, origin, finding, case, prober.folder(case), policy, meta)
+                write_bundle(bundle_dir, origin, finding, case, prober.folder(case), policy, meta, clean_dir)
                 break
             except NoBundle as e:
                 notes.append(f"not bundled from {prober.folder(case).name}: {e}")
@@ -118,7 +131,7 @@ def reproduce(origin: Origin, sid: str, policy, runner, live: Live, opts, budget
             raise InfraError(f"repro {sid}: no try of the minimal case has every request's audio ({notes[-1]})")
         validation = validate(bundle_dir, live, case, origin, opts, work)
         meta["validation"] = validation
-        write_bundle(bundle_dir, origin, finding, case, prober.folder(case), policy, meta)  # with the checks
+        write_bundle(bundle_dir, origin, finding, case, prober.folder(case), policy, meta, clean_dir)  # with the checks
         row.update({"minimal": {"segments": list(case.segments), "concurrency": case.concurrency,
                                 "pattern": case.pattern, "order": case.order,
                                 "settings": dict(case.settings), "edits": [list(e) for e in case.edits]},
