@@ -117,8 +117,12 @@ def reproduce(origin: Origin, sid: str, policy, runner, live: Live, opts, budget
                 clean_dir = prober.folder(clean_case, clean=True)
                 if ctrl["reproduced"]:
                     notes.append("the clean control shows the same finding on this case: it is not the defect's alone")
-            except BadInput:
-                pass  # no clean control: compared with qwen-tts, and ISSUE.md says what that can show
+            except BadInput:  # no clean control: compared with qwen-tts, and the notes say what that can show
+                dtype = ((origin.report.get("measured_null") or {}).get("numerics") or {}).get("dtype")
+                notes.append(f"no clean control for this candidate: repro.py compares with qwen-tts's float32 audio, "
+                             f"from which a correct {dtype or 'other-numerics'} engine differs too on this "
+                             f"checkpoint; its exit 1 alone does not tell the defect from drift: the diagnosis "
+                             f"below (what the capture saw each stage get) is the evidence")
         for case in candidates:
             cand = json.loads((prober.folder(case) / "run" / "report.json").read_text())["candidate"]
             meta = {"rate": rate, "notes": notes, "engine_label": cand.get("engine") or cand.get("label")}
@@ -131,6 +135,10 @@ def reproduce(origin: Origin, sid: str, policy, runner, live: Live, opts, budget
             raise InfraError(f"repro {sid}: no try of the minimal case has every request's audio ({notes[-1]})")
         validation = validate(bundle_dir, live, case, origin, opts, work)
         meta["validation"] = validation
+        if validation.get("the clean control", 0) != 0:
+            notes.append("repro.py exits 1 on the clean control too: this case does not separate the defect from what "
+                         "the clean engine itself does here (its own batch-to-batch variance, or a defect the release "
+                         "carries); the run's verdict, from the capture, is the evidence")
         write_bundle(bundle_dir, origin, finding, case, prober.folder(case), policy, meta, clean_dir)  # with the checks
         row.update({"minimal": {"segments": list(case.segments), "concurrency": case.concurrency,
                                 "pattern": case.pattern, "order": case.order,
@@ -158,7 +166,8 @@ def validate(bundle_dir: Path, live: Live, case: Case, origin: Origin, opts, wor
     for clean in (False, True):
         try:
             spec, engine = live.engine(case.settings, suite, replace(
-                opts, vllm_omni={**opts.vllm_omni, "max_num_seqs": max(origin.run["concurrency"], 1)}), clean)
+                opts, vllm_omni={**opts.vllm_omni, "max_num_seqs": max(origin.run["concurrency"], 1)}), clean,
+                fresh=live.stateful)  # a cache's state from the probes must not stand in for the bug
         except BadInput:
             continue  # no clean control for this candidate
         url = _url(engine, spec)

@@ -210,15 +210,25 @@ class Live:
                 mutant_env(entries[0], Path(mutant["base_python"]), self.work / "logs" / "mutant-build.log")))
         return self.python_override
 
-    def engine(self, settings: tuple, suite: Suite, opts, clean: bool = False):
-        """(spec, started engine) for these settings; started once, kept for every later probe."""
+    @property
+    def stateful(self) -> bool:
+        """The candidate keeps state across requests that can change an answer (a prefix cache): a
+        probe served after others may show what a fresh server would not, so each probe gets a
+        fresh engine."""
+        return bool((self.origin.report.get("candidate") or {}).get("prefix_caching_stages"))
+
+    def engine(self, settings: tuple, suite: Suite, opts, clean: bool = False, fresh: bool = False):
+        """(spec, started engine) for these settings; started once and kept for every later probe,
+        or started anew (`fresh`, the earlier one stopped)."""
         key = (settings, clean)
+        if fresh and key in self.engines:
+            self.engines.pop(key)[2].close()
         if key not in self.engines:
             spec = self.spec(settings, clean)
             if spec is None:
                 raise BadInput("no clean control for this candidate (a URL, or a release that carries the bug)")
             if spec.kind == URL:
-                self.engines[key] = (spec, None)  # run() reaches it each time
+                self.engines[key] = (spec, None, ExitStack())  # run() reaches it each time
             else:
                 what = "the clean control" if clean else spec.label
                 print(f"repro: starting {what}" + (f" with {dict(settings)}" if settings else ""), file=self.stream,
@@ -226,12 +236,15 @@ class Live:
                 python = reference_python(opts.reference.python)
                 folder = self.work / "engines" / content_hash([settings, clean])[:12]
                 setup = Setup(folder, list(opts.reference.models), python, suite, opts)
+                own = ExitStack()  # stopped with the whole (self.stack), or alone for a fresh one
+                self.stack.callback(own.close)
                 try:
-                    engine = start_candidate(spec, setup, self.stack, run_tag="repro")
+                    engine = start_candidate(spec, setup, own, run_tag="repro")
                 except InfraError as e:
+                    own.close()
                     raise InfraError(f"{what} did not start again for the probes: {e}") from None
-                self.engines[key] = (spec, engine)
-        return self.engines[key]
+                self.engines[key] = (spec, engine, own)
+        return self.engines[key][:2]
 
 
 class Prober:
@@ -245,6 +258,7 @@ class Prober:
 
     def key(self, case: Case, clean: bool = False) -> str:
         return content_hash({"judge": JUDGE, "case": case.key(), "engine": self.origin.run["engine"], "clean": clean,
+                             **({"fresh": True} if self.live.stateful else {}),
                              "policy": self.policy.as_dict(), "suite": self.origin.suite.hash,
                              "finding": [self.finding.segment, self.finding.verdict, self.finding.stage,
                                          self.finding.donor]})[:16]
@@ -268,7 +282,7 @@ class Prober:
         opts = replace(self.opts, concurrency=case.concurrency, pattern=case.pattern, order=case.order,
                        repeat=self.finding.verdict == "history_defect",
                        vllm_omni={**self.opts.vllm_omni, "max_num_seqs": max(self.origin.run["concurrency"], 1)})
-        spec, engine = self.live.engine(case.settings, suite, opts, clean)
+        spec, engine = self.live.engine(case.settings, suite, opts, clean, fresh=self.live.stateful)
         if engine is not None and hasattr(engine, "pattern"):
             engine.pattern, engine.order, engine.run_tag = case.pattern, case.order, f"repro{self.key(case)[:6]}"
         n = len(self.log) + 1
