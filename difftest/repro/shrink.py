@@ -170,7 +170,8 @@ def _requests(case: Case, subject: Subject, attempt) -> Case:
         return trial == case or attempt(trial)
 
     # the target and its donor alone first: the seed's answer, and a subset ddmin itself never tries
-    best = [] if others and keep([]) else ddmin(others, keep)
+    # (without a donor that is the target alone, tried above already)
+    best = [] if others and subject.donor is not None and keep([]) else ddmin(others, keep)
     chosen = set(best) | fixed
     return replace(case, segments=tuple(s for s in case.segments if s in chosen))
 
