@@ -155,3 +155,18 @@ def test_bundles_reach_mlflow_and_the_dashboard_links_them(repros, mlflow_server
         pages = [h for h in site.glob("runs/*/*.html") if f'href="media/repro/{target["id"]}/ISSUE.md"' in h.read_text()]
         assert pages, f"no segment page links {target['id']}'s bundle"
         assert "Minimal reproduction" in pages[0].read_text() and "repro.py" in pages[0].read_text()
+
+
+def test_all_reproduces_every_failing_segment_of_a_run(repros):
+    """`--all`, kept short: the requests step only, one try each (every segment of the off-by-one run
+    fails alone at concurrency 1)."""
+    w, out = repros
+    run = Path(out["off-by-one"][1]["run"])
+    failing = json.loads((run / "report.json").read_text())["failing"]
+    p = _difftest("repro", run, "--all", "--steps", "requests", "--repeats", "1", cwd=w)
+    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
+    for sid in failing:
+        row = json.loads((run / "repro" / sid / "repro.json").read_text())
+        assert row["reproduced"] and row["minimal"]["segments"] == [sid] and row["minimal"]["concurrency"] == 1
+        assert row["validation"] == {"the candidate": 1, "the clean control": 0}
+        assert f"{sid}: 1 request(s)" in p.stdout
