@@ -4,7 +4,7 @@
 # logging to .cache/logs/install-NAME.log, and every 20 s the console hears which are still
 # running, for how long, and their latest step. A failed install shows its whole log.
 
-declare -A _install_pid _install_start
+declare -A _install_pid _install_start _install_epoch
 
 install_bg() {  # NAME COMMAND...: start an install in the background
     local name=$1; shift
@@ -12,6 +12,7 @@ install_bg() {  # NAME COMMAND...: start an install in the background
     "$@" > ".cache/logs/install-$name.log" 2>&1 &
     _install_pid[$name]=$!
     _install_start[$name]=$SECONDS
+    _install_epoch[$name]=$(date +%s)
 }
 
 with_rc() {  # FILE COMMAND...: run it, then write its exit status to FILE (read by another process)
@@ -33,7 +34,8 @@ wait_installs() {  # [NAME...]: wait for these installs (default: every one star
             kill -0 "$pid" 2>/dev/null && continue
             log=".cache/logs/install-$name.log"
             if wait "$pid"; then
-                echo "== $name: ready in $((SECONDS - _install_start[$name])) s ($(tail -n 1 "$log"))"
+                # its log's last write is when it ended (it may be noticed later, after the tests)
+                echo "== $name: ready in $(( $(stat -c %Y "$log") - _install_epoch[$name] )) s ($(tail -n 1 "$log"))"
             else
                 echo "== $name: FAILED; its log ($log):"; cat "$log"; failed=1
             fi

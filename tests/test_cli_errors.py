@@ -143,7 +143,8 @@ def test_an_internal_error_is_one_line_and_exit_3(tmp_path):
     assert code == 3 and "internal error: RuntimeError: planted" in err and "difftest-internal-error-" in err
 
 
-SUBCOMMAND_NAMES = ("run", "matrix", "compare", "reference", "handoff", "bisect", "probe", "bugs", "selfcheck", "gate", "log",
+SUBCOMMAND_NAMES = ("run", "matrix", "compare", "reference", "handoff", "bisect", "probe", "bugs", "repro", "selfcheck",
+                    "gate", "log",
                     "dashboard", "validate", "cache")
 
 

@@ -11,14 +11,17 @@ from pathlib import Path
 import pytest
 from reference_support import reference_python
 
+from difftest.repro.probe import write_suite
+from difftest.repro.shrink import Case
 from difftest.suites.suite import load_suite
 
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "cases" / "suites" / "smoke.yaml"
-# defect -> (concurrency of the run, repro's extra arguments). The leak gets the whole search; the
-# others the steps that decide their minimal set, to keep the file short.
+# defect -> (concurrency of the run, repro's extra arguments). The leak gets the whole search on the
+# smoke suite; the others a two-request suite and the steps that decide their minimal set, to keep
+# the file short.
 CASES = {"ref-leak": (4, []),
-         "speaker-leak": (4, ["--steps", "requests,concurrency", "--repeats", "2"]),
+         "speaker-leak": (2, ["--steps", "requests,concurrency", "--repeats", "2"]),
          "off-by-one": (2, ["--steps", "requests,concurrency,frames", "--repeats", "1"])}
 
 
@@ -31,11 +34,15 @@ def _difftest(*args, cwd):
 def repros(tmp_path_factory, mlflow_server):
     reference_python()
     w = tmp_path_factory.mktemp("repro")
+    # smoke's first two requests (two voices), 16 frames: written by repro's own suite writer
+    two = write_suite(load_suite(SMOKE), Case(("smoke-01", "smoke-02"), 2).with_edit("*", "max_new_tokens", 16),
+                      w / "two", "smoke-two")
     out = {}
     for defect, (n, extra) in CASES.items():
         run = w / defect
-        p = _difftest("run", SMOKE, "--candidate", f"cpu-engine:{defect}", "-n", n, "--out", run,
-                      "--store", w / "store", "--no-mlflow", cwd=w)
+        suite, more = (SMOKE, []) if defect == "ref-leak" else (two, ["--no-repeat"])
+        p = _difftest("run", suite, "--candidate", f"cpu-engine:{defect}", "-n", n, "--out", run,
+                      "--store", w / "store", "--no-mlflow", *more, cwd=w)
         assert p.returncode == 1, p.stdout + p.stderr[-3000:]
         if defect == "speaker-leak":  # logged before its repro: the repro adds its bundle to that MLflow run
             assert _difftest("log", run, "--tracking-uri", mlflow_server, cwd=w).returncode == 0
@@ -79,8 +86,10 @@ def test_the_bundle_is_a_valid_suite_and_an_issue_text(repros):
     assert "import difftest" not in (b / "repro.py").read_text() and "numpy" not in (b / "repro.py").read_text()
     issue = (b / "ISSUE.md").read_text()
     for part in ("## Symptom", "## Environment", "## Minimal reproduction", "## Diagnosis", "`repro.py` against "
-                 "the candidate: exit 1", f"donor: `{target['donor']}`", "difftest CPU test engine (not vLLM-Omni)"):
+                 "the candidate: exit 1", "difftest CPU test engine (not vLLM-Omni)"):
         assert part in issue, part
+    # the diagnosis is the bundled try's: the leak as the run saw it, or the other way round in that try
+    assert f"donor: `{target['donor']}`" in issue or f"donor: `{target['id']}`" in issue
     assert (b / "specdiff.png").stat().st_size > 10_000
     log = (Path(row["run"]) / "repro" / target["id"] / "logs" / "repro-py-candidate.log").read_text()
     assert "the defect SHOWS" in log and "chunk 0 differs from sample 0" in log
@@ -158,8 +167,8 @@ def test_bundles_reach_mlflow_and_the_dashboard_links_them(repros, mlflow_server
 
 
 def test_all_reproduces_every_failing_segment_of_a_run(repros):
-    """`--all`, kept short: the requests step only, one try each (every segment of the off-by-one run
-    fails alone at concurrency 1)."""
+    """`--all`, kept short: the requests step only, one try each (both segments of the off-by-one run
+    fail alone at concurrency 1)."""
     w, out = repros
     run = Path(out["off-by-one"][1]["run"])
     failing = json.loads((run / "report.json").read_text())["failing"]
