@@ -83,13 +83,25 @@ def _segments_with_codes(results: dict) -> dict:
 
 
 class _Vocoder:
-    """Cross-decodes through the reference runner's `decode` job, cached on disk under the run."""
+    """Cross-decodes through the reference runner's `decode` job. Each is kept in the store (a
+    later run of the same codes through the same reference vocoder loads no model for it) and
+    copied into the run's own folder, which the report names."""
 
-    def __init__(self, runner: RunnerProcess, out: Path, timeout: float):
+    def __init__(self, runner: RunnerProcess, out: Path, timeout: float, store_root: Path):
         self.runner, self.out, self.timeout = runner, out, timeout
-        # A decode is reused only from the same reference vocoder (checkpoint, dtype, device, threads).
-        self.salt = content_hash(runner.hello.get("fingerprint") or {})
+        # A decode is reused only from the same reference vocoder (checkpoint, dtype, device, threads,
+        # runner version: the fingerprint) and the same input codes (the key).
+        fingerprint = runner.hello.get("fingerprint") or {}
+        self.salt = content_hash(fingerprint)
+        self.kept = ResultStore(store_root).config_dir("cross", fingerprint)
         self.out.mkdir(parents=True, exist_ok=True)
+
+    def _copy(self, name: str, key: str) -> Result:
+        """The kept decode, copied into the run folder and read from there."""
+        src, dst = self.kept / f"{name}.{key}", self.out / f"{name}.{key}"
+        for ext in (".npz", ".json"):  # the sidecar last: it commits to the npz
+            atomic_write(_ext(dst, ext), _ext(src, ext).read_bytes())
+        return read_result(_ext(dst, ".json"))
 
     def decode(self, items: dict[str, tuple[str, np.ndarray, np.ndarray]]) -> dict[str, Result | str]:
         """name -> (segment id, codes, ref codes); returns name -> Result, or an error message.
@@ -97,14 +109,18 @@ class _Vocoder:
         Outputs are named by the content of their inputs, so a re-run reuses them
         and changed codes never reuse a stale decode."""
         done: dict[str, Result | str] = {}
-        todo = []
+        todo, keys = [], {}
         for name, (sid, codes, ref) in items.items():
-            stem = self.out / f"{name}.{_codes_key(codes, ref, self.salt)[:16]}"
-            try:
-                done[name] = read_result(_ext(stem, ".json"))
+            key = keys[name] = _codes_key(codes, ref, self.salt)[:16]
+            for read in (lambda: read_result(_ext(self.out / f"{name}.{key}", ".json")), lambda: self._copy(name, key)):
+                try:
+                    done[name] = read()
+                    break
+                except (CorruptResult, FileNotFoundError):
+                    pass
+            if name in done:
                 continue
-            except CorruptResult:
-                pass
+            stem = self.kept / f"{name}.{key}"
             src = _ext(stem, ".in.npz")
             buf = io.BytesIO()
             np.savez(buf, codes=codes, ref_codes=ref)
@@ -112,7 +128,12 @@ class _Vocoder:
             todo.append({"name": name, "input": str(src), "out": str(stem), "segment_id": sid})
         if not todo:
             return done
-        return {**done, **item_answers(self.runner, "decode", todo, self.timeout, read_result, "during cross-decode")}
+        answers = item_answers(self.runner, "decode", todo, self.timeout, read_result, "during cross-decode")
+        for name, got in answers.items():
+            if isinstance(got, Result):
+                got = self._copy(name, keys[name])
+            done[name] = got
+        return done
 
 
 def _codes_key(codes: np.ndarray, ref: np.ndarray, salt: str = "") -> str:
@@ -508,7 +529,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
               file=sys.stderr, flush=True)
         with timings("cross_decode_s"):
             verdicts = _judge(suite, ref_run, cand, ctrl, _Vocoder(runner, out / "results" / "cross",
-                                                                    opts.reference.timeout), policy, again, scores,
+                                                                    opts.reference.timeout, store.root), policy, again, scores,
                               noise, support)
 
     ordered = [verdicts[s.id] for s in suite.segments]

@@ -101,6 +101,23 @@ def test_rerun_reuses_everything(leak, store):
     assert "reference [4/4] smoke-04: cached" in stderr
 
 
+def test_a_new_run_folder_takes_the_cross_decodes_from_the_store(clean, store, tmp_path):
+    """The same clean engine into a fresh folder: its codes are the first run's, so every
+    cross-decode (and every score) comes from the store, and the reference model is never loaded."""
+    code, stdout, stderr = difftest("run", SMOKE, "--candidate", "cpu-engine", "-n", "4", "--out", tmp_path / "again",
+                                    "--store", store, cwd=tmp_path)
+    assert code == 0, stdout + stderr[-3000:]
+    first, again = clean[0] / "results" / "cross", tmp_path / "again" / "results" / "cross"
+    names = sorted(p.name for p in first.glob("*.npz") if not p.name.endswith(".in.npz"))
+    assert len(names) == 4 and names == sorted(p.name for p in again.glob("*.npz"))
+    for name in names:  # the same decode, byte for byte, in the new run's own folder
+        assert (first / name).read_bytes() == (again / name).read_bytes()
+    rep = json.loads((tmp_path / "again" / "report.json").read_text())
+    assert all(s["artifacts"]["cross_own"].startswith(str(again)) for s in rep["segments"])
+    log = (tmp_path / "again" / "logs" / "reference-runner.log").read_text()
+    assert "loading the base model" not in log and "loading the base model" not in stderr, stderr[-2000:]
+
+
 def test_bad_inputs_exit_2(store, tmp_path):
     code, _, err = difftest("run", SMOKE, "--candidate", "ftp://nope", "--out", tmp_path, "--store", store,
                             cwd=tmp_path)
