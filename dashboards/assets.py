@@ -105,6 +105,7 @@ table.heat td.summ { font-size:12px; color:var(--muted); padding-left:10px; whit
 .player { background:var(--card); border:1px solid var(--line); border-radius:8px; padding:8px 10px; }
 .player h4 { margin:0 0 2px; font-size:13px; } .player p { margin:0 0 6px; font-size:12px; color:var(--muted); }
 .player audio { width:100%; height:36px; }
+.player p.codec { margin:4px 0 0; font-size:11.5px; }
 img.specdiff { max-width:100%; border:1px solid var(--line); border-radius:8px; background:#fff; }
 table.codes td, table.codes th { padding:3px 6px; text-align:center; border:1px solid var(--line); font-size:12.5px; }
 table.codes td.diff { background:#ffcdd2; font-weight:700; }

@@ -328,6 +328,7 @@ AUDIO_STATE_JS = """(async () => {
     a.addEventListener('loadedmetadata', done, {once: true});
     a.addEventListener('error', done, {once: true});
     setTimeout(done, %d);
+    a.preload = 'metadata';  // the pages say preload="none" (nothing loads until played): ask for it
     a.load();
   });
   return Promise.all([...document.querySelectorAll('audio')].map(one));
@@ -336,7 +337,8 @@ AUDIO_STATE_JS = """(async () => {
 
 def audio_state(page: Page, timeout_ms: int = int(TIMEOUT_S * 1000)) -> list[dict]:
     """Every <audio> on the page once its metadata loaded (or it failed): src, duration, error. Each
-    waits for its loadedmetadata or error event; timeout_ms only bounds a load that never ends."""
+    is asked to load (the pages load audio only when played) and waits for its loadedmetadata or
+    error event; timeout_ms only bounds a load that never ends."""
     page.front()
     return page.evaluate(AUDIO_STATE_JS % timeout_ms, timeout_s=timeout_ms / 1000 + 30)
 

@@ -26,9 +26,17 @@ def main_dashboard(args) -> int:
         print(f"difftest: error: the dashboard needs {e.name}: pip install 'difftest[mlflow]'", file=sys.stderr)
         return EXIT_INFRA
 
+    if args.audio != "wav":
+        try:
+            import soundfile  # noqa: F401  (libsndfile encodes the FLAC and Opus copies)
+        except (ImportError, OSError) as e:
+            print(f"difftest: error: --audio {args.audio} needs soundfile ({e}): pip install 'difftest[mlflow]', "
+                  f"or --audio wav", file=sys.stderr)
+            return EXIT_INFRA
     uri = resolve_tracking_uri(args.tracking_uri)
     try:
-        built = build(uri, args.out, ui_url=args.mlflow_ui_url, experiments=args.experiment or None, title=args.title)
+        built = build(uri, args.out, ui_url=args.mlflow_ui_url, experiments=args.experiment or None, title=args.title,
+                      audio=args.audio)
     except TrackingUnavailable as e:
         print(f"difftest: error: could not read MLflow at {uri}: {e}", file=sys.stderr)
         return EXIT_INFRA
@@ -52,5 +60,9 @@ def add_dashboard_parser(subparsers) -> argparse.ArgumentParser:
                    help="only this experiment, e.g. difftest/smoke or difftest/bisect/smoke (repeatable; "
                         "default: all)")
     p.add_argument("--title", default="difftest dashboard", help="the name in the page header")
+    p.add_argument("--audio", choices=("flac", "opus", "wav"), default="flac",
+                   help="how the site stores the segments' audio: flac (default; lossless to 24 bits, 16-bit "
+                        "audio exactly), opus (lossy listening copies, the smallest site), wav (MLflow's float32 "
+                        "WAVs as they are, the largest); every player links MLflow's float32 original")
     p.set_defaults(func=main_dashboard)
     return p

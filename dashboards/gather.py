@@ -6,8 +6,10 @@ docs/mlflow-and-gate.md, difftest/mlflow_records.py, difftest/bisect/record.py).
   per-chunk comparisons; when it cannot be had, the segments are rebuilt from the child runs
   (`difftest.kind=segment`: tags, and per-chunk metric histories `<comparison>.tier`,
   `.logmel`, `.snr_db`, `.max_abs`, `codes.chunk_agreement` with step = chunk index).
-- media: each run's `audio/<segment>/*.wav` and `specdiff/<segment>.png`, downloaded into the
-  site (SITE/runs/<run>/media/); a run fetched before (same report sha256) is not fetched again.
+- media: each run's `audio/<segment>/*.wav` and `specdiff/<segment>.png`, downloaded and stored
+  smaller in the site (SITE/runs/<run>/media/: FLAC by default, palette PNGs; media.py), what was
+  stored described in media/media.json; a run fetched before (same report sha256, same audio format)
+  is not fetched again.
 - bisects: parent runs `difftest.kind=bisect` with their probe runs (`difftest.kind=bisect-probe`:
   candidate.commit, bisect.subject, bisect.decision, ..., `difftest.culprit=true` on the first
   bad commit's) and the parent's bisect.json artifact when present (the commit line).
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dashboards import model
+from dashboards.media import store_picture, store_segment_audio
 from difftest.records.segment_media import safe_name
 from difftest.records.tracking import _search_all
 from difftest.verdicts.policy import TIERS
@@ -40,6 +43,7 @@ BISECT_STATE = "bisect.json"
 
 FETCHED = "fetched.json"
 FETCHED_FORMAT = "difftest.dashboard.fetched/1"
+MEDIA = "media.json"  # under media/: what store_segment_audio and store_picture wrote, per segment
 AUDIO_ROLES = ("reference", "candidate", "control", "cross_own", "cross_donor", "difference")
 
 
@@ -55,7 +59,7 @@ class Run:
     report: dict  # report.json, or one rebuilt from the child runs
     source: str  # "report.json" | "child runs"
     children: dict = field(default_factory=dict)  # segment id -> child run id
-    media: dict = field(default_factory=dict)  # segment id -> {"audio": {role: path}, "specdiff": path}
+    media: dict = field(default_factory=dict)  # segment id -> {"audio": {role: {"src": path, ...}}, "specdiff": ...}
     texts: dict = field(default_factory=dict)  # segment id -> text, from the suite file when it is readable
 
     @property
@@ -254,7 +258,37 @@ def _repro_bundle(folder: Path, rel: str) -> dict | None:
             "against": bundle.get("against_label", ""), "files": {f: f"{rel}/{f}" for f in files}}
 
 
-def _fetch_run(client, parent, kids: list, site: Path, exp_name: str, notes: list) -> Run:
+def _fetch_media(client, run_id: str, listed: set, media: Path, audio: str) -> bool:
+    """The run's audio and spectrograms from MLflow into media/, stored as media.py says; False when
+    something could not be downloaded (the next build tries again)."""
+    ok, stored = True, {"audio_format": audio, "audio": {}, "specdiff": {}}
+    with tempfile.TemporaryDirectory(prefix="difftest-dashboard-") as tmp:
+        for sub in ("audio", "specdiff"):
+            if sub in listed:
+                ok = _download(client, run_id, sub, Path(tmp)) is not None and ok
+        for seg in sorted(p for p in Path(tmp, "audio").glob("*") if p.is_dir()):
+            stored["audio"][seg.name] = store_segment_audio(seg, media / "audio" / seg.name, audio, AUDIO_ROLES,
+                                                            comment=f"MLflow run {run_id}: audio/{seg.name}")
+        for png in sorted(Path(tmp, "specdiff").glob("*.png")):
+            stored["specdiff"][png.stem] = store_picture(png, media / "specdiff" / png.name)
+    media.mkdir(parents=True, exist_ok=True)
+    (media / MEDIA).write_text(json.dumps(stored, indent=1) + "\n")
+    return ok
+
+
+def _segment_media(folder: Path, name: str, stored: dict) -> tuple[dict, str | None]:
+    """A segment's players (role -> what media.py stored, with `src` relative to the run's folder and
+    `artifact` its path in MLflow) and its spectrogram's path."""
+    audio = {}
+    for role, meta in ((stored.get("audio") or {}).get(name) or {}).items():
+        src = f"media/audio/{name}/{meta['file']}"
+        if (folder / src).is_file():
+            audio[role] = {**meta, "src": src, "artifact": f"audio/{name}/{role}.wav"}
+    png = f"media/specdiff/{name}.png"
+    return audio, png if (folder / png).is_file() else None
+
+
+def _fetch_run(client, parent, kids: list, site: Path, exp_name: str, notes: list, audio: str = "flac") -> Run:
     run_id = parent.info.run_id
     tags = parent.data.tags
     folder = site / "runs" / safe_name(run_id)
@@ -262,7 +296,7 @@ def _fetch_run(client, parent, kids: list, site: Path, exp_name: str, notes: lis
     sha = tags.get(REPORT_SHA)
     report = None
     if (fetched.get("format") == FETCHED_FORMAT and fetched.get("report_sha256") == sha and sha
-            and fetched.get("source") == "report.json"):
+            and fetched.get("source") == "report.json" and fetched.get("audio") == audio):
         report = _read_json(folder / "report.json")
     media_ok = report is not None
     if report is None:
@@ -275,10 +309,11 @@ def _fetch_run(client, parent, kids: list, site: Path, exp_name: str, notes: lis
             if isinstance(report, dict):
                 shutil.copyfile(got, folder / "report.json")
         media_ok = bool(listed)  # a failed listing or download is tried again by the next build
-        for sub in ("audio", "specdiff", "repro"):
-            if sub in listed:
-                (folder / "media").mkdir(exist_ok=True)
-                media_ok = _download(client, run_id, sub, folder / "media") is not None and media_ok
+        if listed & {"audio", "specdiff"}:
+            media_ok = _fetch_media(client, run_id, listed, folder / "media", audio) and media_ok
+        if "repro" in listed:
+            (folder / "media").mkdir(exist_ok=True)
+            media_ok = _download(client, run_id, "repro", folder / "media") is not None and media_ok
     elif fetched.get("repro") != tags.get(REPRO_TAG):  # bundles added since (`difftest repro` after the run)
         shutil.rmtree(folder / "media" / "repro", ignore_errors=True)
         (folder / "media").mkdir(exist_ok=True)
@@ -290,17 +325,16 @@ def _fetch_run(client, parent, kids: list, site: Path, exp_name: str, notes: lis
         notes.append(f"run {run_id} ({exp_name}): no readable report.json artifact; segments rebuilt from its child runs")
     if media_ok:
         (folder / FETCHED).write_text(json.dumps({"format": FETCHED_FORMAT, "report_sha256": sha, "source": source,
-                                                  "repro": tags.get(REPRO_TAG)}, indent=1) + "\n")
+                                                  "repro": tags.get(REPRO_TAG), "audio": audio}, indent=1) + "\n")
+    stored = _read_json(folder / "media" / MEDIA) or {}
     media = {}
     for seg in report.get("segments") or []:
         name = safe_name(seg["id"])
-        audio = {role: f"media/audio/{name}/{role}.wav" for role in AUDIO_ROLES
-                 if (folder / "media" / "audio" / name / f"{role}.wav").is_file()}
-        png = folder / "media" / "specdiff" / f"{name}.png"
+        audio_files, png = _segment_media(folder, name, stored)
         repro = _repro_bundle(folder / "media" / "repro" / name, f"media/repro/{name}")
-        if audio or png.is_file() or repro:
-            media[seg["id"]] = {"audio": audio, "specdiff": f"media/specdiff/{name}.png" if png.is_file() else None,
-                                "repro": repro}
+        if audio_files or png or repro:
+            media[seg["id"]] = {"audio": audio_files, "specdiff": png, "repro": repro,
+                                "picture": (stored.get("specdiff") or {}).get(name) if png else None}
     children = {k.data.tags.get("segment.id") or k.info.run_name: k.info.run_id for k in kids}
     return Run(run_id, parent.info.experiment_id, exp_name, parent.info.run_name or run_id,
                parent.info.start_time or 0, dict(tags), dict(parent.data.metrics), report, source, children, media,
@@ -320,8 +354,9 @@ def _fetch_bisect(client, parent, probes: list, exp_name: str) -> Bisect:
                   rows, state if isinstance(state, dict) else None)
 
 
-def gather(client, site: Path, experiments: list[str] | None = None) -> Store:
-    """Read runs and bisects from MLflow; fetch their report.json and media into `site`."""
+def gather(client, site: Path, experiments: list[str] | None = None, audio: str = "flac") -> Store:
+    """Read runs and bisects from MLflow; fetch their report.json and media into `site` (audio as
+    `audio`: media.AUDIO_FORMATS)."""
     exps = _experiments(client, experiments)
     ids = sorted(exps)
     notes: list[str] = []
@@ -333,7 +368,7 @@ def gather(client, site: Path, experiments: list[str] | None = None) -> Store:
     kids: dict[str, list] = {}
     for k in (_search(client, ids, f"tags.`{KIND}` = 'segment'") if parents else []):
         kids.setdefault(k.data.tags.get(PARENT), []).append(k)
-    runs = [_fetch_run(client, p, kids.get(p.info.run_id, []), site, exps[p.info.experiment_id], notes)
+    runs = [_fetch_run(client, p, kids.get(p.info.run_id, []), site, exps[p.info.experiment_id], notes, audio)
             for p in parents]
     bisect_parents = _search(client, ids, f"tags.`{KIND}` = '{BISECT_KIND}'") if ids else []
     probes: dict[str, list] = {}

@@ -13,6 +13,7 @@ from jinja2 import Environment, PackageLoader, StrictUndefined, select_autoescap
 from dashboards import model
 from dashboards.assets import VERDICT_COLOURS, VIEWS
 from dashboards.html import fmt_num, fmt_pct, href
+from dashboards.media import STEP_24
 from difftest.records.segment_media import safe_name
 from difftest.verdicts.null import counted
 from difftest.verdicts.policy import TIERS, VERDICTS
@@ -566,20 +567,67 @@ def _repro_links(repro: dict | None) -> dict | None:
     return {**repro, "files": {name: href(*path.split("/")) for name, path in repro["files"].items()}}
 
 
-def segment_page(run, index: int, seg: dict, ctx: Context) -> str:
-    root = "../../"
-    media = run.media.get(seg["id"]) or {}
-    frame = seg.get("first_divergent_frame")
-    players = []
+def audio_label(meta: dict) -> str:
+    """How the site stores one player's audio, as its caption says it: `FLAC 24-bit, to 2⁻²³ · 228 kB`."""
+    size = f"{meta['bytes'] / 1000:.0f}\u00a0kB" if meta.get("bytes") is not None else ""
+    fmt, bits = meta.get("format"), meta.get("bits")
+    if fmt == "opus":
+        rate = (f", {meta['bytes'] * 8 / meta['seconds'] / 1000:.0f} kbit/s" if meta.get("seconds") else "")
+        what = f"Opus, lossy{rate}"
+    elif fmt == "flac":
+        what = f"FLAC {bits}-bit, " + ("the samples exactly" if meta.get("exact") else
+                                        f"the float32 samples to {fmt_num(STEP_24 * meta.get('scale', 1))}")
+    else:
+        what = f"WAV{f' {bits}-bit' if bits else ''} as in MLflow"
+    return " · ".join(x for x in (what, size) if x)
+
+
+def players(run, seg: dict, ctx: Context) -> list[dict]:
+    """The segment's audio players: what each is, its file on the site (loaded when played), how it
+    is stored, and its float32 original in MLflow."""
+    stored = (run.media.get(seg["id"]) or {}).get("audio") or {}
+    titles = {role: title for role, title, _ in SEGMENT_ROLES}
+    out = []
     for role, title, what in SEGMENT_ROLES:
-        path = (media.get("audio") or {}).get(role)
-        if not path:
+        meta = stored.get(role)
+        if not meta:
             continue
         if role == "cross_donor" and seg.get("donor_kind") == "length":
             continue  # the donor lent only its length: a decode with its reference codes shows nothing of it
         if role == "cross_donor" and seg.get("donor"):
             what = what.replace("the donor's", f"{seg['donor']}'s")
-        players.append({"role": role, "title": title, "what": what, "src": href(*path.split("/"))})
+        notes = []
+        if meta.get("same_as"):
+            notes.append(f"the same samples as the {titles.get(meta['same_as'], meta['same_as'])}")
+        if (meta.get("scale") or 1) > 1:
+            notes.append(f"stored at 1/{meta['scale']} of its level: its peak, {fmt_num(meta.get('peak'))}, "
+                         f"is beyond full scale")
+        original = (mlflow_url(ctx, run.experiment_id, run.run_id) + "/artifactPath/"
+                    + href(*meta["artifact"].split("/"))) if meta.get("artifact") else None
+        out.append({"role": role, "title": title, "what": what, "src": href(*meta["src"].split("/")),
+                    "format": meta.get("format"), "label": audio_label(meta), "notes": notes, "original": original})
+    return out
+
+
+def listen_note(shown: list[dict]) -> list[str]:
+    """What the Listen section says about the files: lossless to what, or lossy."""
+    formats = {p["format"] for p in shown}
+    lines = ["Each file loads when it is played."]
+    if "flac" in formats:
+        lines.append(f"FLAC is lossless: 24-bit FLAC holds MLflow's float32 samples to within {fmt_num(STEP_24)} "
+                     f"(2⁻²³, its step), 16-bit FLAC exactly the samples of audio that was 16-bit PCM already.")
+    if "opus" in formats:
+        lines.append("Opus copies are lossy (this site was built with --audio opus): to listen to; for the "
+                     "samples take the float32 originals.")
+    lines.append("The float32 originals are in MLflow: a link under each player.")
+    return lines
+
+
+def segment_page(run, index: int, seg: dict, ctx: Context) -> str:
+    root = "../../"
+    media = run.media.get(seg["id"]) or {}
+    frame = seg.get("first_divergent_frame")
+    shown = players(run, seg, ctx)
     facts = [("first divergent chunk", seg.get("first_divergent_chunk")),
              ("first divergent frame", None if frame is None else f"{frame} ({frame * 0.08:.2f} s)"),
              ("stage", seg.get("stage")), ("donor", donor_text(seg)), ("error kind", seg.get("error_kind")),
@@ -588,8 +636,12 @@ def segment_page(run, index: int, seg: dict, ctx: Context) -> str:
               (run.version, "index.html"), (seg["id"], None)]
     return _render("segment.html", ctx=ctx, root=root, title=f"{seg['id']}: {seg.get('verdict')} ({run.version})",
                    crumbs=crumbs, run=run, seg=seg, failing=seg["id"] in set(run.failing), facts=facts,
-                   players=players, chunks=per_chunk(seg), close=model.close_logmel(run.report),
+                   players=shown, listen=listen_note(shown), chunks=per_chunk(seg),
+                   close=model.close_logmel(run.report),
                    specdiff=href(*media["specdiff"].split("/")) if media.get("specdiff") else None,
+                   picture=media.get("picture") or {},
+                   specdiff_original=mlflow_url(ctx, run.experiment_id, run.run_id) + "/artifactPath/specdiff/"
+                   + href(f"{safe_name(seg['id'])}.png"),
                    repro=_repro_links(media.get("repro")),
                    codes=codes_at_divergence(seg), codes_note=codes_agree_note(seg), donor=donor(run, seg),
                    nulls=segment_null(run.report, seg["id"]),

@@ -4,7 +4,9 @@
     SITE/assets/style.css
     SITE/runs/<run>/index.html               a run: provenance, segments × chunks heatmap
     SITE/runs/<run>/seg-<n>-<segment>.html   a diverged segment: audio, spectrogram difference, codes, donor
-    SITE/runs/<run>/report.json, media/      fetched from MLflow (kept: a second build fetches only new runs)
+    SITE/runs/<run>/report.json, media/      fetched from MLflow (kept: a second build fetches only new runs);
+                                             media/ holds the audio as FLAC (or --audio opus|wav) and
+                                             palette PNGs, media/media.json says what (media.py)
     SITE/bisects/<run>.html                  a bisect: the commit line, the probes, the culprit
     SITE/.difftest-dashboard                 marks the folder as a dashboard: only such a folder is written over
 """
@@ -73,16 +75,17 @@ def render_site(store: Store, site: Path, ctx: pages.Context) -> Built:
 
 
 def build(uri: str, site: str | Path, *, ui_url: str = "http://127.0.0.1:5000", experiments: list[str] | None = None,
-          title: str = "difftest dashboard") -> Built:
-    """Gather from the MLflow store at `uri` and write the site into `site`. Raises BadInput for an
-    unusable --out or a missing local store, tracking.TrackingUnavailable when MLflow cannot be read."""
+          title: str = "difftest dashboard", audio: str = "flac") -> Built:
+    """Gather from the MLflow store at `uri` and write the site into `site`, the audio stored as `audio`
+    (media.AUDIO_FORMATS). Raises BadInput for an unusable --out or a missing local store,
+    tracking.TrackingUnavailable when MLflow cannot be read."""
     from difftest.records.tracking import check_tracking_uri, mlflow_client
 
     site = Path(site)
     check_tracking_uri(uri, must_exist=True)  # a missing or foreign local store: exit 2, naming it
     _prepare(site)
     with mlflow_client(uri) as client:
-        store = gather(client, site, experiments)
+        store = gather(client, site, experiments, audio)
     store.uri = uri
     built = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     return render_site(store, site, pages.Context(ui_url=ui_url, uri=uri, built=built, title=title))

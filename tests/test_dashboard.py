@@ -8,11 +8,15 @@ Screenshots: under the test's tmp folder and copied to test-artifacts/ (git-igno
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import http.server
 import io
 import json
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -318,6 +322,9 @@ SEGMENT_JS = """(() => ({
   codes: [...document.querySelectorAll('table.codes')].map(t => [...t.querySelectorAll('tbody tr')].map(
             r => [...r.querySelectorAll('td')].map(c => [c.textContent, c.classList.contains('diff')]))),
   ml: [...document.querySelectorAll('a.mlflow')].map(a => a.href),
+  codecs: [...document.querySelectorAll('.player p.codec')].map(p => p.innerText),
+  originals: [...document.querySelectorAll('.player a.original')].map(a => a.href),
+  preload: [...document.querySelectorAll('audio')].map(a => a.getAttribute('preload')),
 }))()"""
 
 
@@ -335,14 +342,17 @@ def test_contaminated_segment_page(site, browser, tmp_path):
     assert "reference codes handed to the vocoder: 12 frames (s2's) instead of its own 10" in got["text"]
     # compare makes no cross-decodes: reference, candidate, the candidate at 1, and the difference
     assert got["players"] == ["reference", "candidate", "control", "difference"]
+    # the candidate alone decodes as qwen-tts did: the site stores those samples once, under the reference
+    stored = {"reference": "reference", "candidate": "candidate", "control": "reference", "difference": "difference"}
+    assert "the same samples as the reference" in got["codecs"][got["players"].index("control")]
     audio = audio_state(page)
-    assert [a["src"] for a in audio] == [f"media/audio/s0/{r}.wav" for r in got["players"]]
+    assert [a["src"] for a in audio] == [f"media/audio/s0/{stored[r]}.flac" for r in got["players"]]
     for a in audio:
         assert a["error"] is None and abs(a["duration"] - 30 * 1920 / 24000) < 0.01, a
     loaded = page.loaded_urls(expect=[a["url"] for a in audio])
     for a in audio:
         assert loaded.get(a["url"]) == 200, (a["url"], sorted(loaded))
-    assert (page_dir := pages["s0"].parent / "media" / "audio" / "s0" / "difference.wav").is_file(), page_dir
+    assert (page_dir := pages["s0"].parent / "media" / "audio" / "s0" / "difference.flac").is_file(), page_dir
     assert got["img"] is not None and got["img"][0] > 0  # specdiff/<segment>.png from MLflow, decoded
     child = next(r for r in site.client.search_runs([site.client.get_run(run.run_id).info.experiment_id],
                                                     f"tags.`mlflow.parentRunId` = '{run.run_id}'")
@@ -351,6 +361,160 @@ def test_contaminated_segment_page(site, browser, tmp_path):
     assert got["ml"] == [f"{UI}/#/experiments/{exp}/runs/{run.run_id}",
                          f"{UI}/#/experiments/{exp}/runs/{child.info.run_id}"]
     keep_screenshot(page.screenshot(tmp_path / "segment.png"), "dashboard-segment.png")
+
+
+# Each distinct file the page's players name, decoded by Chromium's Web Audio at the file's own rate.
+DECODE_JS = """(async () => {
+  const out = {};
+  for (const src of new Set([...document.querySelectorAll('audio')].map(a => a.getAttribute('src')))) {
+    const buf = await new OfflineAudioContext(1, 1, %d).decodeAudioData(await (await fetch(src)).arrayBuffer());
+    out[src] = {rate: buf.sampleRate, samples: Array.from(buf.getChannelData(0))};
+  }
+  return out;
+})()"""
+
+
+@contextlib.contextmanager
+def served(folder: Path):
+    """The site over HTTP, as `python -m http.server -d SITE` serves it (fetch() cannot read file://)."""
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Quiet, directory=str(folder)))
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{srv.server_address[1]}"
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
+def test_segment_audio_is_flac_loaded_when_played_and_decodes_to_the_mlflow_samples(site, browser, tmp_path):
+    """The site's audio is FLAC (24-bit: the toy's float32 samples are not 16-bit ones), the page fetches
+    none of it until a player plays, and Chromium decodes each file to MLflow's float32 samples within
+    the 24-bit step, 2^-23. The spectrogram is a palette PNG within a few levels of MLflow's."""
+    import numpy as np
+    import soundfile
+    from PIL import Image
+
+    from difftest.suites import wavio
+
+    run = site.runs[("toy", "0.30.0")]
+    path = segment_pages(site, "toy", "0.30.0")["s0"]
+    html = path.read_text()
+    assert html.count('<audio controls preload="none" src="media/audio/s0/') == 4 and 'preload="metadata"' not in html
+    files = sorted((path.parent / "media" / "audio" / "s0").iterdir())
+    assert [f.name for f in files] == ["candidate.flac", "difference.flac", "reference.flac"]
+    for f in files:
+        info = soundfile.info(f)
+        assert (info.format, info.subtype, info.samplerate) == ("FLAC", "PCM_24", 24000), (f, info)
+    with served(site.out) as url:
+        page = browser.open(f"{url}/{path.relative_to(site.out).as_posix()}")
+        page.front()
+        got = page.evaluate(SEGMENT_JS)
+        page.evaluate("new Promise(r => setTimeout(r, 500))")  # time for anything the page would fetch by itself
+        asked = [ev["params"]["request"]["url"] for ev in page.network if ev["method"] == "Network.requestWillBeSent"]
+        assert any(u.endswith("style.css") for u in asked) and not [u for u in asked if "/media/audio/" in u], asked
+        decoded = page.evaluate(DECODE_JS % 24000, timeout_s=120)
+    assert got["preload"] == ["none"] * 4
+    exp = site.client.get_run(run.run_id).info.experiment_id
+    assert got["originals"] == [f"{UI}/#/experiments/{exp}/runs/{run.run_id}/artifactPath/audio/s0/{r}.wav"
+                                for r in got["players"]]
+    assert all(c.startswith("FLAC 24-bit, the float32 samples to 1.19e-07") for c in got["codecs"]), got["codecs"]
+    stored = {"reference": "reference", "candidate": "candidate", "control": "reference", "difference": "difference"}
+    for role in got["players"]:
+        want, info = wavio.read(site.client.download_artifacts(run.run_id, f"audio/s0/{role}.wav", str(tmp_path)))
+        assert info.format == "float" and info.bits == 32  # MLflow keeps float32 WAVs
+        for src, samples in ((f"Chromium: {stored[role]}", decoded[f"media/audio/s0/{stored[role]}.flac"]["samples"]),
+                             ("libsndfile", soundfile.read(path.parent / "media" / "audio" / "s0" / f"{stored[role]}.flac",
+                                                           dtype="float64")[0])):
+            samples = np.asarray(samples, np.float64)
+            assert samples.shape == want.shape, (role, src)
+            err = float(np.abs(samples - want).max())
+            assert err <= 2.0 ** -23, (role, src, err)
+            assert np.abs(want).max() > 0.1  # real audio, not silence that any file would match
+    # the spectrogram: a 256-colour PNG, smaller than MLflow's, no pixel more than 8 levels off
+    mine = path.parent / "media" / "specdiff" / "s0.png"
+    theirs = Path(site.client.download_artifacts(run.run_id, "specdiff/s0.png", str(tmp_path)))
+    with Image.open(mine) as a, Image.open(theirs) as b:
+        assert a.mode == "P" and a.size == b.size
+        diff = np.abs(np.asarray(a.convert("RGB"), np.int16) - np.asarray(b.convert("RGB"), np.int16))
+    assert diff.max() <= 8 and mine.stat().st_size < theirs.stat().st_size, (diff.max(), mine.stat().st_size)
+    assert f"no pixel off by more than {diff.max()}/255" in got["text"]
+
+
+def test_an_opus_site_says_its_audio_is_lossy_and_a_flac_build_replaces_it(site, browser, tmp_path, capsys):
+    import soundfile
+
+    from dashboards.browser import audio_state
+
+    out = tmp_path / "opus"
+    args = ("--out", out, "--tracking-uri", site.uri, "--experiment", "difftest/toy-long")
+    code, stdout, err = dashboard_here(*args, "--audio", "opus", capsys=capsys)
+    assert code == 0 and "1 diverged segment pages" in stdout, err
+    folder = out / "runs" / site.runs[("toy-long", "0.30.0")].run_id
+    path = folder / segment_pages(site, "toy-long", "0.30.0")["s1"].name
+    files = sorted((folder / "media" / "audio" / "s1").iterdir())
+    assert [f.name for f in files] == ["candidate.opus", "difference.opus", "reference.opus"]
+    assert all((soundfile.info(f).format, soundfile.info(f).subtype) == ("OGG", "OPUS") for f in files)
+    page = open_page(browser, path)
+    got = page.evaluate(SEGMENT_JS)
+    assert all(c.startswith("Opus, lossy, ") and "kbit/s" in c for c in got["codecs"]), got["codecs"]
+    assert "Opus copies are lossy (this site was built with --audio opus)" in got["text"]
+    for a in audio_state(page):
+        assert a["error"] is None and a["ready"] >= 1 and abs(a["duration"] - 60 * 1920 / 24000) < 0.03, a
+    # the same folder built again as FLAC: the runs are fetched again, nothing of the Opus copies stays
+    code, _, err = dashboard_here(*args, capsys=capsys)
+    assert code == 0, err
+    assert sorted(f.name for f in (folder / "media" / "audio" / "s1").iterdir()) == [
+        "candidate.flac", "difference.flac", "reference.flac"]
+    assert "Opus" not in path.read_text()
+
+
+def test_media_copies_keep_what_the_samples_are():
+    """16-bit samples stay exact in 16-bit FLAC; a peak beyond full scale is stored at a power-of-two
+    fraction of its level and the page says so; samples FLAC cannot hold are copied as they are;
+    identical roles are stored once; a picture with too many colours keeps them all."""
+    import tempfile
+
+    import numpy as np
+    import soundfile
+    from PIL import Image
+
+    from dashboards import media, pages
+    from difftest.suites import wavio
+
+    rng = np.random.default_rng(0)
+    pcm = (np.rint(np.clip(rng.normal(0, 0.2, 4800), -1, 0.99) * 32768) / 32768).astype(np.float32)
+    loud = rng.normal(0, 0.5, 4800).astype(np.float32)
+    loud[7] = 1.7
+    bad = loud.copy()
+    bad[3] = np.nan
+    with tempfile.TemporaryDirectory() as tmp:
+        src, dst = Path(tmp, "src"), Path(tmp, "dst")
+        src.mkdir()
+        for role, x in (("reference", pcm), ("candidate", loud), ("control", loud), ("difference", bad)):
+            wavio.write(src / f"{role}.wav", x, 24000)
+        stored = media.store_segment_audio(src, dst, "flac", ("reference", "candidate", "control", "difference"),
+                                           comment="t")
+        assert {r: (m["file"], m["bits"], m["scale"], m["exact"], m["same_as"]) for r, m in stored.items()} == {
+            "reference": ("reference.flac", 16, 1, True, None), "candidate": ("candidate.flac", 24, 2, False, None),
+            "control": ("candidate.flac", 24, 2, False, "candidate"), "difference": ("difference.wav", 32, 1, True, None)}
+        assert sorted(p.name for p in dst.iterdir()) == ["candidate.flac", "difference.wav", "reference.flac"]
+        got, _ = soundfile.read(dst / "reference.flac", dtype="float64")
+        assert np.array_equal(got, pcm)
+        got, _ = soundfile.read(dst / "candidate.flac", dtype="float64")
+        assert np.abs(got * 2 - loud).max() <= 2 * 2.0 ** -23
+        assert soundfile.SoundFile(dst / "candidate.flac").comment == "t/candidate.wav; stored at 1/2 of its level"
+        assert pages.audio_label(stored["reference"]).startswith("FLAC 16-bit, the samples exactly · ")
+        assert pages.audio_label(stored["candidate"]).startswith("FLAC 24-bit, the float32 samples to 2.38e-07 · ")
+        assert pages.audio_label(stored["difference"]).startswith("WAV 32-bit as in MLflow · ")
+        noisy = Path(tmp, "noisy.png")
+        Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(noisy)
+        assert media.store_picture(noisy, Path(tmp, "out.png")) == {"palette": False, "max_error": 0}
+        with Image.open(Path(tmp, "out.png")) as im, Image.open(noisy) as orig:
+            assert np.array_equal(np.asarray(im.convert("RGB")), np.asarray(orig.convert("RGB")))
 
 
 def test_talker_divergence_shows_the_codes_side_by_side_and_escapes_ids(site, browser):
@@ -412,7 +576,7 @@ def test_bisect_page_shows_probes_and_the_culprit(site, browser, tmp_path):
 def test_a_second_build_reuses_what_it_fetched_and_refuses_foreign_folders(site, tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    wav = next((site.out / "runs").glob("*/media/audio/s0/candidate.wav"))
+    wav = next((site.out / "runs").glob("*/media/audio/s0/candidate.flac"))
     before = wav.stat().st_mtime_ns
     code, out, err = dashboard_here("--out", site.out, "--tracking-uri", site.uri, "--mlflow-ui-url", UI, capsys=capsys)
     assert code == 0 and "6 runs" in out, err
@@ -502,7 +666,9 @@ def test_a_length_donor_is_shown_as_such():
                              "own_resized": "cut", "peers_of_that_length": ["b"]},
                "donor_search": {"own_logmel": 1.0, "peers_logmel": {"b": 0.9, "c": 1.2}, "chunks": [0, 1]}}}
     report = {"verdict": "fail", "segments": [seg], "failing": ["a"], "warnings": []}
-    media = {"a": {"audio": {r: f"media/audio/a/{r}.wav" for r in ("candidate", "cross_own", "cross_donor")}}}
+    media = {"a": {"audio": {r: {"src": f"media/audio/a/{r}.flac", "format": "flac", "bits": 24, "scale": 1,
+                                 "bytes": 1000, "artifact": f"audio/a/{r}.wav"}
+                             for r in ("candidate", "cross_own", "cross_donor")}}}
     run = Run("r1", "1", "difftest/toy", "n", 0, {"verdict": "fail"}, {}, report, "report.json", media=media)
     ctx = pages.Context(ui_url="http://x", uri="u", built="now")
     page = pages.segment_page(run, 0, seg, ctx)
@@ -549,8 +715,9 @@ def test_from_a_tracking_server(mlflow_server, tmp_path, capsys):
     assert code == 0 and "1 runs, 1 diverged segment pages" in stdout, err
     folder = tmp_path / "site" / "runs" / run_id
     assert json.loads((folder / "report.json").read_text())["verdict"] == "fail"
+    # FLAC; the candidate alone decoded as the reference did, so its samples are stored once, as the reference's
     assert {p.name for p in (folder / "media" / "audio" / "s0").iterdir()} == {
-        "reference.wav", "candidate.wav", "control.wav", "difference.wav"}
+        "reference.flac", "candidate.flac", "difference.flac"}
     page = (folder / "index.html").read_text()
     assert f'href="{mlflow_server}/#/experiments/' in page and "rebuilt from" not in page
 
