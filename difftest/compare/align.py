@@ -57,12 +57,7 @@ def chunk_frame_bounds(n_frames: int, initial_frames: int = 1, frames: int = 25)
         raise ValueError("chunk sizes must be positive")
     if n_frames <= 0:
         return np.zeros((0, 2), dtype=np.int64)
-    starts = [0]
-    nxt = initial_frames
-    while nxt < n_frames:
-        starts.append(nxt)
-        nxt += frames
-    starts = np.asarray(starts, dtype=np.int64)
+    starts = np.concatenate([[0], np.arange(initial_frames, n_frames, frames)]).astype(np.int64)
     ends = np.append(starts[1:], n_frames)
     return np.stack([starts, ends], axis=1)
 

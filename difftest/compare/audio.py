@@ -3,12 +3,14 @@
 Everything is computed once per codec frame (sums, maxima, log-mel
 differences) and then reduced over any grouping of frames, so chunks of any
 schedule cost nothing extra. Signals of different lengths are compared over
-their common length; the length difference is reported separately.
+their common length; the length difference is reported separately. Equal
+audio (the common case) skips the sums of squared error and the spectra: their
+exact values are known (0) without them.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -29,7 +31,7 @@ class FrameMetrics:
 
     max_abs: np.ndarray  # (F,) max |a - b|
     sq_err: np.ndarray  # (F,) sum (a - b)^2
-    sq_ref: np.ndarray  # (F,) sum a^2
+    sq_ref: np.ndarray | None  # (F,) sum a^2; None only where asked not to compute it for equal audio
     n: np.ndarray  # (F,) samples in the frame
     mel_l1: np.ndarray  # (F,) sum over mel frames and bands of |log mel a - log mel b|
     mel_n: np.ndarray  # (F,) mel cells summed in mel_l1
@@ -102,41 +104,65 @@ def _per_frame(x: np.ndarray, bounds: np.ndarray, reduce) -> np.ndarray:
 
 def frame_metrics(a: np.ndarray, b: np.ndarray, sr: int = 24000, spf: int = SAMPLES_PER_FRAME,
                   with_mel: bool = True, mel_a: np.ndarray | None = None,
-                  mel_b: np.ndarray | None = None) -> FrameMetrics:
+                  mel_b: np.ndarray | None = None, energy_if_equal: bool = True) -> FrameMetrics:
     """Per-frame statistics of b against a (a is the side taken as the signal), common length.
 
-    `mel_a` / `mel_b`: log_mel of the full signals, when the caller already has them."""
+    `mel_a` / `mel_b`: log_mel of the full signals, when the caller already has them.
+    `energy_if_equal=False`: sq_ref is None where no frame differs (reduce_frames needs no signal
+    energy then: every SNR is the cap)."""
+    fm = _time_metrics(a, b, spf, energy_if_equal)
+    return add_log_mel(fm, a, b, sr, spf, mel_a, mel_b) if with_mel else fm
+
+
+def _time_metrics(a: np.ndarray, b: np.ndarray, spf: int, energy_if_equal: bool = True) -> FrameMetrics:
+    """frame_metrics without the log-mel (mel_l1 and mel_n zero)."""
     a = np.asarray(a, dtype=np.float32).reshape(-1)
     b = np.asarray(b, dtype=np.float32).reshape(-1)
     n = min(len(a), len(b))
-    same_length = len(a) == len(b)
     a, b = a[:n], b[:n]
     bounds = frame_sample_bounds(n, spf)
     if len(bounds) == 0:
         z = np.zeros(0)
         return FrameMetrics(z, z, z, z.astype(np.int64), z, z.astype(np.int64))
-    d = a - b
+    d = np.abs(a - b)  # |d| squares to exactly d^2: one array serves both
 
     def sumsq(rows, axis):
         return np.einsum("ij,ij->i", rows, rows, dtype=np.float64)
 
-    max_abs = _per_frame(np.abs(d), bounds, np.max)
-    sq_err = _per_frame(d, bounds, sumsq)
-    sq_ref = _per_frame(a, bounds, sumsq)
+    max_abs = _per_frame(d, bounds, np.max)
+    # Equal audio (the common case) has no error to sum: every d is 0, so the sum is exactly 0.
+    # A NaN makes max_abs.any() true, so it still propagates as it did.
+    sq_err = _per_frame(d, bounds, sumsq) if max_abs.any() else np.zeros(len(bounds))
+    sq_ref = _per_frame(a, bounds, sumsq) if energy_if_equal or max_abs.any() else None
     counts = bounds[:, 1] - bounds[:, 0]
-    if with_mel:
-        if not same_length:  # cached mels of the longer signal would see past the common end
-            mel_a = mel_b = None
-        la = log_mel(a, sr) if mel_a is None else mel_a
-        lb = log_mel(b, sr) if mel_b is None else mel_b
-        cell = np.abs(la - lb).sum(axis=1, dtype=np.float64)
-        owner = np.minimum(np.arange(len(cell)) * MEL_HOP // spf, len(bounds) - 1)
-        mel_l1 = np.bincount(owner, weights=cell, minlength=len(bounds))
-        mel_n = np.bincount(owner, minlength=len(bounds)) * MEL_BANDS
-    else:
-        mel_l1 = np.zeros(len(bounds))
-        mel_n = np.zeros(len(bounds), dtype=np.int64)
-    return FrameMetrics(max_abs, sq_err, sq_ref, counts, mel_l1, mel_n)
+    return FrameMetrics(max_abs, sq_err, sq_ref, counts, np.zeros(len(bounds)), np.zeros(len(bounds), dtype=np.int64))
+
+
+def add_log_mel(fm: FrameMetrics, a: np.ndarray, b: np.ndarray, sr: int = 24000, spf: int = SAMPLES_PER_FRAME,
+                mel_a: np.ndarray | None = None, mel_b: np.ndarray | None = None) -> FrameMetrics:
+    """`fm` (frame_metrics(a, b, with_mel=False)) with its log-mel fields filled in.
+
+    Where the audio is equal over the common length (no frame has a difference) the log-mel
+    distance is 0 by definition, and so it is in what the spectra would give: equal samples make
+    equal mel rows (each row is computed from its own window, at the same place in both), so
+    every |la - lb| is exactly 0. Then no spectrum is taken."""
+    F = len(fm.max_abs)
+    if F == 0:
+        return fm
+    a = np.asarray(a, dtype=np.float32).reshape(-1)
+    b = np.asarray(b, dtype=np.float32).reshape(-1)
+    n = min(len(a), len(b))
+    if not fm.max_abs.any():
+        owner = np.minimum(np.arange(-(-n // MEL_HOP)) * MEL_HOP // spf, F - 1)  # log_mel's rows over n samples
+        return replace(fm, mel_l1=np.zeros(F), mel_n=np.bincount(owner, minlength=F) * MEL_BANDS)
+    if len(a) != len(b):  # cached mels of the longer signal would see past the common end
+        mel_a = mel_b = None
+    la = log_mel(a[:n], sr) if mel_a is None else mel_a
+    lb = log_mel(b[:n], sr) if mel_b is None else mel_b
+    cell = np.abs(la - lb).sum(axis=1, dtype=np.float64)
+    owner = np.minimum(np.arange(len(cell)) * MEL_HOP // spf, F - 1)
+    mel_l1 = np.bincount(owner, weights=cell, minlength=F)
+    return replace(fm, mel_l1=mel_l1, mel_n=np.bincount(owner, minlength=F) * MEL_BANDS)
 
 
 def reduce_frames(fm: FrameMetrics, frame_bounds: np.ndarray) -> ChunkMetrics:
@@ -150,13 +176,16 @@ def reduce_frames(fm: FrameMetrics, frame_bounds: np.ndarray) -> ChunkMetrics:
     e = np.clip(frame_bounds[:, 1], 0, F)
     nonempty = e > s
 
-    def seg_sum(x):
-        c = np.concatenate([[0.0], np.cumsum(x, dtype=np.float64)])
-        return c[e] - c[s]
-
-    sq_err, sq_ref, n = seg_sum(fm.sq_err), seg_sum(fm.sq_ref), seg_sum(fm.n)
-    mel_l1, mel_n = seg_sum(fm.mel_l1), seg_sum(fm.mel_n)
-    out["max_abs"] = np.array([fm.max_abs[i:j].max() if j > i else 0.0 for i, j in zip(s, e)])
+    # Sums over a chunk as differences of running sums: one cumsum for all five (along each row it
+    # adds in the same order as a cumsum of that row alone, so the same floats).
+    c = np.zeros((5, F + 1))
+    sq_ref = fm.sq_ref if fm.sq_ref is not None else np.zeros(F)  # None: sq_err is all 0, the SNR the cap
+    np.cumsum(np.stack([fm.sq_err, sq_ref, fm.n, fm.mel_l1, fm.mel_n]), axis=1, dtype=np.float64, out=c[:, 1:])
+    sq_err, sq_ref, n, mel_l1, mel_n = c[:, e] - c[:, s]
+    # The max over each [s, e) in one reduceat over (s, e) pairs; a trailing 0 keeps e = F a valid index.
+    # An empty chunk's entry is a single element, replaced by 0.
+    pairs = np.maximum.reduceat(np.append(fm.max_abs, 0.0), np.stack([s, e], axis=1).reshape(-1))
+    out["max_abs"] = np.where(nonempty, pairs[::2], 0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
         out["rms"] = np.where(n > 0, np.sqrt(sq_err / np.maximum(n, 1)), 0.0)
         out["logmel"] = np.where(mel_n > 0, mel_l1 / np.maximum(mel_n, 1), 0.0)
@@ -166,5 +195,11 @@ def reduce_frames(fm: FrameMetrics, frame_bounds: np.ndarray) -> ChunkMetrics:
 
 def non_finite(x: np.ndarray) -> int | None:
     """Index of the first NaN or infinite sample, or None."""
-    bad = np.flatnonzero(~np.isfinite(np.asarray(x)))
+    x = np.asarray(x)
+    # A NaN or an infinity makes the sum NaN or infinite, so a finite sum clears the common case
+    # in one pass (a sum that overflows is looked at sample by sample, as any other).
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(x.sum()):
+            return None
+    bad = np.flatnonzero(~np.isfinite(x))
     return int(bad[0]) if len(bad) else None

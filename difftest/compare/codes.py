@@ -53,6 +53,9 @@ def diff_codes(a: np.ndarray, b: np.ndarray, initial_frames: int = 1, frames: in
     equal = np.zeros(total, dtype=bool)
     equal[:n] = ~frame_diff
     bounds = chunk_frame_bounds(total, initial_frames, frames)
-    agreement = [float(equal[s:e].mean()) for s, e in bounds]
+    # Per chunk: equal frames / frames, the float64 division a bool array's mean makes.
+    c = np.concatenate([[0], np.cumsum(equal)])
+    s, e = bounds[:, 0], bounds[:, 1]
+    agreement = ((c[e] - c[s]) / (e - s)).tolist()
     return CodeDiff(la, lb, first, a_vec, b_vec, int(frame_diff.sum()),
                     row_diff.sum(axis=0).astype(int).tolist() if n else [0] * 16, agreement)

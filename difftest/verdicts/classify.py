@@ -139,7 +139,7 @@ def classify(ev: Evidence, policy: Policy) -> SegmentVerdict:
         if ev.control is not None:
             findings += concurrency_findings(ev, policy, comps, mels)
             if ev.repeat is not None:
-                findings += history_findings(ev, policy, comps)
+                findings += history_findings(ev, policy, comps, mels)
         else:
             notes.append("no concurrency-1 control: concurrency invariance not checked")
         if cand.has_codes:

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ..compare import align
-from ..compare.audio import ChunkMetrics, frame_metrics, log_mel, reduce_frames
+from ..compare.audio import ChunkMetrics, FrameMetrics, add_log_mel, frame_metrics, log_mel, reduce_frames
 from ..results import Result
 from .policy import TIERS, Policy, chunk_tiers
 
@@ -88,21 +88,10 @@ class Audio:
     """One audio comparison: per-frame stats, per-chunk metrics and tiers."""
 
     def __init__(self, a: Result, b: Result, ev: Evidence, policy: Policy, mels: dict | None = None):
-        mels = {} if mels is None else mels  # id(result) -> log-mel, shared across one segment's comparisons
-        # Both sides from their frame 0: qwen-tts's cut can leave one sample in front (difftest.compare.align).
-        self.fm = frame_metrics(a.grid_wav, b.grid_wav, a.sample_rate, with_mel=False)
-        # The log-mel decides a chunk's tier only where its max |diff| is above close_max_abs (chunk_tiers):
-        # where no frame's is (identical or quantisation-level audio, the common case) it is not computed,
-        # and its chunk values read 0 with `logmel_computed: false`.
-        self.logmel_computed = bool(len(self.fm.max_abs)) and float(self.fm.max_abs.max()) > policy.close_max_abs
-        if self.logmel_computed:
-            for r in (a, b):
-                if id(r) not in mels:
-                    mels[id(r)] = log_mel(r.grid_wav, r.sample_rate)
-            self.fm = frame_metrics(a.grid_wav, b.grid_wav, a.sample_rate, mel_a=mels[id(a)], mel_b=mels[id(b)])
-        n_frames = len(self.fm.max_abs)
-        self.bounds = align.chunk_frame_bounds(n_frames, ev.initial_frames, ev.chunk_frames)
-        self.chunks: ChunkMetrics = reduce_frames(self.fm, self.bounds)
+        # id(result) -> log-mel, and the comparisons made: shared across one segment's comparisons
+        mels = {} if mels is None else mels
+        self.fm, self.bounds, self.chunks = _compared(a, b, ev, policy, mels)
+        self.logmel_computed = _needs_logmel(self.fm, policy)
         self.quantised = a.quantised or b.quantised
         self.tiers = chunk_tiers(self.chunks, policy, self.quantised)
         self.len_a, self.len_b = len(a.grid_wav), len(b.grid_wav)
@@ -135,6 +124,54 @@ class Audio:
         return {"tiers": [TIERS[t] for t in self.tiers], "worst_tier": TIERS[self.worst],
                 "samples": [self.len_a, self.len_b], "quantised": self.quantised,
                 "logmel_computed": self.logmel_computed, "chunks": self.chunks.as_lists()}
+
+
+def _needs_logmel(fm: FrameMetrics, policy: Policy) -> bool:
+    """The log-mel decides a chunk's tier only where its max |diff| is above close_max_abs (chunk_tiers):
+    where no frame's is (identical or quantisation-level audio, the common case) it is not computed,
+    and its chunk values read 0 with `logmel_computed: false`."""
+    return bool(len(fm.max_abs)) and float(fm.max_abs.max()) > policy.close_max_abs
+
+
+def _compared(a: Result, b: Result, ev: Evidence, policy: Policy,
+              mels: dict) -> tuple[FrameMetrics, np.ndarray, ChunkMetrics]:
+    """b's audio against a's: per-frame metrics (the log-mel only where _needs_logmel), chunk bounds,
+    per-chunk metrics. A comparison already made for this segment between the same audio (bit for
+    bit: the control often equals the candidate, the reference vocoder on the reference's own codes
+    decodes the reference's audio) is not made again: the same inputs give the same numbers."""
+    # Both sides from their frame 0: qwen-tts's cut can leave one sample in front (difftest.compare.align).
+    wa, wb = a.grid_wav, b.grid_wav
+    key = (a.sample_rate, policy.close_max_abs, ev.initial_frames, ev.chunk_frames)
+    made = mels.setdefault("compared", [])
+    for x, y, k, out in made:
+        if k == key and _same_audio(y, wb) and _same_audio(x, wa):
+            return out
+    fm = frame_metrics(wa, wb, a.sample_rate, with_mel=False, energy_if_equal=False)
+    if _needs_logmel(fm, policy):
+        for r in (a, b):
+            if id(r) not in mels:
+                mels[id(r)] = log_mel(r.grid_wav, r.sample_rate)
+        fm = add_log_mel(fm, wa, wb, a.sample_rate, mel_a=mels[id(a)], mel_b=mels[id(b)])
+    bounds = align.chunk_frame_bounds(len(fm.max_abs), ev.initial_frames, ev.chunk_frames)
+    out = (fm, bounds, reduce_frames(fm, bounds))
+    for arr in (*fm.__dict__.values(), bounds, *out[2].__dict__.values()):
+        if arr is not None:
+            arr.flags.writeable = False  # shared by every Audio that reuses it
+    made.append((wa, wb, key, out))
+    return out
+
+
+def _same_audio(x: np.ndarray, y: np.ndarray) -> bool:
+    """The same samples bit for bit: the same memory, or equal bits (compared as unsigned integers,
+    so NaN and -0.0 are no exceptions)."""
+    if x.shape != y.shape or x.dtype != y.dtype:
+        return False
+    if x.__array_interface__["data"][0] == y.__array_interface__["data"][0] and x.strides == y.strides:
+        return True
+    if x.dtype.kind != "f" or x.dtype.itemsize not in (2, 4, 8):
+        return bool(np.array_equal(x, y))
+    bits = np.dtype(f"u{x.dtype.itemsize}")
+    return bool(np.array_equal(x.view(bits), y.view(bits)))
 
 
 def code_json(d) -> dict:

@@ -11,7 +11,7 @@ from .handoff import code_donors
 from .policy import Policy
 
 
-def history_findings(ev: Evidence, policy: Policy, comps: dict) -> list[Finding]:
+def history_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict | None = None) -> list[Finding]:
     """The segment served again at concurrency 1 after every other one, against its first serving:
     an engine whose output depends on what it served before (a cache, a buffer, a request's state
     left behind) parts them. Reference codes first: those of a request served earlier name it."""
@@ -27,6 +27,7 @@ def history_findings(ev: Evidence, policy: Policy, comps: dict) -> list[Finding]
         return [Finding("history_defect", f"served again after the other segments, its reference codes "
                                            f"({len(rep.ref_codes)} frames) differ from its first serving's "
                                            f"({len(ctrl.ref_codes)})", frame=0, chunk=0, stage="handoff")]
-    return concurrency_findings(replace(ev, candidate=rep), policy, comps, {}, kind="history_defect",
+    return concurrency_findings(replace(ev, candidate=rep), policy, comps, {} if mels is None else mels,
+                                 kind="history_defect",
                                  later="served again after the other segments", first="its first serving",
                                  key="repeat")
