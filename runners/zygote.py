@@ -14,6 +14,12 @@ Only third-party modules are imported here: the runners' own modules are importe
 under its own arguments and environment. What a fresh interpreter would read from its environment
 while importing those packages (thread counts, library paths, offline switches) is fixed here, so
 the client sends a request only when those variables are the zygote's own (ZYGOTE_FIXED).
+
+A request may name an overlay venv of this interpreter (a bisect build: difftest/bisect/builds.py,
+its own site-packages first, then this environment's through a .pth): the child then becomes that
+interpreter (sys.executable, sys.prefix, its site directory and .pth entries before this
+environment's), as `OVERLAY/bin/python -m MODULE` would start. The client sends one only when the
+overlay shadows none of the modules imported here (PATH.site.json lists them).
 """
 
 from __future__ import annotations
@@ -91,6 +97,8 @@ def _child(req: dict, fds: list[int], keep_closed: list[socket.socket], set_up: 
         import numpy
 
         numpy.random.seed()
+        if req.get("overlay"):
+            _become_overlay(req["argv"][0], req["overlay"])
         module, args = req["argv"][2], req["argv"][3:]
         sys.argv = ["-m", *args]
         sys.path[0] = os.getcwd()  # as `-m` puts the working folder first
@@ -119,6 +127,27 @@ def _child(req: dict, fds: list[int], keep_closed: list[socket.socket], set_up: 
         _finish()
     finally:
         os._exit(code & 0xFF if isinstance(code, int) else 1)
+
+
+def site_dirs() -> list[str]:
+    """This interpreter's site directories, as difftest's overlays name them (bisect/builds.py)."""
+    import site
+    import sysconfig
+
+    p = sysconfig.get_paths()
+    return list(dict.fromkeys([p["purelib"], p["platlib"], *site.getsitepackages()]))
+
+
+def _become_overlay(python: str, overlay: dict) -> None:
+    """sys as the overlay's interpreter has it: its prefix, and its site directory with its .pth
+    path entries (the base's .pth excepted: this interpreter ran the base's already) just before
+    the base's site directories, as site.addsitedir would order them there."""
+    sys.executable, sys.prefix, sys.exec_prefix = python, overlay["prefix"], overlay["prefix"]
+    base = set(site_dirs())
+    at = next((i for i, d in enumerate(sys.path) if d in base), len(sys.path))
+    sys.path[at:at] = [overlay["site"], *overlay["entries"]]
+    for line in overlay.get("imports", []):  # .pth lines that run code, as site runs them
+        exec(line)  # noqa: S102
 
 
 def _retitle(argv: list[str], env: dict) -> None:
@@ -171,6 +200,8 @@ def serve(path: str) -> None:
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listener.bind(path)
     listener.listen(64)
+    with open(path + ".site.json", "w") as f:  # what an overlay must not shadow (_become_overlay)
+        json.dump({"site_dirs": site_dirs(), "modules": sorted({m.split(".")[0] for m in sys.modules})}, f)
     with open(path + ".env.json.tmp", "w") as f:  # clients read it; its presence says the zygote listens
         json.dump(env0, f)
     os.replace(path + ".env.json.tmp", path + ".env.json")
@@ -231,7 +262,7 @@ def serve(path: str) -> None:
         if os.getppid() != parent and not children:  # whoever started the zygote is gone
             break
     listener.close()
-    for p in (path, path + ".env.json"):
+    for p in (path, path + ".env.json", path + ".site.json"):
         try:
             os.unlink(p)
         except OSError:

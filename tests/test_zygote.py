@@ -4,6 +4,7 @@ request it cannot stand in for starts a fresh interpreter."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -150,3 +151,41 @@ def test_a_starting_zygote_is_waited_for_while_it_lives(tmp_path):
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+_SYS_VIEW = ("import json, sys\nimport zyg_overlay_pkg as pkg\nprint(json.dumps({'executable': sys.executable, "
+             "'prefix': sys.prefix, 'path': sys.path[1:], 'pkg': pkg.__file__}))\n")
+
+
+def test_an_overlay_of_the_zygotes_interpreter_is_forked_as_that_interpreter(sock, tmp_path):
+    """A bisect build's overlay venv (its own site-packages and an editable path first, then the
+    base's): the fork sees what `OVERLAY/bin/python -m MODULE` sees (executable, prefix, sys.path in
+    order, where its package comes from). An overlay holding a module the zygote has imported
+    (numpy) starts fresh."""
+    from difftest.bisect.builds import make_overlay
+
+    with open(tmp_path / "build.log", "w") as log:
+        python = make_overlay(Path(_py()), tmp_path / "env", log)
+    src = tmp_path / "src"
+    (src / "zyg_overlay_pkg").mkdir(parents=True)
+    (src / "zyg_overlay_pkg" / "__init__.py").write_text("")
+    (src / "zyg_overlay_pkg" / "__main__.py").write_text(_SYS_VIEW)
+    site = next((tmp_path / "env").glob("lib/python*/site-packages"))
+    (site / "__editable__.zyg_overlay_pkg-0.1.pth").write_text(f"{src}\n")  # compat mode: a path entry
+    argv = [str(python), "-m", "zyg_overlay_pkg"]
+    before = zygote.stats(str(sock))["forks"]
+    forked = zygote.run(argv, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=120)
+    assert zygote.stats(str(sock))["forks"] == before + 1, zygote.refusal(argv, _env())
+    fresh = subprocess.run(argv, capture_output=True, text=True, env=_env(), cwd=tmp_path, timeout=120)
+    assert forked.returncode == 0 == fresh.returncode, forked.stderr + fresh.stderr
+    view = json.loads(forked.stdout.splitlines()[-1])
+    assert view == json.loads(fresh.stdout.splitlines()[-1])
+    assert view["executable"] == str(python) and view["pkg"] == str(src / "zyg_overlay_pkg" / "__init__.py")
+    assert view["path"].index(str(site)) < view["path"].index(str(src)) < view["path"].index(
+        str(Path(_py()).parent.parent / site.relative_to(tmp_path / "env")))
+
+    (site / "numpy").mkdir()  # shadows a module the zygote has imported: a fork would give the wrong one
+    assert "holds numpy, which the zygote has imported" in zygote.refusal(argv, _env())
+    p = zygote.popen(argv, stdout=subprocess.DEVNULL, env=_env(), cwd=tmp_path)
+    assert isinstance(p, subprocess.Popen)
+    p.wait(120)

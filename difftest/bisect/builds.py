@@ -56,6 +56,7 @@ from pathlib import Path
 from ..cache import Cache
 from ..engines.base import Engine
 from ..engines.reference import reference_python
+from ..engines.zygote import BASE_PTH
 from ..engines.start import CPU_ENGINE, VLLM_OMNI, CandidateSpec, Setup, start_candidate
 from ..errors import BadInput, InfraError
 from ..results import atomic_write
@@ -65,7 +66,6 @@ from ..suites.suite import Suite
 KIND = "bisect-build"  # its entries in difftest's cache
 STAMP = ".difftest-build.json"
 STAMP_FORMAT = "difftest.build/1"
-BASE_PTH = "_difftest_base.pth"
 # Compat editable mode: a path entry in a .pth, so the worktree's package comes before a copy
 # of the same package in the base environment (setuptools' default finder comes after it).
 DEFAULT_PIP_ARGS = ("--no-deps", "--no-build-isolation", "--config-settings", "editable_mode=compat")

@@ -6,8 +6,10 @@ same code under the same arguments, environment, working folder and descriptors,
 of importing torch, transformers and qwen-tts again (on two cores). The test session starts one per
 worker (tests/conftest.py); `DIFFTEST_ZYGOTE=PYTHON=SOCKET` (several joined by ':') for anyone else.
 
-A request falls back to a fresh interpreter, silently, where the zygote cannot stand for one: another
-interpreter, options before -m, a zygote that does not answer, or an environment that differs from
+An overlay venv of a served interpreter (a bisect build: its own site-packages, then the base's
+through `_difftest_base.pth`) is served too, the child made that interpreter (runners/zygote.py),
+unless the overlay holds a module the zygote has imported. A request falls back to a fresh
+interpreter, silently, where the zygote cannot stand for one: another interpreter, options before -m, a zygote that does not answer, or an environment that differs from
 the zygote's in a variable read while those packages import (ZYGOTE_FIXED). What the zygote cannot
 give: /proc/PID/environ and cmdline show the zygote's, not the child's (lifeline.stale() does not
 see a forked child that outlived its difftest), so the lifecycle tests run without it.
@@ -34,6 +36,8 @@ ZYGOTE_FIXED = ("OMP_", "MKL_", "KMP_", "GOMP_", "OPENBLAS_", "ONEDNN_", "DNNL_"
 # Read later: applied in the child (runners/zygote.py), or read when used (Ray's driver sets the
 # breakpoint hook in the tester's environment, which its children inherit).
 STARTING_WAIT_S = 120.0
+# The .pth by which a difftest overlay venv sees its base environment (difftest/bisect/builds.py).
+BASE_PTH = "_difftest_base.pth"
 LATE_PYTHON = ("PYTHONUNBUFFERED", "PYTHONBREAKPOINT")
 
 
@@ -152,29 +156,79 @@ def _alive(pid: int) -> bool:
         return True
 
 
-def choose(argv, env: dict) -> tuple[str | None, str | None]:
-    """(the socket of a zygote that can stand for `argv` under `env`, None), or (None, why not)."""
+def choose(argv, env: dict) -> tuple[str | None, str | None, dict | None]:
+    """(the socket of a zygote that can stand for `argv` under `env`, None, the overlay to become or
+    None), or (None, why not, None)."""
     if len(argv) < 3 or argv[1] != "-m":
-        return None, "not `PYTHON -m MODULE ...`"
+        return None, "not `PYTHON -m MODULE ...`", None
     python = os.path.abspath(str(argv[0]))
     why = f"no zygote serves {argv[0]} (${ENV})"
     for served, sock in zygotes(env):
-        if served != python:
+        overlay = None
+        if served != python and _overlay_site(python) is None:
             continue
         zenv = _hello_env(sock)
         if zenv is None:
             why = f"the zygote at {sock} does not listen yet"
             continue
+        if served != python:
+            overlay, not_it = _overlay(python, sock)
+            if overlay is None:
+                why = not_it or why
+                continue
         differ = sorted(k for k in {*env, *zenv} if _fixed(k) and env.get(k) != zenv.get(k))
         if not differ:
-            return sock, None
+            return sock, None, overlay
         why = f"the environment differs from the zygote's in {', '.join(differ)}"
-    return None, why
+    return None, why, None
 
 
 def refusal(argv, env: dict) -> str | None:
     """Why no zygote can stand for `argv` under `env` (None: one can)."""
     return choose(argv, env)[1]
+
+
+def _overlay(python: str, sock: str) -> tuple[dict | None, str | None]:
+    """What the child needs to become `python` when it is an overlay venv of the zygote's
+    interpreter (difftest/bisect/builds.py), or (None, why not; None when it is no overlay at all)."""
+    import ast
+
+    site = _overlay_site(python)
+    if site is None:
+        return None, None
+    try:
+        served = json.loads(Path(sock + ".site.json").read_text())
+        line = (site / BASE_PTH).read_text().strip()
+        base = ast.literal_eval(line[line.index("(site.addsitedir, ") + len("(site.addsitedir, "):-2])
+    except (OSError, ValueError, SyntaxError):
+        return None, None
+    if sorted(base) != sorted(d for d in served["site_dirs"] if d != str(site)):
+        return None, None  # an overlay of another interpreter
+    entries, imports, names = [], [], {p.name.split(".")[0].split("-")[0] for p in site.iterdir()}
+    for pth in sorted(site.glob("*.pth")):
+        if pth.name == BASE_PTH:
+            continue
+        for raw in pth.read_text().splitlines():
+            raw = raw.strip()
+            if not raw or raw.startswith("#"):
+                continue
+            if raw.startswith(("import ", "import\t")):
+                imports.append(raw)
+            elif (site / raw).is_dir():
+                entry = str((site / raw).resolve())
+                entries.append(entry)
+                names |= {p.name.split(".")[0] for p in Path(entry).iterdir()}
+    shadowed = sorted(names & set(served["modules"]))
+    if shadowed:
+        return None, f"the overlay {site.parents[2]} holds {', '.join(shadowed)}, which the zygote has imported"
+    return {"prefix": str(site.parents[2]), "site": str(site), "entries": entries, "imports": imports}, None
+
+
+def _overlay_site(python: str) -> Path | None:
+    """The site directory of `python`'s venv when difftest made it as an overlay, else None."""
+    prefix = Path(python).parent.parent
+    sites = list(prefix.glob("lib/python*/site-packages")) if (prefix / "pyvenv.cfg").is_file() else []
+    return sites[0] if len(sites) == 1 and (sites[0] / BASE_PTH).is_file() else None
 
 
 def _hello_env(sock: str, wait: float = STARTING_WAIT_S) -> dict | None:
@@ -228,18 +282,18 @@ def popen(argv, *, stdin=None, stdout=None, stderr=None, env=None, cwd=None, sta
           text=False, bufsize=-1):
     """subprocess.Popen, or a fork of the zygote that serves argv[0] (see the module's doc)."""
     env = dict(os.environ if env is None else env)
-    sock, _ = choose(argv, env)
+    sock, _, overlay = choose(argv, env)
     if sock is None:
         return subprocess.Popen(argv, stdin=stdin, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
                                 start_new_session=start_new_session, text=text, bufsize=bufsize)
-    proc = _fork(sock, argv, env, cwd, start_new_session, stdin, stdout, stderr, text, bufsize)
+    proc = _fork(sock, argv, env, cwd, start_new_session, stdin, stdout, stderr, text, bufsize, overlay)
     if proc is None:  # the zygote did not take it
         return subprocess.Popen(argv, stdin=stdin, stdout=stdout, stderr=stderr, env=env, cwd=cwd,
                                 start_new_session=start_new_session, text=text, bufsize=bufsize)
     return proc
 
 
-def _fork(sock, argv, env, cwd, new_session, stdin, stdout, stderr, text, bufsize):
+def _fork(sock, argv, env, cwd, new_session, stdin, stdout, stderr, text, bufsize, overlay=None):
     ends, to_close = [], []
     try:
         in_fd, in_ours, c0 = _fd(stdin, 0, write=False)
@@ -251,7 +305,7 @@ def _fork(sock, argv, env, cwd, new_session, stdin, stdout, stderr, text, bufsiz
         try:
             conn.connect(sock)
             body = json.dumps({"argv": [str(a) for a in argv], "env": env, "new_session": bool(new_session),
-                               "cwd": str(Path(cwd).resolve()) if cwd else os.getcwd()}).encode()
+                               "cwd": str(Path(cwd).resolve()) if cwd else os.getcwd(), "overlay": overlay}).encode()
             socket.send_fds(conn, [struct.pack("!I", len(body))], [in_fd, out_fd, err_fd])
             conn.sendall(body)
             line = b""
