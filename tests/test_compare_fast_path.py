@@ -4,8 +4,6 @@
 every frame, whatever the audio): the oracle. Cases: bit-identical audio, quantisation-level
 (a 16-bit PCM round trip), close (float noise), diverged, and mixes of them along one signal."""
 
-from dataclasses import replace
-
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -25,7 +23,7 @@ from difftest.compare.audio import (
     reduce_frames,
     snr_db,
 )
-from difftest.compare.codes import diff_codes
+from difftest.compare.codes import CodeDiff, diff_codes
 
 SPF = 1920
 
@@ -105,16 +103,22 @@ def full_chunk_frame_bounds(n_frames, initial_frames=1, frames=25):
     return np.stack([starts, np.append(starts[1:], n_frames)], axis=1)
 
 
-def full_diff_codes(a, b, initial_frames=1, frames=25):
-    """diff_codes with its per-chunk agreement as a mean per chunk, as before."""
-    d = diff_codes(a, b, initial_frames, frames)
+def full_diff_codes(a, b, initial_frames=1, frames=25) -> CodeDiff:
     a = np.asarray(a).reshape(-1, 16) if np.size(a) else np.zeros((0, 16), np.int64)
     b = np.asarray(b).reshape(-1, 16) if np.size(b) else np.zeros((0, 16), np.int64)
-    n = min(len(a), len(b))
-    equal = np.zeros(max(len(a), len(b)), dtype=bool)
-    equal[:n] = ~(a[:n] != b[:n]).any(axis=1)
-    bounds = full_chunk_frame_bounds(len(equal), initial_frames, frames)
-    return replace(d, chunk_agreement=[float(equal[s:e].mean()) for s, e in bounds])
+    la, lb = len(a), len(b)
+    n = min(la, lb)
+    row_diff = a[:n] != b[:n]
+    frame_diff = row_diff.any(axis=1)
+    hits = np.flatnonzero(frame_diff)
+    first = int(hits[0]) if len(hits) else (n if la != lb else None)
+    a_vec = a[first].tolist() if first is not None and first < la else None
+    b_vec = b[first].tolist() if first is not None and first < lb else None
+    equal = np.zeros(max(la, lb), dtype=bool)
+    equal[:n] = ~frame_diff
+    agreement = [float(equal[s:e].mean()) for s, e in full_chunk_frame_bounds(max(la, lb), initial_frames, frames)]
+    return CodeDiff(la, lb, first, a_vec, b_vec, int(frame_diff.sum()),
+                    row_diff.sum(axis=0).astype(int).tolist() if n else [0] * 16, agreement)
 
 
 def bits(x) -> bytes:
@@ -229,12 +233,16 @@ def test_non_finite_as_before(x):
         assert non_finite(x) == full_non_finite(x)
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.integers(0, 60), st.integers(0, 60), st.integers(0, 2**32 - 1), st.integers(1, 4), st.integers(1, 30))
-def test_code_agreement_as_before(la, lb, seed, initial, frames):
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 60), st.integers(0, 60), st.integers(0, 2**32 - 1), st.floats(0, 1), st.integers(1, 4),
+       st.integers(1, 30))
+def test_code_diffs_as_before(la, lb, seed, p_differ, initial, frames):
+    """Equal codes (the fast path), a longer or shorter side, differing frames: every field, every float."""
     rng = np.random.default_rng(seed)
     a = rng.integers(0, 3, (la, 16))
     b = a[:lb].copy() if lb <= la else np.concatenate([a, rng.integers(0, 3, (lb - la, 16))])
-    b[rng.random(len(b)) < 0.3] = 0
-    assert bits(diff_codes(a, b, initial, frames).chunk_agreement) == bits(
-        full_diff_codes(a, b, initial, frames).chunk_agreement)
+    b[rng.random(len(b)) < p_differ] = 0
+    got, want = diff_codes(a, b, initial, frames), full_diff_codes(a, b, initial, frames)
+    assert got == want
+    assert bits(got.chunk_agreement) == bits(want.chunk_agreement)
+    assert [type(x) for x in got.codebooks_differing] == [type(x) for x in want.codebooks_differing]

@@ -124,7 +124,8 @@ def _time_metrics(a: np.ndarray, b: np.ndarray, spf: int, energy_if_equal: bool 
     if len(bounds) == 0:
         z = np.zeros(0)
         return FrameMetrics(z, z, z, z.astype(np.int64), z, z.astype(np.int64))
-    d = np.abs(a - b)  # |d| squares to exactly d^2: one array serves both
+    d = np.subtract(a, b)
+    np.abs(d, out=d)  # |d| squares to exactly d^2: one array serves both
 
     def sumsq(rows, axis):
         return np.einsum("ij,ij->i", rows, rows, dtype=np.float64)
@@ -132,8 +133,9 @@ def _time_metrics(a: np.ndarray, b: np.ndarray, spf: int, energy_if_equal: bool 
     max_abs = _per_frame(d, bounds, np.max)
     # Equal audio (the common case) has no error to sum: every d is 0, so the sum is exactly 0.
     # A NaN makes max_abs.any() true, so it still propagates as it did.
-    sq_err = _per_frame(d, bounds, sumsq) if max_abs.any() else np.zeros(len(bounds))
-    sq_ref = _per_frame(a, bounds, sumsq) if energy_if_equal or max_abs.any() else None
+    differs = bool(max_abs.any())
+    sq_err = _per_frame(d, bounds, sumsq) if differs else np.zeros(len(bounds))
+    sq_ref = _per_frame(a, bounds, sumsq) if energy_if_equal or differs else None
     counts = bounds[:, 1] - bounds[:, 0]
     return FrameMetrics(max_abs, sq_err, sq_ref, counts, np.zeros(len(bounds)), np.zeros(len(bounds), dtype=np.int64))
 
@@ -172,6 +174,9 @@ def reduce_frames(fm: FrameMetrics, frame_bounds: np.ndarray) -> ChunkMetrics:
     out = {name: np.zeros(k) for name in ("max_abs", "rms", "snr_db", "logmel")}
     if k == 0:
         return ChunkMetrics(**out)
+    if fm.sq_ref is None:  # no frame differs (frame_metrics): what the sums below give, every chunk
+        out["snr_db"][:] = SNR_CAP_DB
+        return ChunkMetrics(**out)
     s = np.clip(frame_bounds[:, 0], 0, F)
     e = np.clip(frame_bounds[:, 1], 0, F)
     nonempty = e > s
@@ -179,8 +184,7 @@ def reduce_frames(fm: FrameMetrics, frame_bounds: np.ndarray) -> ChunkMetrics:
     # Sums over a chunk as differences of running sums: one cumsum for all five (along each row it
     # adds in the same order as a cumsum of that row alone, so the same floats).
     c = np.zeros((5, F + 1))
-    sq_ref = fm.sq_ref if fm.sq_ref is not None else np.zeros(F)  # None: sq_err is all 0, the SNR the cap
-    np.cumsum(np.stack([fm.sq_err, sq_ref, fm.n, fm.mel_l1, fm.mel_n]), axis=1, dtype=np.float64, out=c[:, 1:])
+    np.cumsum(np.stack([fm.sq_err, fm.sq_ref, fm.n, fm.mel_l1, fm.mel_n]), axis=1, dtype=np.float64, out=c[:, 1:])
     sq_err, sq_ref, n, mel_l1, mel_n = c[:, e] - c[:, s]
     # The max over each [s, e) in one reduceat over (s, e) pairs; a trailing 0 keeps e = F a valid index.
     # An empty chunk's entry is a single element, replaced by 0.
