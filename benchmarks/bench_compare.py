@@ -4,9 +4,13 @@
 
 Synthetic 24 kHz audio with codes (no engine needed). Measures (1) one audio
 comparison with the full per-chunk metric set (max |diff|, RMS, SNR, log-mel)
-plus the code diff, and (2) the whole classifier with all four comparisons of
-the matrix (headline, concurrency, vocoder, donor search with two peers).
-Prints one JSON object.
+plus the code diff, (2) the whole classifier with all four comparisons of
+the matrix (headline, concurrency, vocoder, donor search with two peers) on
+float drift (1e-5 noise: "close"), and (3) the same classifier on the common
+case: half the segments bit-identical everywhere, half quantisation-level (the
+candidate at N and at 1 the same 16-bit PCM audio against the float reference,
+quantised=True). Each compared role's audio is its own array there, as when
+read from disk. Prints one JSON object.
 """
 
 import os
@@ -68,11 +72,36 @@ def main():
         v = classify(ev, policy)
         verdicts[v.verdict] = verdicts.get(v.verdict, 0) + 1
     full = time.process_time() - t0
+
+    def pcm16(w):  # a WAV's round trip: 32767 in, 32768 out (libsndfile)
+        return (np.rint(w.astype(np.float64) * 32767) / 32768).astype(np.float32)
+
+    def mkq(sid, c, r, w, q=False):
+        return Result(sid, "h" * 64, w.copy(), 24000, codes=c, ref_codes=r, quantised=q)
+
+    common_evs = []
+    for i, (codes, ref, wav, _) in enumerate(segs):
+        wav = 0.5 * wav  # peaks about 0.75: nothing that 16-bit PCM would clip
+        quant = i % 2 == 1
+        cw = pcm16(wav) if quant else wav
+        r = mkq("r", codes, ref, wav)
+        common_evs.append(Evidence(  # the peers are never compared here (no bad chunk): the reference's array
+            f"s{i}", r, mkq("c", codes, ref, cw, quant), mkq("k", codes, ref, cw, quant),
+            mkq("x", codes, ref, wav), {"p1": mk("p1", codes, ref, r.wav), "p2": mk("p2", codes, ref, r.wav)},
+            {"p1": ref[:5], "p2": ref[:7]}))
+    t0 = time.process_time()
+    common_verdicts = {}
+    for ev in common_evs:
+        v = classify(ev, policy)
+        common_verdicts[v.verdict] = common_verdicts.get(v.verdict, 0) + 1
+    common = time.process_time() - t0
     print(json.dumps({
         "audio_seconds": audio_s, "segments": n_seg, "segment_seconds": a.segment_seconds,
         "one_comparison_cpu_s": round(one, 3), "one_comparison_x_realtime": round(audio_s / one, 1),
         "full_matrix_cpu_s": round(full, 3), "full_matrix_x_realtime": round(audio_s / full, 1),
         "verdicts": verdicts, "target_x_realtime": 1000,
+        "common_case_cpu_s": round(common, 3), "common_case_x_realtime": round(audio_s / common, 1),
+        "common_case_verdicts": common_verdicts, "common_case_target_x_realtime": 5000,
     }, indent=1))
 
 
