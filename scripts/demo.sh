@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The main job on this CPU machine: the real vLLM-Omni 0.30.0 server against the official qwen-tts,
-# then the negative control. Installs what it needs first (about 7 min the first time; seconds after).
+# then the negative control. Installs what it needs first (minutes the first time; seconds after).
 #   1. qwen-tts 0.1.1 (the reference) on the seeded tiny checkpoint, at concurrency 1;
 #   2. vLLM-Omni 0.30.0 (vllm serve --omni, difftest's CPU platform) on the same checkpoint, at
 #      concurrency 1 and 4: its verdicts, report.json, MLflow;
@@ -14,7 +14,8 @@ source scripts/lib.sh
 OUT=${DEMO_OUT:-demo-out}
 DT=.venv/bin/difftest
 
-echo "== installing side by side (cold: about 7 min, the vLLM-Omni environment is most of it)"
+echo "== installing side by side (cold: about 2 min with uv, 7 with pip; the vLLM-Omni environment is most of it)"
+uv_setup  # DIFFTEST_UV: the installs use uv (pip where it cannot be had)
 install_bg tester install_tester '.[mlflow]'
 install_bg reference bash runners/reference/make_env.sh
 install_bg vllm-omni bash runners/vllm_omni/make_env.sh

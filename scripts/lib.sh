@@ -53,11 +53,34 @@ wait_installs() {  # [NAME...]: wait for these installs (default: every one star
     return $failed
 }
 
+UV_VERSION=0.13.9
+
+uv_setup() {  # export DIFFTEST_UV: uv, installing from where pip installs (scripts/uv_env.py)
+    # uv installs the same packages as pip several times faster (parallel downloads and unpacking,
+    # no byte-compiling: each module compiles on its first import). Any failure here leaves
+    # DIFFTEST_UV empty and the installs use pip, as before; DIFFTEST_NO_UV=1 asks for pip.
+    [[ ${DIFFTEST_NO_UV:-} == 1 ]] && return 0
+    local dir=.cache/uv-venv py=${PYTHON:-python3}
+    mkdir -p .cache/logs
+    if [[ ! -x $dir/bin/uv || $("$dir/bin/uv" --version 2>/dev/null) != "uv $UV_VERSION"* ]]; then
+        if ! { rm -rf "$dir" && "$py" -m venv "$dir" \
+               && "$dir/bin/python" -m pip install -q --disable-pip-version-check "uv==$UV_VERSION"; } \
+               > .cache/logs/install-uv.log 2>&1; then
+            echo "== uv $UV_VERSION could not be installed (.cache/logs/install-uv.log): the installs use pip"
+            return 0
+        fi
+    fi
+    eval "$("$py" scripts/uv_env.py)" || return 0
+    export DIFFTEST_UV=$PWD/$dir/bin/uv
+}
+
 install_tester() {  # .venv: difftest with the extras named, e.g. install_tester '.[test]'
     [ -x .venv/bin/python ] || "${PYTHON:-python3}" -m venv .venv
     # Locked as runners/*/make_env.sh lock theirs: each installs this repository editable, and two
     # such installs at once race on its difftest.egg-info.
     mkdir -p .cache
-    { flock 9; .venv/bin/python -m pip install -q --disable-pip-version-check -e "$1"; } 9> .cache/editable-install.lock
+    local pip=(.venv/bin/python -m pip install -q --disable-pip-version-check)
+    [[ -n ${DIFFTEST_UV:-} ]] && pip=("$DIFFTEST_UV" pip install -q --python .venv/bin/python)
+    { flock 9; "${pip[@]}" -e "$1"; } 9> .cache/editable-install.lock
     echo "difftest $(.venv/bin/python -c 'import difftest; print(difftest.__version__)') in .venv"
 }

