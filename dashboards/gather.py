@@ -19,8 +19,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -266,11 +268,15 @@ def _fetch_media(client, run_id: str, listed: set, media: Path, audio: str) -> b
         for sub in ("audio", "specdiff"):
             if sub in listed:
                 ok = _download(client, run_id, sub, Path(tmp)) is not None and ok
-        for seg in sorted(p for p in Path(tmp, "audio").glob("*") if p.is_dir()):
-            stored["audio"][seg.name] = store_segment_audio(seg, media / "audio" / seg.name, audio, AUDIO_ROLES,
-                                                            comment=f"MLflow run {run_id}: audio/{seg.name}")
-        for png in sorted(Path(tmp, "specdiff").glob("*.png")):
-            stored["specdiff"][png.stem] = store_picture(png, media / "specdiff" / png.name)
+        segs = sorted(p for p in Path(tmp, "audio").glob("*") if p.is_dir())
+        pngs = sorted(Path(tmp, "specdiff").glob("*.png"))
+        # libsndfile, zlib and most of Pillow let go of the GIL: threads encode on every core
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            audio_jobs = {seg.name: pool.submit(store_segment_audio, seg, media / "audio" / seg.name, audio, AUDIO_ROLES,
+                                                comment=f"MLflow run {run_id}: audio/{seg.name}") for seg in segs}
+            picture_jobs = {png.stem: pool.submit(store_picture, png, media / "specdiff" / png.name) for png in pngs}
+            stored["audio"] = {name: job.result() for name, job in audio_jobs.items()}
+            stored["specdiff"] = {name: job.result() for name, job in picture_jobs.items()}
     media.mkdir(parents=True, exist_ok=True)
     (media / MEDIA).write_text(json.dumps(stored, indent=1) + "\n")
     return ok

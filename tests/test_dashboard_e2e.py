@@ -17,7 +17,10 @@ from reference_support import reference_python
 from test_dashboard import keep_screenshot, open_page
 
 from dashboards.browser import audio_state
+from dashboards.gather import MEDIA
 from dashboards.pages import segment_file
+from difftest.records.segment_media import safe_name
+from difftest.suites import wavio
 
 ROOT = Path(__file__).resolve().parents[1]
 SMOKE = ROOT / "cases" / "suites" / "smoke.yaml"
@@ -40,7 +43,7 @@ def real(tmp_path_factory, _empty_mlflow_store):
     b = subprocess.run([sys.executable, "-m", "dashboards", "--out", str(site), "--tracking-uri", uri],
                        cwd=root, capture_output=True, text=True, timeout=300)
     assert b.returncode == 0, b.stdout + b.stderr
-    return SimpleNamespace(root=root, site=site, report=report, run_id=run_id)
+    return SimpleNamespace(root=root, site=site, report=report, run_id=run_id, uri=uri)
 
 
 @pytest.fixture(scope="module")
@@ -54,6 +57,10 @@ def browser(tmp_path_factory):
 
 
 def test_real_leak_run_on_the_dashboard(real, browser, tmp_path):
+    import numpy as np
+    import soundfile
+    from mlflow import MlflowClient
+
     from difftest.suites.suite import load_suite
 
     segs = {s["id"]: s for s in real.report["segments"]}
@@ -99,8 +106,22 @@ def test_real_leak_run_on_the_dashboard(real, browser, tmp_path):
     assert f"Donor: {donor}" in text
     roles = page.evaluate("[...document.querySelectorAll('.player')].map(p => p.dataset.role)")
     assert roles == ["reference", "candidate", "cross_own", "cross_donor", "control", "difference"]
+    srcs = page.evaluate("[...document.querySelectorAll('audio')].map(a => [a.getAttribute('src'), a.preload])")
+    assert srcs and all(src.endswith(".flac") and preload == "none" for src, preload in srcs), srcs
     for a in audio_state(page):
         assert a["error"] is None and a["duration"] > 2.0, a
+    # the site's FLAC holds the run's float32 samples as MLflow has them, to the 24-bit step (times the
+    # level it was stored at); 16-bit exactly
+    name = safe_name(first)
+    media = real.site / "runs" / real.run_id / "media"
+    stored = json.loads((media / MEDIA).read_text())["audio"][name]
+    originals = Path(MlflowClient(real.uri).download_artifacts(real.run_id, f"audio/{name}", str(tmp_path)))
+    assert set(stored) == {p.stem for p in originals.glob("*.wav")} and {m["format"] for m in stored.values()} == {"flac"}
+    for role, meta in stored.items():
+        want, _ = wavio.read(originals / f"{role}.wav")
+        got, _ = soundfile.read(media / "audio" / name / meta["file"], dtype="float64")
+        step = 0.0 if meta["bits"] == 16 else meta["scale"] * 2.0 ** -23
+        assert got.shape == want.shape and np.abs(got * meta["scale"] - want).max() <= step, (role, meta)
     # the donor search: decoding with the donor's reference codes explains the audio best
     donor_rows = page.evaluate("[...document.querySelectorAll('tr.culprit td')].map(td => td.textContent)")
     assert donor_rows[0] == donor
