@@ -2,11 +2,14 @@
 `mlflow server`), checked by reading back what MLflow stored."""
 
 import hashlib
+import itertools
 import json
 import math
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ProcessPoolExecutor
 
 import numpy as np
 import pytest
@@ -15,6 +18,7 @@ from mlflow_support import closed_uri, make_report  # noqa: E402
 
 from difftest.cli import main as difftest_main  # noqa: E402
 from difftest.records import mlflow_records as rec  # noqa: E402
+from difftest.records import tracking  # noqa: E402
 from difftest.records.tracking import STATE, log_run  # noqa: E402
 from difftest.results import read_result  # noqa: E402
 from difftest.suites import wavio  # noqa: E402
@@ -341,3 +345,132 @@ def test_a_spectrogram_picture_carries_nothing_of_the_one_before(tmp_path):
     assert spectrogram_difference(ref, ref + 0.01, 24000, tmp_path / "a2.png", a)
     assert (tmp_path / "a1.png").read_bytes() == (tmp_path / "a2.png").read_bytes()
     assert (tmp_path / "a1.png").read_bytes() != (tmp_path / "b.png").read_bytes()
+
+
+# Eight segments, five of them diverged: enough for the media worker processes (tracking.MEDIA_POOL_MIN).
+MANY = {"leak_into": ("s0", "s1", "s2", "s3", "s4"), "segments": 8}
+
+
+def records(client, run_id, folder):
+    """All an upload wrote, less what differs from one upload to the next (run ids, times): the
+    parent's and each child's name, status, tags, params and metric histories (children in
+    start-time order, their parent's id replaced by "parent"), and every artifact's bytes."""
+    def run_record(run):
+        tags = {k: ("parent" if k == rec.PARENT else v) for k, v in run.data.tags.items()}
+        return (run.info.run_name, run.info.status, tags, run.data.params,
+                {k: history(client, run.info.run_id, k) for k in run.data.metrics})
+
+    run = client.get_run(run_id)
+    kids = sorted(children(client, run), key=lambda k: k.info.start_time)
+    folder.mkdir(parents=True)
+    client.download_artifacts(run_id, "", str(folder))
+    files = {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+    return {"parent": run_record(run), "children": [run_record(k) for k in kids], "artifacts": files}
+
+
+@pytest.mark.parametrize("store", ["sqlite", "server"])
+def test_the_parallel_upload_writes_what_the_one_by_one_upload_did(store, tmp_path, monkeypatch, request):
+    """Media made in worker processes, child runs written by threads (over HTTP): the same runs,
+    tags, params, metric histories and artifact bytes as one thing after another in this process."""
+    out = make_report(tmp_path, "many", **MANY)
+    report = json.loads((out / "report.json").read_text())
+    if store == "server":
+        uri = request.getfixturevalue("mlflow_server")
+    else:
+        uri = f"sqlite:///{request.getfixturevalue('mlflow_cwd') / 'mlflow.db'}"
+    with monkeypatch.context() as m:
+        m.setattr(tracking, "HTTP_SEGMENT_THREADS", 1)
+        m.setattr(tracking, "MEDIA_POOL_MIN", 10**6)
+        one_by_one = log_run(out, uri, experiment=f"one-by-one-{tmp_path.name}")
+    (out / STATE).unlink()  # or the second upload would find the first
+
+    pools, writers = [], set()
+    make_pool, create_run = tracking._media_pool, MlflowClient.create_run
+    monkeypatch.setattr(tracking, "_media_pool", lambda n: pools.append(make_pool(n)) or pools[-1])
+
+    def noting_the_thread(self, *a, **kw):
+        writers.add(threading.current_thread().name)
+        return create_run(self, *a, **kw)
+
+    monkeypatch.setattr(MlflowClient, "create_run", noting_the_thread)
+    parallel = log_run(out, uri, experiment=f"parallel-{tmp_path.name}")
+    assert [type(p) for p in pools] == [ProcessPoolExecutor]
+    writers.remove("MainThread")  # the parent's
+    assert len(writers) > 1 if store == "server" else writers == {"difftest-mlflow_0"}  # sqlite: one writer
+
+    client = MlflowClient(uri)
+    want = records(client, one_by_one, tmp_path / "one-by-one")
+    got = records(client, parallel, tmp_path / "parallel")
+    assert [c[0] for c in got["children"]] == [s["id"] for s in report["segments"]]  # in the report's order
+    assert sorted(f for f in got["artifacts"] if f.startswith(("audio/", "specdiff/"))) == sorted(
+        [f"audio/s{i}/{r}.wav" for i in range(5) for r in ("candidate", "control", "difference", "reference")]
+        + [f"specdiff/s{i}.png" for i in range(5)])
+    assert got["parent"][:2] == (f"cand c3 {report['verdict']}", "FINISHED")
+    assert got == want
+
+
+def _one_failing(real, when):
+    """`real`, but raising what `when(call number)` returns (None: no failure)."""
+    calls = itertools.count()
+
+    def call(*a, **kw):
+        if (e := when(next(calls))) is not None:
+            raise e
+        return real(*a, **kw)
+
+    return call
+
+
+def test_a_failure_in_a_writer_thread_marks_the_parent_failed_and_the_next_upload_replaces_it(
+        tmp_path, mlflow_server, monkeypatch):
+    from mlflow.exceptions import MlflowException
+
+    out = make_report(tmp_path, "many", **MANY)
+    exp = f"broken-{tmp_path.name}"
+    monkeypatch.setattr(tracking, "HTTP_SEGMENT_THREADS", 2)
+    real = MlflowClient.log_batch
+    monkeypatch.setattr(MlflowClient, "log_batch", _one_failing(
+        real, lambda n: MlflowException("the server went away") if n == 1 else None))  # 0: the parent's
+    assert log_run(out, mlflow_server, experiment=exp) is None
+    assert "the server went away" in json.loads((out / STATE).read_text())["pending"]["reason"]
+    client = MlflowClient(mlflow_server)
+    [broken] = parent_runs(client, exp)
+    assert broken.info.status == "FAILED"
+    kids = children(client, broken)
+    # the segments not started when it failed were dropped, and the failed one never finished
+    assert len(kids) < 8 and sum(k.info.status == "FINISHED" for k in kids) < len(kids)
+
+    monkeypatch.setattr(MlflowClient, "log_batch", real)
+    run_id = log_run(out, experiment=exp)  # to the server the pending note names
+    assert [r.info.run_id for r in parent_runs(client, exp)] == [run_id]
+    assert client.get_run(broken.info.run_id).info.lifecycle_stage == "deleted"
+    assert all(client.get_run(k.info.run_id).info.lifecycle_stage == "deleted" for k in kids)
+    kids = children(client, client.get_run(run_id))
+    assert sorted(k.info.run_name for k in kids) == [f"s{i}" for i in range(8)]
+    assert {k.info.status for k in kids} == {"FINISHED"}
+
+
+def test_an_interrupted_upload_loses_nothing(mlflow_cwd, tmp_path, monkeypatch):
+    """Ctrl-C while the child runs are written and the media workers draw: the parent is marked
+    FAILED, no more child runs come, and `difftest log` again writes all of it, as an upload that
+    was never interrupted does."""
+    out = make_report(tmp_path, "many", **MANY)
+    client = MlflowClient(f"sqlite:///{mlflow_cwd / 'mlflow.db'}")
+    whole = log_run(out, experiment="whole")
+    (out / STATE).unlink()
+
+    monkeypatch.setattr(tracking, "MEDIA_POOL_MIN", 1)
+    real = tracking._log_segment
+    monkeypatch.setattr(tracking, "_log_segment", _one_failing(real, lambda n: KeyboardInterrupt() if n == 3 else None))
+    with pytest.raises(KeyboardInterrupt):
+        log_run(out, experiment="interrupted")
+    [broken] = parent_runs(client, "interrupted")
+    assert broken.info.status == "FAILED"
+    # the writer thread may have begun the next segment before the interrupt reached the main thread
+    assert {"s0", "s1", "s2"} <= {k.info.run_name for k in children(client, broken)} <= {"s0", "s1", "s2", "s4"}
+    assert not (out / STATE).exists()  # nothing claims it was logged
+
+    monkeypatch.setattr(tracking, "_log_segment", real)
+    again = log_run(out, experiment="interrupted")
+    assert [r.info.run_id for r in parent_runs(client, "interrupted")] == [again]
+    assert records(client, again, tmp_path / "again") == records(client, whole, tmp_path / "whole")

@@ -21,6 +21,7 @@ import hashlib
 import json
 import logging
 import os
+import posixpath
 import shutil
 import sys
 import tempfile
@@ -28,6 +29,7 @@ import time
 import urllib.error
 import urllib.request
 import warnings
+from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from pathlib import Path
 
 from ..errors import EXIT_INFRA, EXIT_PASS, BadInput
@@ -47,6 +49,14 @@ MLFLOW_ENV_DEFAULTS = {"MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1", "MLFLOW_HTTP_REQU
                        "MLFLOW_HTTP_REQUEST_TIMEOUT": "20", "MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT": "true"}
 # Sent on to the parent run's artifacts when present: what the gate and the report wrote.
 PARENT_FILES = ("report.json", "summary.md", "junit.xml", "gate.md")
+# A segment's child run is three requests that mostly wait on the server: over HTTP this many go at
+# once. A sqlite store takes one writer at a time, and more threads only made it slower (they queue
+# on its lock): one there.
+HTTP_SEGMENT_THREADS = 8
+# The diverged segments' audio and pictures (about 0.25 s of CPU each) are made in other processes
+# while the child runs are logged; with fewer than this many, here (a worker costs about 1 s to start).
+MEDIA_POOL_MIN = 4
+MEDIA_WORKERS_MAX = 4
 
 
 class TrackingUnavailable(Exception):
@@ -307,15 +317,93 @@ def repro_bundles(out: Path) -> dict[str, Path]:
     return found
 
 
-def _stage_artifacts(report: dict, out: Path, staging: Path) -> None:
+def _stage_files(out: Path, staging: Path) -> None:
+    staging.mkdir()
     for name in PARENT_FILES:
         if (out / name).is_file():
             shutil.copyfile(out / name, staging / name)
-    for seg in report.get("segments") or []:
-        if seg.get("verdict") not in rec.CLEAN:
-            write_segment_media(seg, out, staging)
     for sid, bundle in repro_bundles(out).items():
         shutil.copytree(bundle, staging / "repro" / safe_name(sid))
+
+
+class _Here(Executor):
+    """Runs each call as it is submitted."""
+
+    def submit(self, fn, /, *args, **kwargs):
+        f = Future()
+        f.set_result(fn(*args, **kwargs))
+        return f
+
+
+def _cpus() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _media_pool(n: int) -> Executor:
+    """Where the media of `n` diverged segments are made: worker processes, one core left to the
+    child runs. They come from a fork server (a fresh process that imports the drawing code once,
+    kept for later uploads), not from forking this one, which may hold threads and open databases."""
+    if n < MEDIA_POOL_MIN:
+        return _Here()
+    import multiprocessing
+
+    if "forkserver" in multiprocessing.get_all_start_methods():
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload(["difftest.records.segment_media", "matplotlib.pyplot"])  # missing: skipped
+    else:
+        ctx = multiprocessing.get_context("spawn")
+    return ProcessPoolExecutor(min(n, max(1, _cpus() - 1), MEDIA_WORKERS_MAX), mp_context=ctx)
+
+
+@contextlib.contextmanager
+def _pool(executor: Executor):
+    """The executor, shut down on the way out; on an error, what has not started is dropped (not
+    run to the end first), and what runs is waited for, so nothing is written after the caller
+    marks the upload broken off."""
+    try:
+        yield executor
+    except BaseException:
+        executor.shutdown(wait=True, cancel_futures=True)
+        raise
+    executor.shutdown(wait=True)
+
+
+def _log_segment(client, exp_id: str, parent: str, seg: dict, report: dict, tags: dict, start_ms: int) -> None:
+    child = client.create_run(exp_id, start_time=start_ms, run_name=seg["id"],
+                              tags=rec.segment_tags(seg, report, parent, tags)).info.run_id
+    _log_batched(client, child, rec.segment_metrics(seg))
+    client.set_terminated(child, "FINISHED")
+
+
+def _log_files(client, run_id: str, folder: Path, paths: list[str]) -> None:
+    for rel in paths:
+        client.log_artifact(run_id, str(folder / rel), posixpath.dirname(rel))
+
+
+def _log_segments(client, exp_id: str, parent: str, report: dict, tags: dict, out: Path, staging: Path,
+                  media: Executor, threads: int) -> None:
+    """One child run per segment, written by `threads` threads, while `media` makes the diverged
+    segments' audio and pictures, each sent to the parent's artifacts once made. The child runs'
+    start times are a millisecond apart in the report's order, whatever order they are written in:
+    the dashboard lists segments by start time. The first failure stops it all."""
+    t0 = int(time.time() * 1000)
+    segments = report.get("segments") or []
+    with _pool(ThreadPoolExecutor(threads, thread_name_prefix="difftest-mlflow")) as writers:
+        pending = {writers.submit(_log_segment, client, exp_id, parent, seg, report, tags, t0 + i)
+                   for i, seg in enumerate(segments)}
+        made = {media.submit(write_segment_media, seg, out, staging)
+                for seg in segments if seg.get("verdict") not in rec.CLEAN}
+        pending |= made
+        while pending:
+            done, pending = wait(pending, return_when=FIRST_COMPLETED)
+            for job in done:
+                if job in made:
+                    pending.add(writers.submit(_log_files, client, parent, staging, job.result()))
+                else:
+                    job.result()
 
 
 def log_repro(out_dir: Path, stream=sys.stderr) -> list[str]:
@@ -354,13 +442,14 @@ def _upload(client, out: Path, report: dict, sha: str, experiment: str, extra_ta
     try:
         _log_batched(client, parent, [(k, v, 0) for k, v in rec.parent_metrics(report).items()],
                      rec.parent_params(report), tags)
-        for seg in report.get("segments") or []:
-            child = client.create_run(exp_id, run_name=seg["id"], tags=rec.segment_tags(seg, report, parent, tags))
-            _log_batched(client, child.info.run_id, rec.segment_metrics(seg))
-            client.set_terminated(child.info.run_id, "FINISHED")
+        diverged = sum(seg.get("verdict") not in rec.CLEAN for seg in report.get("segments") or [])
+        threads = HTTP_SEGMENT_THREADS if uri.startswith(("http://", "https://")) else 1
         with tempfile.TemporaryDirectory(prefix="difftest-mlflow-") as staging:
-            _stage_artifacts(report, out, Path(staging))
-            client.log_artifacts(parent, staging)
+            media, files = Path(staging, "media"), Path(staging, "files")
+            with _pool(_media_pool(diverged)) as pool:
+                _log_segments(client, exp_id, parent, report, tags, out, media, pool, threads)
+            _stage_files(out, files)
+            client.log_artifacts(parent, str(files))
         rows = rec.divergence_rows(report)
         if rows:
             with warnings.catch_warnings():  # pandas' deprecation chatter from inside log_table
