@@ -15,6 +15,9 @@ import sys
 from difftest.errors import EXIT_INFRA, EXIT_PASS
 
 DEFAULT_UI = "http://127.0.0.1:5000"
+# media.py's AUDIO_FORMATS and DEFAULT_AUDIO, written out: the parser is built at every CLI start, without numpy
+AUDIO_CHOICES = ("opus", "flac", "wav")
+DEFAULT_AUDIO = "opus"
 
 
 def main_dashboard(args) -> int:
@@ -60,9 +63,10 @@ def add_dashboard_parser(subparsers) -> argparse.ArgumentParser:
                    help="only this experiment, e.g. difftest/smoke or difftest/bisect/smoke (repeatable; "
                         "default: all)")
     p.add_argument("--title", default="difftest dashboard", help="the name in the page header")
-    p.add_argument("--audio", choices=("flac", "opus", "wav"), default="flac",
-                   help="how the site stores the segments' audio: flac (default; lossless to 24 bits, 16-bit "
-                        "audio exactly), opus (lossy listening copies, the smallest site), wav (MLflow's float32 "
-                        "WAVs as they are, the largest); every player links MLflow's float32 original")
+    p.add_argument("--audio", choices=AUDIO_CHOICES, default=DEFAULT_AUDIO,
+                   help="how the site stores the segments' audio: opus (default; lossy listening copies, the "
+                        "smallest site; each player links its float32 original in MLflow), flac (lossless "
+                        "copies, to 24 bits, 16-bit audio exactly; about 7x the size), wav (MLflow's float32 "
+                        "WAVs as they are, the largest)")
     p.set_defaults(func=main_dashboard)
     return p

@@ -7,9 +7,9 @@ docs/mlflow-and-gate.md, difftest/mlflow_records.py, difftest/bisect/record.py).
   (`difftest.kind=segment`: tags, and per-chunk metric histories `<comparison>.tier`,
   `.logmel`, `.snr_db`, `.max_abs`, `codes.chunk_agreement` with step = chunk index).
 - media: each run's `audio/<segment>/*.wav` and `specdiff/<segment>.png`, downloaded and stored
-  smaller in the site (SITE/runs/<run>/media/: FLAC by default, palette PNGs; media.py), what was
-  stored described in media/media.json; a run fetched before (same report sha256, same audio format)
-  is not fetched again.
+  smaller in the site (SITE/runs/<run>/media/: Opus by default, or FLAC or WAV; palette PNGs; media.py),
+  what was stored described in media/media.json; a run fetched before (same report sha256, audio
+  stored the same way) is not fetched again.
 - bisects: parent runs `difftest.kind=bisect` with their probe runs (`difftest.kind=bisect-probe`:
   candidate.commit, bisect.subject, bisect.decision, ..., `difftest.culprit=true` on the first
   bad commit's) and the parent's bisect.json artifact when present (the commit line).
@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dashboards import model
-from dashboards.media import store_picture, store_segment_audio
+from dashboards.media import DEFAULT_AUDIO, audio_settings, store_picture, store_segment_audio
 from difftest.records.segment_media import safe_name
 from difftest.records.tracking import _search_all
 from difftest.verdicts.policy import TIERS
@@ -294,7 +294,7 @@ def _segment_media(folder: Path, name: str, stored: dict) -> tuple[dict, str | N
     return audio, png if (folder / png).is_file() else None
 
 
-def _fetch_run(client, parent, kids: list, site: Path, exp_name: str, notes: list, audio: str = "flac") -> Run:
+def _fetch_run(client, parent, kids: list, site: Path, exp_name: str, notes: list, audio: str = DEFAULT_AUDIO) -> Run:
     run_id = parent.info.run_id
     tags = parent.data.tags
     folder = site / "runs" / safe_name(run_id)
@@ -302,7 +302,7 @@ def _fetch_run(client, parent, kids: list, site: Path, exp_name: str, notes: lis
     sha = tags.get(REPORT_SHA)
     report = None
     if (fetched.get("format") == FETCHED_FORMAT and fetched.get("report_sha256") == sha and sha
-            and fetched.get("source") == "report.json" and fetched.get("audio") == audio):
+            and fetched.get("source") == "report.json" and fetched.get("audio") == audio_settings(audio)):
         report = _read_json(folder / "report.json")
     media_ok = report is not None
     if report is None:
@@ -331,7 +331,8 @@ def _fetch_run(client, parent, kids: list, site: Path, exp_name: str, notes: lis
         notes.append(f"run {run_id} ({exp_name}): no readable report.json artifact; segments rebuilt from its child runs")
     if media_ok:
         (folder / FETCHED).write_text(json.dumps({"format": FETCHED_FORMAT, "report_sha256": sha, "source": source,
-                                                  "repro": tags.get(REPRO_TAG), "audio": audio}, indent=1) + "\n")
+                                                  "repro": tags.get(REPRO_TAG), "audio": audio_settings(audio)},
+                                                 indent=1) + "\n")
     stored = _read_json(folder / "media" / MEDIA) or {}
     media = {}
     for seg in report.get("segments") or []:
@@ -360,7 +361,7 @@ def _fetch_bisect(client, parent, probes: list, exp_name: str) -> Bisect:
                   rows, state if isinstance(state, dict) else None)
 
 
-def gather(client, site: Path, experiments: list[str] | None = None, audio: str = "flac") -> Store:
+def gather(client, site: Path, experiments: list[str] | None = None, audio: str = DEFAULT_AUDIO) -> Store:
     """Read runs and bisects from MLflow; fetch their report.json and media into `site` (audio as
     `audio`: media.AUDIO_FORMATS)."""
     exps = _experiments(client, experiments)

@@ -2,12 +2,14 @@
 (`audio/<segment>/<role>.wav`, 4 bytes a sample) and a spectrogram PNG; the site stores them smaller.
 
 Audio (`difftest dashboard --audio`):
-  flac  (default) lossless FLAC. 16-bit where the samples are 16-bit PCM already (exact); else 24-bit:
-        FLAC holds integers, so the float32 samples are rounded to steps of 2^-23 (about 1.2e-7; error at
-        most one step). A file whose peak is beyond full scale (a difference of two loud signals can reach
-        2) is stored at 1/2, 1/4, ... of its level and the page says so.
-  opus  lossy Opus listening copies (about 40 kbit/s): the smallest site; the page says they are lossy.
+  opus  (default) lossy Opus listening copies at a 60 kbit/s target (OPUS_KBPS): the smallest site; the
+        page says they are lossy, and each player links the float32 original in MLflow.
+  flac  lossless FLAC (about 7x the size of the Opus copies). 16-bit where the samples are 16-bit PCM
+        already (exact); else 24-bit: FLAC holds integers, so the float32 samples are rounded to steps
+        of 2^-23 (about 1.2e-7; error at most one step).
   wav   the float32 WAVs as MLflow has them.
+A file whose peak is beyond full scale (a difference of two loud signals can reach 2) is stored at 1/2,
+1/4, ... of its level (Opus and FLAC) and the page says so.
 Either way a file that cannot be encoded (non-finite samples, a rate Opus lacks, not a WAV difftest
 reads) is copied as it is. Identical samples under two roles of a segment (the candidate alone and at
 concurrency N often agree) are stored once.
@@ -32,7 +34,14 @@ from difftest.suites import wavio
 
 log = logging.getLogger(__name__)
 
-AUDIO_FORMATS = ("flac", "opus", "wav")
+AUDIO_FORMATS = ("opus", "flac", "wav")
+DEFAULT_AUDIO = "opus"  # lossy listening copies; every player links MLflow's float32 original
+# The Opus copies' target bitrate. libsndfile leaves libopus at its automatic rate (about 37-40 kbit/s
+# here for 24 kHz mono), where libopus codes speech in its SILK or hybrid modes: 0.10-0.16 s to encode
+# 3.12 s. From about 55 kbit/s (mono, OPUS_APPLICATION_AUDIO, libopus 1.4) it codes every frame in CELT
+# alone: 0.05-0.06 s, and a log-mel distance to the original of 0.12-0.22 instead of 0.29-0.38; the files
+# 1.6x the bytes (docs/dashboard.md has the measurements). 60 leaves a margin above the switch.
+OPUS_KBPS = 60
 STEP_24 = 2.0 ** -23  # the 24-bit quantisation step, as a fraction of full scale
 PALETTE_MAX_ERROR = 8  # of 255, per channel: above it the picture keeps every colour
 
@@ -76,11 +85,20 @@ def _opus(x: np.ndarray, rate: int, dst: Path, comment: str) -> dict:
     sf = _soundfile()
     peak = float(np.abs(x).max()) if x.size else 0.0
     scale = _headroom(peak)
-    with sf.SoundFile(dst, "w", rate, x.shape[1] if x.ndim > 1 else 1, "OPUS", format="OGG") as f:
+    channels = x.shape[1] if x.ndim > 1 else 1
+    # libsndfile maps compression_level c to a target of ((1 - c) * 250 + 6) kbit/s per channel
+    level = 1.0 - (OPUS_KBPS - 6) / 250
+    with sf.SoundFile(dst, "w", rate, channels, "OPUS", format="OGG", compression_level=level) as f:
         note = "; ".join(x for x in (comment, "lossy", f"stored at 1/{scale} of its level" if scale > 1 else "") if x)
         f.comment = note
         f.write(np.clip(x / scale, -1.0, 1.0).astype(np.float32))
     return {"format": "opus", "bits": None, "scale": scale, "peak": peak, "lossless": False, "exact": False}
+
+
+def audio_settings(fmt: str) -> str:
+    """What a site's copies were made with, as fetched.json keeps it: a run stored otherwise is fetched
+    and encoded again."""
+    return f"opus {OPUS_KBPS} kbit/s" if fmt == "opus" else fmt
 
 
 def store_audio(src: Path, dst_stem: Path, fmt: str, comment: str = "") -> dict:
@@ -98,7 +116,7 @@ def store_audio(src: Path, dst_stem: Path, fmt: str, comment: str = "") -> dict:
         dst = dst_stem.with_suffix(f".{fmt}")
         try:
             meta = (_flac if fmt == "flac" else _opus)(x, info.sample_rate, dst, comment)
-        except Exception as e:  # libsndfile refuses (e.g. a rate Opus has not): the lossless default then
+        except Exception as e:  # libsndfile refuses (e.g. a rate Opus has not): lossless FLAC then
             dst.unlink(missing_ok=True)
             if fmt == "opus":
                 log.warning("%s: no Opus copy (%s): FLAC instead", src, e)

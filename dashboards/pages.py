@@ -617,8 +617,8 @@ def listen_note(shown: list[dict]) -> list[str]:
         lines.append(f"FLAC is lossless: 24-bit FLAC holds MLflow's float32 samples to within {fmt_num(STEP_24)} "
                      f"(2⁻²³, its step), 16-bit FLAC exactly the samples of audio that was 16-bit PCM already.")
     if "opus" in formats:
-        lines.append("Opus copies are lossy (this site was built with --audio opus): to listen to; for the "
-                     "samples take the float32 originals.")
+        lines.append("Opus copies are lossy: to listen to; for the samples take the float32 originals (or build "
+                     "the site with --audio flac for lossless copies).")
     lines.append("The float32 originals are in MLflow: a link under each player.")
     return lines
 

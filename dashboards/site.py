@@ -5,7 +5,7 @@
     SITE/runs/<run>/index.html               a run: provenance, segments × chunks heatmap
     SITE/runs/<run>/seg-<n>-<segment>.html   a diverged segment: audio, spectrogram difference, codes, donor
     SITE/runs/<run>/report.json, media/      fetched from MLflow (kept: a second build fetches only new runs);
-                                             media/ holds the audio as FLAC (or --audio opus|wav) and
+                                             media/ holds the audio as Opus (or --audio flac|wav) and
                                              palette PNGs, media/media.json says what (media.py)
     SITE/bisects/<run>.html                  a bisect: the commit line, the probes, the culprit
     SITE/.difftest-dashboard                 marks the folder as a dashboard: only such a folder is written over
@@ -21,6 +21,7 @@ from pathlib import Path
 from dashboards import model, pages
 from dashboards.assets import stylesheet
 from dashboards.gather import Store, gather
+from dashboards.media import DEFAULT_AUDIO
 from difftest.errors import BadInput
 from difftest.records.segment_media import safe_name
 from difftest.results import atomic_write
@@ -75,7 +76,7 @@ def render_site(store: Store, site: Path, ctx: pages.Context) -> Built:
 
 
 def build(uri: str, site: str | Path, *, ui_url: str = "http://127.0.0.1:5000", experiments: list[str] | None = None,
-          title: str = "difftest dashboard", audio: str = "flac") -> Built:
+          title: str = "difftest dashboard", audio: str = DEFAULT_AUDIO) -> Built:
     """Gather from the MLflow store at `uri` and write the site into `site`, the audio stored as `audio`
     (media.AUDIO_FORMATS). Raises BadInput for an unusable --out or a missing local store,
     tracking.TrackingUnavailable when MLflow cannot be read."""

@@ -122,7 +122,8 @@ class FakeProber:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory, _empty_mlflow_store):
-    """The store (6 runs in two suites, a bisect) and the site built from it."""
+    """The store (6 runs in two suites, a bisect) and the site built from it with lossless audio
+    (--audio flac: the tests below check its samples; test_the_default_site_... the default, Opus)."""
     from mlflow import MlflowClient
 
     from difftest.bisect.session import Tracking, run_bisect
@@ -152,7 +153,7 @@ def site(tmp_path_factory, _empty_mlflow_store):
                           tracking=Tracking(uri=uri), stdout=io.StringIO(), stderr=io.StringIO())
         assert code == 0
     out = root / "site"
-    p = dashboard("--out", out, "--tracking-uri", uri, "--mlflow-ui-url", UI, cwd=root)
+    p = dashboard("--out", out, "--tracking-uri", uri, "--mlflow-ui-url", UI, "--audio", "flac", cwd=root)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "6 runs" in p.stdout and "1 bisects" in p.stdout
     client = MlflowClient(uri)
@@ -444,38 +445,105 @@ def test_segment_audio_is_flac_loaded_when_played_and_decodes_to_the_mlflow_samp
     assert f"no pixel off by more than {diff.max()}/255" in got["text"]
 
 
-def test_an_opus_site_says_its_audio_is_lossy_and_a_flac_build_replaces_it(site, browser, tmp_path, capsys):
+def test_the_default_site_stores_lossy_opus_that_chromium_plays(site, browser, tmp_path, capsys):
+    """Without --audio the site's audio is Opus (lossy listening copies at media.OPUS_KBPS): Ogg Opus files
+    at the WAVs' rate and length, captions and the Listen note that say lossy, nothing fetched until a
+    player plays, Chromium decodes each file to the WAV's duration and close to its samples, and each
+    player links its float32 original in MLflow. A second build reuses the copies; the same folder built
+    with --audio flac replaces them."""
+    import argparse
+    import inspect
+    import re
+
+    import numpy as np
     import soundfile
 
+    from dashboards import cli, media
     from dashboards.browser import audio_state
+    from dashboards.site import build
+    from difftest.suites import wavio
 
-    out = tmp_path / "opus"
-    args = ("--out", out, "--tracking-uri", site.uri, "--experiment", "difftest/toy-long")
-    code, stdout, err = dashboard_here(*args, "--audio", "opus", capsys=capsys)
+    parser = argparse.ArgumentParser()
+    cli.add_dashboard_parser(parser.add_subparsers())
+    assert parser.parse_args(["dashboard", "--out", "x"]).audio == "opus" == media.DEFAULT_AUDIO
+    assert inspect.signature(build).parameters["audio"].default == "opus"
+    assert set(cli.AUDIO_CHOICES) == set(media.AUDIO_FORMATS) == {"opus", "flac", "wav"}
+
+    out = tmp_path / "default"
+    args = ("--out", out, "--tracking-uri", site.uri, "--experiment", "difftest/toy-long", "--mlflow-ui-url", UI)
+    code, stdout, err = dashboard_here(*args, capsys=capsys)
     assert code == 0 and "1 diverged segment pages" in stdout, err
-    folder = out / "runs" / site.runs[("toy-long", "0.30.0")].run_id
+    run = site.runs[("toy-long", "0.30.0")]
+    folder = out / "runs" / run.run_id
     path = folder / segment_pages(site, "toy-long", "0.30.0")["s1"].name
     files = sorted((folder / "media" / "audio" / "s1").iterdir())
     assert [f.name for f in files] == ["candidate.opus", "difference.opus", "reference.opus"]
-    assert all((soundfile.info(f).format, soundfile.info(f).subtype) == ("OGG", "OPUS") for f in files)
-    page = open_page(browser, path)
-    got = page.evaluate(SEGMENT_JS)
-    assert all(c.startswith("Opus, lossy, ") and "kbit/s" in c for c in got["codecs"]), got["codecs"]
-    assert "Opus copies are lossy (this site was built with --audio opus)" in got["text"]
-    for a in audio_state(page):
-        assert a["error"] is None and a["ready"] >= 1 and abs(a["duration"] - 60 * 1920 / 24000) < 0.03, a
-    # the same folder built again as FLAC: the runs are fetched again, nothing of the Opus copies stays
+    originals = {}
+    for role in ("reference", "candidate", "control", "difference"):
+        want, info = wavio.read(site.client.download_artifacts(run.run_id, f"audio/s1/{role}.wav", str(tmp_path)))
+        assert info.format == "float" and info.bits == 32 and info.sample_rate == 24000
+        originals[role] = want
+    for f in files:
+        info = soundfile.info(f)
+        assert (info.format, info.subtype, info.samplerate) == ("OGG", "OPUS", 24000), (f, info)
+        assert info.frames == len(originals[f.stem]) == 60 * 1920, (f, info.frames)
+        assert "lossy" in soundfile.SoundFile(f).comment.split("; ")
+    assert json.loads((folder / "fetched.json").read_text())["audio"] == f"opus {media.OPUS_KBPS} kbit/s"
+    stored = json.loads((folder / "media" / "media.json").read_text())["audio"]["s1"]
+    assert {(m["format"], m["lossless"]) for m in stored.values()} == {("opus", False)}
+    html = path.read_text()
+    assert html.count('<audio controls preload="none" src="media/audio/s1/') == 4 and 'preload="metadata"' not in html
+
+    with served(out) as url:
+        page = browser.open(f"{url}/{path.relative_to(out).as_posix()}")
+        page.front()
+        got = page.evaluate(SEGMENT_JS)
+        page.evaluate("new Promise(r => setTimeout(r, 500))")  # time for anything the page would fetch by itself
+        asked = [ev["params"]["request"]["url"] for ev in page.network if ev["method"] == "Network.requestWillBeSent"]
+        assert any(u.endswith("style.css") for u in asked) and not [u for u in asked if "/media/audio/" in u], asked
+        decoded = page.evaluate(DECODE_JS % 24000, timeout_s=120)
+    assert got["players"] == ["reference", "candidate", "control", "difference"]
+    assert got["preload"] == ["none"] * 4
+    exp = site.client.get_run(run.run_id).info.experiment_id
+    assert got["originals"] == [f"{UI}/#/experiments/{exp}/runs/{run.run_id}/artifactPath/audio/s1/{r}.wav"
+                                for r in got["players"]]
+    assert all("float32 original in MLflow" in c for c in got["codecs"]), got["codecs"]
+    rates = [float(re.match(r"Opus, lossy, (\d+) kbit/s", c).group(1)) for c in got["codecs"]]
+    # VBR about the target (libsndfile's own rate is about 40), less where there is little to code (the difference)
+    assert 0.8 * media.OPUS_KBPS <= rates[0] <= 1.3 * media.OPUS_KBPS and max(rates) <= 1.3 * media.OPUS_KBPS, rates
+    assert "Opus copies are lossy" in got["text"] and "--audio flac for lossless copies" in got["text"]
+    stored_as = {"reference": "reference", "candidate": "candidate", "control": "reference", "difference": "difference"}
+    srcs = [f"media/audio/s1/{stored_as[r]}.opus" for r in got["players"]]
+    for role, src in zip(got["players"], srcs):
+        # Chromium's Web Audio decodes the Ogg Opus to the WAV's samples, in place, at a listening copy's fidelity
+        want, samples = originals[role], np.asarray(decoded[src]["samples"], np.float32)
+        assert decoded[src]["rate"] == 24000 and abs(len(samples) - len(want)) / 24000 <= 0.1, (role, len(samples))
+        n = min(len(samples), len(want))
+        snr = 10 * np.log10(np.sum(want[:n] ** 2) / np.sum((samples[:n] - want[:n]) ** 2))
+        assert np.abs(want).max() > 0.05 and snr >= 15, (role, snr)
+    # the players, from file:// as the site is opened: each loads when asked, at the WAV's duration
+    played = audio_state(open_page(browser, path))
+    assert [a["src"] for a in played] == srcs
+    for role, a in zip(got["players"], played):
+        seconds = len(originals[role]) / 24000
+        assert a["error"] is None and a["ready"] >= 1 and abs(a["duration"] - seconds) <= 0.1, (role, a, seconds)
+
+    # built again the same way: nothing fetched or encoded again
+    before = files[0].stat().st_mtime_ns
     code, _, err = dashboard_here(*args, capsys=capsys)
+    assert code == 0 and files[0].stat().st_mtime_ns == before, err
+    # the same folder built as FLAC: the runs are fetched again, nothing of the Opus copies stays
+    code, _, err = dashboard_here(*args, "--audio", "flac", capsys=capsys)
     assert code == 0, err
     assert sorted(f.name for f in (folder / "media" / "audio" / "s1").iterdir()) == [
         "candidate.flac", "difference.flac", "reference.flac"]
-    assert "Opus" not in path.read_text()
+    assert "Opus" not in path.read_text() and "FLAC is lossless" in path.read_text()
 
 
 def test_media_copies_keep_what_the_samples_are():
     """16-bit samples stay exact in 16-bit FLAC; a peak beyond full scale is stored at a power-of-two
-    fraction of its level and the page says so; samples FLAC cannot hold are copied as they are;
-    identical roles are stored once; a picture with too many colours keeps them all."""
+    fraction of its level and the page says so (FLAC and Opus); samples FLAC cannot hold are copied as
+    they are; identical roles are stored once; a picture with too many colours keeps them all."""
     import tempfile
 
     import numpy as np
@@ -510,6 +578,17 @@ def test_media_copies_keep_what_the_samples_are():
         assert pages.audio_label(stored["reference"]).startswith("FLAC 16-bit, the samples exactly · ")
         assert pages.audio_label(stored["candidate"]).startswith("FLAC 24-bit, the float32 samples to 2.38e-07 · ")
         assert pages.audio_label(stored["difference"]).startswith("WAV 32-bit as in MLflow · ")
+        # the same as Opus: lossy, the loud file at 1/2 of its level, the NaN file copied, the control stored once
+        opus = media.store_segment_audio(src, Path(tmp, "opus"), "opus",
+                                         ("reference", "candidate", "control", "difference"), comment="t")
+        assert {r: (m["file"], m["format"], m["scale"], m["lossless"], m["same_as"]) for r, m in opus.items()} == {
+            "reference": ("reference.opus", "opus", 1, False, None),
+            "candidate": ("candidate.opus", "opus", 2, False, None),
+            "control": ("candidate.opus", "opus", 2, False, "candidate"),
+            "difference": ("difference.wav", "wav", 1, True, None)}
+        assert (soundfile.SoundFile(Path(tmp, "opus", "candidate.opus")).comment
+                == "t/candidate.wav; lossy; stored at 1/2 of its level")
+        assert pages.audio_label(opus["candidate"]).startswith("Opus, lossy, ")
         noisy = Path(tmp, "noisy.png")
         Image.fromarray(rng.integers(0, 256, (64, 64, 3), dtype=np.uint8)).save(noisy)
         assert media.store_picture(noisy, Path(tmp, "out.png")) == {"palette": False, "max_error": 0}
@@ -578,7 +657,8 @@ def test_a_second_build_reuses_what_it_fetched_and_refuses_foreign_folders(site,
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     wav = next((site.out / "runs").glob("*/media/audio/s0/candidate.flac"))
     before = wav.stat().st_mtime_ns
-    code, out, err = dashboard_here("--out", site.out, "--tracking-uri", site.uri, "--mlflow-ui-url", UI, capsys=capsys)
+    code, out, err = dashboard_here("--out", site.out, "--tracking-uri", site.uri, "--mlflow-ui-url", UI,
+                                    "--audio", "flac", capsys=capsys)
     assert code == 0 and "6 runs" in out, err
     assert wav.stat().st_mtime_ns == before  # not downloaded again
     foreign = tmp_path / "mine"
@@ -715,9 +795,10 @@ def test_from_a_tracking_server(mlflow_server, tmp_path, capsys):
     assert code == 0 and "1 runs, 1 diverged segment pages" in stdout, err
     folder = tmp_path / "site" / "runs" / run_id
     assert json.loads((folder / "report.json").read_text())["verdict"] == "fail"
-    # FLAC; the candidate alone decoded as the reference did, so its samples are stored once, as the reference's
+    # Opus (the default); the candidate alone decoded as the reference did, so its samples are stored once,
+    # as the reference's
     assert {p.name for p in (folder / "media" / "audio" / "s0").iterdir()} == {
-        "reference.flac", "candidate.flac", "difference.flac"}
+        "reference.opus", "candidate.opus", "difference.opus"}
     page = (folder / "index.html").read_text()
     assert f'href="{mlflow_server}/#/experiments/' in page and "rebuilt from" not in page
 

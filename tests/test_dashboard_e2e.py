@@ -39,11 +39,14 @@ def real(tmp_path_factory, _empty_mlflow_store):
     assert p.returncode == 1, p.stdout + p.stderr[-3000:]
     report = json.loads((root / "leak" / "report.json").read_text())
     run_id = json.loads((root / "leak" / "mlflow.json").read_text())["runs"][0]["run_id"]
-    site = root / "site"
-    b = subprocess.run([sys.executable, "-m", "dashboards", "--out", str(site), "--tracking-uri", uri],
-                       cwd=root, capture_output=True, text=True, timeout=300)
-    assert b.returncode == 0, b.stdout + b.stderr
-    return SimpleNamespace(root=root, site=site, report=report, run_id=run_id, uri=uri)
+    sites = {}
+    for name, audio in (("site", []), ("site-flac", ["--audio", "flac"])):  # the default (Opus), and lossless
+        sites[name] = root / name
+        b = subprocess.run([sys.executable, "-m", "dashboards", "--out", str(sites[name]), "--tracking-uri", uri,
+                            *audio], cwd=root, capture_output=True, text=True, timeout=300)
+        assert b.returncode == 0, b.stdout + b.stderr
+    return SimpleNamespace(root=root, site=sites["site"], flac_site=sites["site-flac"], report=report, run_id=run_id,
+                           uri=uri)
 
 
 @pytest.fixture(scope="module")
@@ -106,16 +109,26 @@ def test_real_leak_run_on_the_dashboard(real, browser, tmp_path):
     assert f"Donor: {donor}" in text
     roles = page.evaluate("[...document.querySelectorAll('.player')].map(p => p.dataset.role)")
     assert roles == ["reference", "candidate", "cross_own", "cross_donor", "control", "difference"]
-    srcs = page.evaluate("[...document.querySelectorAll('audio')].map(a => [a.getAttribute('src'), a.preload])")
-    assert srcs and all(src.endswith(".flac") and preload == "none" for src, preload in srcs), srcs
-    for a in audio_state(page):
-        assert a["error"] is None and a["duration"] > 2.0, a
-    # the site's FLAC holds the run's float32 samples as MLflow has them, to the 24-bit step (times the
-    # level it was stored at); 16-bit exactly
     name = safe_name(first)
-    media = real.site / "runs" / real.run_id / "media"
-    stored = json.loads((media / MEDIA).read_text())["audio"][name]
     originals = Path(MlflowClient(real.uri).download_artifacts(real.run_id, f"audio/{name}", str(tmp_path)))
+    # the default site: lossy Opus listening copies, loaded when played, at the WAVs' durations, each
+    # player linking its float32 original in MLflow
+    srcs = page.evaluate("[...document.querySelectorAll('audio')].map(a => [a.getAttribute('src'), a.preload])")
+    assert srcs and all(src.endswith(".opus") and preload == "none" for src, preload in srcs), srcs
+    links = page.evaluate("[...document.querySelectorAll('.player a.original')].map(a => a.href)")
+    assert links == [f"{UI}/#/experiments/{MlflowClient(real.uri).get_run(real.run_id).info.experiment_id}/runs/"
+                     f"{real.run_id}/artifactPath/audio/{name}/{role}.wav" for role in roles]
+    assert "Opus copies are lossy" in text
+    for role, a in zip(roles, audio_state(page)):
+        seconds = soundfile.info(originals / f"{role}.wav").duration
+        assert a["error"] is None and seconds > 2.0 and abs(a["duration"] - seconds) <= 0.1, (role, a, seconds)
+    stored = json.loads((real.site / "runs" / real.run_id / "media" / MEDIA).read_text())["audio"][name]
+    assert set(stored) == {p.stem for p in originals.glob("*.wav")}
+    assert {(m["format"], m["lossless"]) for m in stored.values()} == {("opus", False)}
+    # the --audio flac site's FLAC holds the run's float32 samples as MLflow has them, to the 24-bit step
+    # (times the level it was stored at); 16-bit exactly
+    media = real.flac_site / "runs" / real.run_id / "media"
+    stored = json.loads((media / MEDIA).read_text())["audio"][name]
     assert set(stored) == {p.stem for p in originals.glob("*.wav")} and {m["format"] for m in stored.values()} == {"flac"}
     for role, meta in stored.items():
         want, _ = wavio.read(originals / f"{role}.wav")
