@@ -10,8 +10,9 @@ of 3.12 s at 24 kHz and a spectrogram in MLflow).
    3 concurrency_defect) with result files for every segment, logged with `log_run` to a local
    sqlite store (audio, difference and spectrogram written by difftest's own segment_media). The
    reference audio is the same in every run (the scale run's second run reused the reference).
-2. `python -m dashboards --audio F` for each format, and the dashboards/ of REV (default: the commit
-   before the FLAC copies, the old code path: float32 WAVs, PNGs as MLflow has them, preload=metadata).
+2. `python -m dashboards --audio F` for each format (the default format, Opus, without --audio: the site
+   a plain `difftest dashboard` makes), and the dashboards/ of REV (default: the commit before the
+   FLAC copies, the old code path: float32 WAVs, PNGs as MLflow has them, preload=metadata).
 3. For each site: size, files, bytes by kind, build time; headless Chromium's time to open a run
    page (278 heatmap rows) and a segment page, browser start included, and which audio the segment
    page fetched by itself (none wanted).
@@ -45,6 +46,7 @@ sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 from bench_mlflow import audio_comparison  # noqa: E402
 
+from dashboards.media import DEFAULT_AUDIO  # noqa: E402
 from difftest.records import tracking  # noqa: E402
 from difftest.records.report import write_report  # noqa: E402
 from difftest.results import Result, write_result  # noqa: E402
@@ -193,7 +195,8 @@ def baseline_rev() -> str:
 
 
 def build(site: Path, uri: str, work: Path, fmt: str | None, old: Path | None) -> float:
-    """Time one `python -m dashboards` from an empty folder: this tree's with --audio fmt, or `old`'s."""
+    """Time one `python -m dashboards` from an empty folder: this tree's with --audio fmt (none for the
+    default), or `old`'s."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(str(p) for p in (old, REPO) if p)}
     cmd = [sys.executable, "-m", "dashboards", "--out", str(site), "--tracking-uri", uri]
     t0 = time.perf_counter()
@@ -265,7 +268,8 @@ def main():
             subprocess.run(["tar", "-x", "-C", str(old)], input=tar, check=True)
             sha = subprocess.run(["git", "rev-parse", "--short", rev], cwd=REPO, capture_output=True, text=True).stdout
             sites.append((f"before ({sha.strip()}: float32 WAV copies)", None, old))
-        sites += [(f"--audio {f}", f, None) for f in a.formats.split(",") if f]
+        sites += [(f"default (--audio {f})", None, None) if f == DEFAULT_AUDIO else (f"--audio {f}", f, None)
+                  for f in a.formats.split(",") if f]
         results = []
         for name, fmt, old in sites:
             site = work / f"site-{len(results)}"
