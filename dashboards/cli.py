@@ -66,7 +66,7 @@ def add_dashboard_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--audio", choices=AUDIO_CHOICES, default=DEFAULT_AUDIO,
                    help="how the site stores the segments' audio: opus (default; lossy listening copies, the "
                         "smallest site; each player links its float32 original in MLflow), flac (lossless "
-                        "copies, to 24 bits, 16-bit audio exactly; about 7x the size), wav (MLflow's float32 "
+                        "copies, to 24 bits, 16-bit audio exactly; about 5.5x the size), wav (MLflow's float32 "
                         "WAVs as they are, the largest)")
     p.set_defaults(func=main_dashboard)
     return p

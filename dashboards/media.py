@@ -4,7 +4,7 @@
 Audio (`difftest dashboard --audio`):
   opus  (default) lossy Opus listening copies at a 60 kbit/s target (OPUS_KBPS): the smallest site; the
         page says they are lossy, and each player links the float32 original in MLflow.
-  flac  lossless FLAC (about 7x the size of the Opus copies). 16-bit where the samples are 16-bit PCM
+  flac  lossless FLAC (about 5.5x the size of the Opus site). 16-bit where the samples are 16-bit PCM
         already (exact); else 24-bit: FLAC holds integers, so the float32 samples are rounded to steps
         of 2^-23 (about 1.2e-7; error at most one step).
   wav   the float32 WAVs as MLflow has them.
