@@ -56,8 +56,8 @@ wait_installs() {  # [NAME...]: wait for these installs (default: every one star
 UV_VERSION=0.13.9
 
 uv_setup() {  # export DIFFTEST_UV: uv, installing from where pip installs (scripts/uv_env.py)
-    # uv installs the same packages as pip several times faster (parallel downloads and unpacking,
-    # no byte-compiling: each module compiles on its first import). Any failure here leaves
+    # uv installs the same packages as pip several times faster (parallel downloads, unpacking and
+    # byte-compiling). Any failure here leaves
     # DIFFTEST_UV empty and the installs use pip, as before; DIFFTEST_NO_UV=1 asks for pip.
     [[ ${DIFFTEST_NO_UV:-} == 1 ]] && return 0
     local dir=.cache/uv-venv py=${PYTHON:-python3}

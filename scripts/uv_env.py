@@ -5,8 +5,8 @@
 uv reads neither pip.conf nor PIP_* variables. This machine's pip takes wheels from local folders
 and indexes (find-links, extra indexes: a CPU torch among them), a constraint file and a CA bundle;
 uv gets the same, and pip's rule for several indexes (the best version from any of them, not the
-first index that has the package). Only what pip's own configuration says is translated; pip's
-environment variables win over its files, as pip has it.
+first index that has the package), and byte-compiling at install as pip does. Only what pip's own
+configuration says is translated; pip's environment variables win over its files, as pip has it.
 """
 
 from __future__ import annotations
@@ -41,7 +41,9 @@ def pip_settings() -> dict[str, str]:
 
 def main() -> int:
     settings = pip_settings()
-    exports = {"UV_INDEX_STRATEGY": "unsafe-best-match"}
+    # Byte-compiled at install, as pip does: where PYTHONDONTWRITEBYTECODE is set (CI here) no module
+    # would ever be compiled to disk, and every process would compile vLLM, torch and MLflow again.
+    exports = {"UV_INDEX_STRATEGY": "unsafe-best-match", "UV_COMPILE_BYTECODE": "1"}
     for key, var in KEYS.items():
         if settings.get(key):
             exports[var] = settings[key]

@@ -26,6 +26,8 @@ def test_pips_sources_become_uvs(tmp_path):
     assert got["UV_EXTRA_INDEX_URL"] == "file:///idx/one file:///idx/two"
     assert got["UV_CONSTRAINT"] == "/c/constraints.txt" and got["UV_HTTP_TIMEOUT"] == "7"
     assert got["UV_INDEX_STRATEGY"] == "unsafe-best-match"  # pip's rule: the best version of any index
+    # compiled at install as pip does: with PYTHONDONTWRITEBYTECODE set, nothing would be compiled later
+    assert got["UV_COMPILE_BYTECODE"] == "1"
 
 
 def test_pips_environment_wins_over_its_files(tmp_path):
