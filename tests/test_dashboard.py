@@ -391,6 +391,19 @@ def served(folder: Path):
         srv.server_close()
 
 
+def _open_segment_page(browser, root: Path, path: Path) -> tuple[dict, dict]:
+    """A segment page served over HTTP: what SEGMENT_JS reads of it, after checking it fetched no
+    audio by itself (players load when played), and its audio as Chromium decodes it."""
+    with served(root) as url:
+        page = browser.open(f"{url}/{path.relative_to(root).as_posix()}")
+        page.front()
+        got = page.evaluate(SEGMENT_JS)
+        page.evaluate("new Promise(r => setTimeout(r, 500))")  # time for anything the page would fetch by itself
+        asked = [ev["params"]["request"]["url"] for ev in page.network if ev["method"] == "Network.requestWillBeSent"]
+        assert any(u.endswith("style.css") for u in asked) and not [u for u in asked if "/media/audio/" in u], asked
+        return got, page.evaluate(DECODE_JS % 24000, timeout_s=120)
+
+
 def test_segment_audio_is_flac_loaded_when_played_and_decodes_to_the_mlflow_samples(site, browser, tmp_path):
     """The site's audio is FLAC (24-bit: the toy's float32 samples are not 16-bit ones), the page fetches
     none of it until a player plays, and Chromium decodes each file to MLflow's float32 samples within
@@ -410,14 +423,7 @@ def test_segment_audio_is_flac_loaded_when_played_and_decodes_to_the_mlflow_samp
     for f in files:
         info = soundfile.info(f)
         assert (info.format, info.subtype, info.samplerate) == ("FLAC", "PCM_24", 24000), (f, info)
-    with served(site.out) as url:
-        page = browser.open(f"{url}/{path.relative_to(site.out).as_posix()}")
-        page.front()
-        got = page.evaluate(SEGMENT_JS)
-        page.evaluate("new Promise(r => setTimeout(r, 500))")  # time for anything the page would fetch by itself
-        asked = [ev["params"]["request"]["url"] for ev in page.network if ev["method"] == "Network.requestWillBeSent"]
-        assert any(u.endswith("style.css") for u in asked) and not [u for u in asked if "/media/audio/" in u], asked
-        decoded = page.evaluate(DECODE_JS % 24000, timeout_s=120)
+    got, decoded = _open_segment_page(browser, site.out, path)
     assert got["preload"] == ["none"] * 4
     exp = site.client.get_run(run.run_id).info.experiment_id
     assert got["originals"] == [f"{UI}/#/experiments/{exp}/runs/{run.run_id}/artifactPath/audio/s0/{r}.wav"
@@ -494,14 +500,7 @@ def test_the_default_site_stores_lossy_opus_that_chromium_plays(site, browser, t
     html = path.read_text()
     assert html.count('<audio controls preload="none" src="media/audio/s1/') == 4 and 'preload="metadata"' not in html
 
-    with served(out) as url:
-        page = browser.open(f"{url}/{path.relative_to(out).as_posix()}")
-        page.front()
-        got = page.evaluate(SEGMENT_JS)
-        page.evaluate("new Promise(r => setTimeout(r, 500))")  # time for anything the page would fetch by itself
-        asked = [ev["params"]["request"]["url"] for ev in page.network if ev["method"] == "Network.requestWillBeSent"]
-        assert any(u.endswith("style.css") for u in asked) and not [u for u in asked if "/media/audio/" in u], asked
-        decoded = page.evaluate(DECODE_JS % 24000, timeout_s=120)
+    got, decoded = _open_segment_page(browser, out, path)
     assert got["players"] == ["reference", "candidate", "control", "difference"]
     assert got["preload"] == ["none"] * 4
     exp = site.client.get_run(run.run_id).info.experiment_id
