@@ -437,8 +437,9 @@ def test_a_failure_in_a_writer_thread_marks_the_parent_failed_and_the_next_uploa
     [broken] = parent_runs(client, exp)
     assert broken.info.status == "FAILED"
     kids = children(client, broken)
-    # the segments not started when it failed were dropped, and the failed one never finished
-    assert len(kids) < 8 and sum(k.info.status == "FINISHED" for k in kids) < len(kids)
+    # the failed one never finished (how many others began before the failure reached the main thread
+    # depends on how busy the machine is; those not begun by then were dropped)
+    assert sum(k.info.status == "FINISHED" for k in kids) < len(kids)
 
     monkeypatch.setattr(MlflowClient, "log_batch", real)
     run_id = log_run(out, experiment=exp)  # to the server the pending note names
@@ -466,8 +467,10 @@ def test_an_interrupted_upload_loses_nothing(mlflow_cwd, tmp_path, monkeypatch):
         log_run(out, experiment="interrupted")
     [broken] = parent_runs(client, "interrupted")
     assert broken.info.status == "FAILED"
-    # the writer thread may have begun the next segment before the interrupt reached the main thread
-    assert {"s0", "s1", "s2"} <= {k.info.run_name for k in children(client, broken)} <= {"s0", "s1", "s2", "s4"}
+    # the writer thread may have begun later segments before the interrupt reached the main thread
+    # (how many depends on how busy the machine is), but never the interrupted one
+    names = {k.info.run_name for k in children(client, broken)}
+    assert {"s0", "s1", "s2"} <= names and "s3" not in names, names
     assert not (out / STATE).exists()  # nothing claims it was logged
 
     monkeypatch.setattr(tracking, "_log_segment", real)
