@@ -122,11 +122,13 @@ def candidate_provenance(version: str, device: str) -> dict:
 
 
 def make_report(root: Path, name: str, *, leak_into=(), length_into=(), version: str = "0.30.0", device: str = "cpu",
-                suite: dict | None = None, nan_reference: bool = False, segments: int = 3) -> Path:
+                suite: dict | None = None, nan_reference: bool = False, segments: int = 3,
+                measured_null: dict | None = None) -> Path:
     """A difftest output folder made by `difftest compare` on toy results: segments s0..s{n-1};
     those in `leak_into` decoded with the last segment's reference codes (the seed's leak), those in
     `length_into` with their own extended to its length (the no-async hand-off's ref_code_len leak).
-    `suite` is put into report.json as `difftest run` writes it (compare knows no suite)."""
+    `suite` (and `measured_null`) are put into report.json as `difftest run` writes them (compare
+    knows no suite and decodes no null)."""
     base = root / name
     ref, cand, ctrl = base / "ref", base / "cand", base / "ctrl"
     refs = {f"s{i}": toy_codes(10 + i, 50 + i) for i in range(segments)}
@@ -147,10 +149,13 @@ def make_report(root: Path, name: str, *, leak_into=(), length_into=(), version:
         write_result(cand / sid, toy_result(sid, codes, used, provenance=cprov, meta={"runner": "cand", "concurrency": 3}))
     out = base / "out"
     difftest_main(["compare", str(ref), str(cand), "--control", str(ctrl), "--out", str(out)])
-    if suite is not None:
+    if suite is not None or measured_null is not None:
         path = out / "report.json"
         report = json.loads(path.read_text())
-        report["suite"] = suite
+        if suite is not None:
+            report["suite"] = suite
+        if measured_null is not None:
+            report["measured_null"] = measured_null
         path.write_text(json.dumps(report, indent=1, sort_keys=True))
     return out
 

@@ -142,6 +142,25 @@ def test_caught_needs_the_verdict_the_stage_and_the_donor(tmp_path):
     shutil.rmtree(tmp_path)
 
 
+def test_a_numerics_entry_is_judged_on_the_run_against_the_releases_own(tmp_path):
+    """`numerics_regression` is no segment's verdict: the mutant's run is held against the release's
+    run of the same suite (difftest/verdicts/numerics.py), as the gate holds a release against the last."""
+    (e,) = load_corpus(make_entry(tmp_path, expect={"verdict": "numerics_regression", "stage": "talker",
+                                                    "site": "code_predictor"}))
+
+    def rep(off: int) -> dict:  # 4 segments, `off` of 600 code-predictor tokens off qwen-tts's top-1 in each
+        return {"verdict": "pass", "segments": [], "measured_null": {
+            "segments": {f"s{i}": {"talker": [1, None, 40], "code_predictor": [off, None, 600]} for i in range(4)}}}
+
+    got = judge(e, rep(40), rep(20))
+    assert got["caught"] and got["where"] == "talker (code_predictor)" and got["got"] == ["numerics_regression@talker (code_predictor)"]
+    assert "160/2400" in got["summary"] and got["numerics"]["effect"] == 2.0
+    missed = judge(e, rep(21), rep(20))
+    assert not missed["caught"] and missed["numerics"]["verdict"] == "pass"
+    alone = judge(e, rep(40), None)  # no release run of the same cell to hold it against: not judged, not caught
+    assert not alone["caught"] and "release's own run" in alone["summary"]
+
+
 @pytest.mark.parametrize("corpus", ["cases/bugs", "cases/planted"])
 def test_every_shipped_entry_loads_and_its_patch_applies_to_the_release(corpus):
     """The shipped corpora, as `difftest bugs` would build them: each entry loads, names the

@@ -41,13 +41,15 @@ def policy_file(tmp_path, **baseline) -> str:
 def test_policy_baseline_section(tmp_path):
     p = load_policy()
     assert p.known_failures_fail is False and p.baseline_verdicts == {"pass", "fail"}
-    assert p.as_dict()["baseline"] == {"verdicts": ["fail", "pass"], "known_failures_fail": False}
+    assert p.as_dict()["baseline"] == {"verdicts": ["fail", "pass"], "known_failures_fail": False,
+                                       "numerics_false_flag_rate": 0.01, "numerics_rate_margin": 1.0, "numerics_fail": True}
     p = load_policy(policy_file(tmp_path, verdicts="[pass]", known_failures_fail=True))
     assert p.known_failures_fail is True and p.baseline_verdicts == {"pass"}
     without = tmp_path / "old.yaml"  # a policy written before the section existed still loads
     without.write_text(DEFAULT_POLICY.read_text().split("\nbaseline:")[0])
     assert load_policy(without).known_failures_fail is False
-    for bad in ({"verdicts": "[passed]"}, {"verdicts": "[]"}, {"known_failures_fail": "'yes'"}):
+    for bad in ({"verdicts": "[passed]"}, {"verdicts": "[]"}, {"known_failures_fail": "'yes'"},
+                {"numerics_rate_margin": 0.5}, {"numerics_false_flag_rate": 1.5}, {"numerics_fail": "'no'"}):
         with pytest.raises(BadInput, match="baseline"):
             load_policy(policy_file(tmp_path, **bad))
 
@@ -162,6 +164,43 @@ def test_baseline_is_the_latest_matching_run(mlflow_cwd, tmp_path, capsys):
     assert "no baseline" in err and "'0.30.0'" in err and "cuda:H100" in err
     assert not (on_gpu / "junit.xml").exists()
     assert gate(now, "--baseline-version", "9.9") == 2
+
+
+def _off_top1(per_segment: int, segments: int = 3) -> dict:
+    """report.json's measured null at concurrency 1 as the gate reads it: per segment, the code
+    predictor's tokens off qwen-tts's top-1 (`per_segment` of 600) and the talker's (1 of 40)."""
+    return {"verdict": "pass", "segments": {f"s{i}": {"talker": [1, None, 40], "code_predictor": [per_segment, None, 600]}
+                                            for i in range(segments)}}
+
+
+def test_numerics_worse_than_the_baseline_fail_the_gate_at_the_code_predictor(mlflow_cwd, tmp_path, capsys):
+    """The teacher-forced counts of the baseline's report (its MLflow artifact) against this run's:
+    every segment clean in both, but twice as many code-predictor tokens off qwen-tts's top-1."""
+    from difftest.records.tracking import log_run
+
+    assert log_run(make_report(tmp_path, "base", version="0.30.0", measured_null=_off_top1(20)))
+    worse = make_report(tmp_path, "worse", version="0.31.0", measured_null=_off_top1(40))
+    assert gate(worse, "--baseline-version", "0.30.0") == 1
+    out = capsys.readouterr().out
+    assert "GATE FAIL" in out and "numerics: numerics_regression at the talker (code predictor)" in out
+    assert "120/1800 (6.67%) against 60/1800 (3.33%), 2.0x" in out
+    root, cases = junit_cases(worse / "junit.xml")
+    assert cases["numerics against 0.30.0"][:2] == ("failure", "numerics_regression")
+    assert {k: v[0] for k, v in cases.items() if k.startswith("s")} == {"s0": "pass", "s1": "pass", "s2": "pass"}
+    assert (root.get("tests"), root.get("failures")) == ("4", "1")
+    assert "numerics: numerics_regression" in (worse / "gate.md").read_text()
+    # the policy may report it without failing
+    assert gate(worse, "--baseline-version", "0.30.0", "--policy", policy_file(tmp_path, numerics_fail=False)) == 0
+    _, cases = junit_cases(worse / "junit.xml")
+    assert cases["numerics against 0.30.0"][0] == "pass"
+
+    same = make_report(tmp_path, "same", version="0.31.0", measured_null=_off_top1(21))
+    assert gate(same, "--baseline-version", "0.30.0") == 0
+    assert "numerics: pass: as close to qwen-tts as baseline 0.30.0" in capsys.readouterr().out
+    # a run without teacher-forced counts is not compared, and says so
+    bare = make_report(tmp_path, "bare", version="0.31.0")
+    assert gate(bare, "--baseline-version", "0.30.0") == 0
+    assert "numerics: not_compared: no teacher-forced counts" in capsys.readouterr().out
 
 
 def test_gate_against_a_server_baseline(tmp_path, mlflow_server, monkeypatch):

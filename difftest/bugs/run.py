@@ -34,19 +34,25 @@ from ..errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput,
 from ..results import atomic_write
 from ..run import RunOptions, resolve_models, run, start_reference_runner
 from ..suites.suite import load_suite
+from ..verdicts.numerics import compare as compare_numerics
 from ..verdicts.policy import Policy, load_policy
 from ..verdicts.where import where
 from .corpus import DEFAULT_CORPUS, Entry, load_corpus
 from .mutant import mutant_env
 
 FORMAT = "difftest.bugs/1"
+NUMERICS = "numerics_regression"  # a run-level verdict, judged against the release's own run
 
 
-def judge(entry: Entry, report: dict, control: dict | None = None) -> dict:
+def judge(entry: Entry, report: dict, control: dict | None = None, policy: Policy | None = None) -> dict:
     """Whether the run caught the entry's bug, and the segment that shows it. `control`: the
     unmodified release's report of the same run (suite, configuration): a segment that gets the
-    expected verdict there too is the release's own finding, not the bug's, and catches nothing."""
+    expected verdict there too is the release's own finding, not the bug's, and catches nothing.
+    An entry expecting `numerics_regression` is judged on the run as a whole against `control`, as
+    `difftest gate --baseline-version` judges a release against the last one."""
     want = entry.expect
+    if want["verdict"] == NUMERICS:
+        return _judge_numerics(want, report, control, policy)
     own = {(s["id"], s["verdict"], s.get("stage")) for s in (control or {}).get("segments", [])}
     hits = [s for s in report["segments"] if s["verdict"] == want["verdict"] and s.get("stage") == want["stage"]
             and (s.get("donor") or not want.get("donor")) and (s["id"], s["verdict"], s.get("stage")) not in own]
@@ -55,6 +61,18 @@ def judge(entry: Entry, report: dict, control: dict | None = None) -> dict:
     return {"caught": report["verdict"] == "fail" and bool(hits), "got": got,
             "segment": seg["id"] if seg else None, "where": where(seg) if seg else None,
             "summary": seg["summary"] if seg else None, "run_verdict": report["verdict"]}
+
+
+def _judge_numerics(want: dict, report: dict, control: dict | None, policy: Policy | None) -> dict:
+    if control is None:  # `bugs --gate` when no entry the release carries ran this cell
+        return {"caught": False, "got": ["not judged"], "segment": None, "where": None, "run_verdict": report["verdict"],
+                "summary": "a numerics_regression entry is judged against the release's own run of the same cell: none was made"}
+    finding = compare_numerics(report, control, (policy or load_policy()).numerics, "the release")
+    caught = finding["verdict"] == NUMERICS and finding["stage"] == want["stage"] and (
+        not want.get("site") or finding["site"] == want["site"])
+    where = f"{finding['stage']} ({finding['site']})" if finding.get("stage") else None
+    return {"caught": caught, "got": [f"{finding['verdict']}@{where or '-'}"], "segment": None, "where": where,
+            "summary": finding["summary"], "run_verdict": report["verdict"], "numerics": finding}
 
 
 def run_entries(entries: list[Entry], out: Path, policy: Policy, opts: RunOptions, base_python: Path,
@@ -83,7 +101,11 @@ def run_entries(entries: list[Entry], out: Path, policy: Policy, opts: RunOption
                     row["build_s"] = round(time.perf_counter() - t0, 1)
                     report = _run_one(e, cand_python, out, policy, opts, python, runners, stack, stream,
                                       f"bug {i}/{len(entries)} {e.id}")
-                row.update(judge(e, report))
+                control = None
+                if e.expect["verdict"] == NUMERICS:  # the release itself, same suite and settings: the baseline
+                    control = _run_one(e, base_python, out, policy, opts, python, runners, stack, stream,
+                                       f"bug {i}/{len(entries)} {e.id} (the release, as baseline)", "release")
+                row.update(judge(e, report, control, policy))
                 row["status"] = "caught" if row["caught"] else ("known miss" if e.known_miss else "missed")
                 if log_mlflow:
                     from ..records.tracking import log_run
@@ -106,9 +128,10 @@ def run_entries(entries: list[Entry], out: Path, policy: Policy, opts: RunOption
 
 
 def _run_one(e: Entry, cand_python: Path, out: Path, policy: Policy, opts: RunOptions, python: Path,
-             runners: dict, stack: ExitStack, stream, label: str) -> dict:
-    """`difftest run` of the entry against its mutant, with the reference runner for its models
-    (started once, shared by the entries that need the same checkpoints)."""
+             runners: dict, stack: ExitStack, stream, label: str, folder: str | None = None) -> dict:
+    """`difftest run` of the entry against its mutant (in OUT/<id>/, or OUT/<id>/<folder>/), with
+    the reference runner for its models (started once, shared by the entries that need the same
+    checkpoints)."""
     suite = load_suite(e.suite)
     e_opts = replace(opts, concurrency=e.concurrency, pattern=e.pattern, order=e.order, replace=True)
     models = resolve_models(suite, e_opts, python)
@@ -121,7 +144,7 @@ def _run_one(e: Entry, cand_python: Path, out: Path, policy: Policy, opts: RunOp
     spec = replace(CandidateSpec.parse(e.candidate), python=str(cand_python), options=dict(e.config))
     print(f"{label}: running {suite.name} at {e.concurrency} ({e.pattern} arrivals) on {e.candidate}",
           file=stream, flush=True)
-    return run(suite, spec, out / e.id, policy, e_opts, runner=runners[key])
+    return run(suite, spec, out / e.id / folder if folder else out / e.id, policy, e_opts, runner=runners[key])
 
 
 def exit_code(rows: list[dict]) -> int:

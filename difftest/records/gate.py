@@ -4,18 +4,23 @@ The policy says which segment verdicts fail. With `--baseline-version V` the run
 against the latest run of candidate version V logged to MLflow on the same suite hash and
 device: a segment failing now that was clean there is a regression (fails the gate); one that
 failed there too is a known failure (reported; fails only under `baseline.known_failures_fail`).
-Without a baseline, MLflow is not needed at all.
+The run's teacher-forced statistics are held against the baseline's report too
+(difftest/verdicts/numerics.py): a significant worsening is `numerics_regression`, failing the
+gate under `baseline.numerics_fail` (the default). Without a baseline, MLflow is not needed at all.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import tempfile
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput, InfraError
 from ..results import atomic_write
+from ..verdicts.numerics import compare as compare_numerics
 from ..verdicts.policy import Policy, load_policy
 from . import mlflow_records as rec
 from .gate_output import headline, junit_xml, markdown
@@ -41,6 +46,7 @@ class Baseline:
     started: str
     tracking_uri: str
     verdicts: dict = field(default_factory=dict)  # segment id -> verdict
+    report: dict | None = None  # its report.json (the run's parent artifact); None where it has none
 
 
 @dataclass
@@ -61,6 +67,7 @@ class GateResult:
     segments: list
     baseline: Baseline | None
     known_failures_fail: bool
+    numerics: dict | None = None  # difftest.verdicts.numerics.compare against the baseline's report
 
     def count(self, status: str) -> int:
         return sum(1 for s in self.segments if s.status == status)
@@ -93,7 +100,27 @@ def decide(report: dict, policy: Policy, baseline: Baseline | None = None) -> Ga
         result.verdict, result.exit_code = "error", EXIT_BAD_INPUT
     elif any(result.fails(s) for s in rows):
         result.verdict, result.exit_code = "fail", EXIT_FAIL
+    if baseline is not None:
+        result.numerics = (compare_numerics(report, baseline.report, policy.numerics, f"baseline {baseline.version}")
+                           if baseline.report is not None else
+                           {"verdict": "not_compared", "summary": f"baseline run {baseline.run_id} has no report.json artifact"})
+        result.numerics["fails"] = result.numerics["verdict"] == "numerics_regression" and policy.numerics.fail
+        if result.numerics["fails"] and result.verdict == "pass":
+            result.verdict, result.exit_code = "fail", EXIT_FAIL
     return result
+
+
+def _download_report(client, run_id: str) -> dict | None:
+    with tempfile.TemporaryDirectory(prefix="difftest-baseline-") as tmp:
+        try:
+            path = client.download_artifacts(run_id, "report.json", tmp)
+            return json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return None
+        except Exception as e:  # MLflow's own errors: an artifact that is not there
+            if type(e).__name__ in ("MlflowException", "RestException"):
+                return None
+            raise
 
 
 def find_baseline(client, report: dict, report_sha256: str, version: str, policy: Policy, tracking_uri: str = ""):
@@ -114,7 +141,8 @@ def find_baseline(client, report: dict, report_sha256: str, version: str, policy
             verdicts = {c.data.tags["segment.id"]: c.data.tags.get("verdict") for c in child_runs(client, run)
                         if "segment.id" in c.data.tags}
             started = datetime.fromtimestamp(run.info.start_time / 1000, timezone.utc).isoformat(timespec="seconds")
-            return Baseline(run.info.run_id, version, t.get("verdict"), started, tracking_uri, verdicts)
+            return Baseline(run.info.run_id, version, t.get("verdict"), started, tracking_uri, verdicts,
+                            _download_report(client, run.info.run_id))
     return None
 
 

@@ -47,6 +47,9 @@ def junit_xml(report: dict, result) -> bytes:
     failures = sum(1 for r in result.segments if r.status != "error" and result.fails(r))
     errors = result.count("error")
     skipped = sum(1 for r in result.segments if r.status == "known" and not result.fails(r))
+    num = result.numerics
+    if num is not None:
+        n, failures = n + 1, failures + bool(num["fails"])
     counts = {"tests": str(n), "failures": str(failures), "errors": str(errors), "skipped": str(skipped)}
     root = ET.Element("testsuites", name="difftest", **counts)
     suite = ET.SubElement(root, "testsuite", name=name, timestamp=str(report.get("created", "")), **counts)
@@ -72,12 +75,26 @@ def junit_xml(report: dict, result) -> bytes:
             ET.SubElement(case, "skipped", message=f"known failure ({_why(row, result)}): {message[:1000]}")
         elif s["verdict"] not in CLEAN or row.status == "fixed":
             ET.SubElement(case, "system-out").text = _details(row, result)
+    if num is not None:  # the run against the baseline's numerics: one more testcase
+        case = ET.SubElement(suite, "testcase", classname=name, name=f"numerics against {result.baseline.version}")
+        if num["verdict"] == "numerics_regression":
+            tag = "failure" if num["fails"] else "system-out"
+            el = ET.SubElement(case, tag, **({"type": num["verdict"], "message": num["summary"][:1000]} if tag == "failure" else {}))
+            el.text = numerics_line(num)
+        else:
+            ET.SubElement(case, "system-out").text = numerics_line(num)
     ET.indent(root)
     return ET.tostring(root, encoding="utf-8", xml_declaration=True) + b"\n"
 
 
+def numerics_line(num: dict) -> str:
+    where = f" at the {num['stage']} ({num['site'].replace('_', ' ')})" if num.get("stage") else ""
+    return f"numerics: {num['verdict']}{where}: {num['summary']}"
+
+
 def headline(report: dict, result) -> list[str]:
-    """Three lines: the decision with counts, what was gated, and the baseline."""
+    """Three lines: the decision with counts, what was gated, and the baseline (and, with a
+    baseline, a fourth: the numerics against it)."""
     counts = ", ".join(f"{result.count(st)} {LABEL[st]}" for st in ORDER if result.count(st))
     t = canonical_tags(report)
     suite = t.get("suite.name", "adhoc") + (f" ({t['suite.hash'][:12]})" if "suite.hash" in t else "")
@@ -88,16 +105,18 @@ def headline(report: dict, result) -> list[str]:
                                   f"at concurrency {t.get('concurrency', '?')}",
                                   f"on {t['device']}" if "device" in t else None]))
     b = result.baseline
-    return [f"GATE {result.verdict.upper()}: {len(result.segments)} segments of suite {suite}: {counts}", what,
-            f"baseline: candidate {b.version}, run {b.run_id} of {b.started} (verdict {b.verdict})"
-            if b else "baseline: none"]
+    lines = [f"GATE {result.verdict.upper()}: {len(result.segments)} segments of suite {suite}: {counts}", what,
+             f"baseline: candidate {b.version}, run {b.run_id} of {b.started} (verdict {b.verdict})"
+             if b else "baseline: none"]
+    return lines + ([numerics_line(result.numerics)] if result.numerics is not None else [])
 
 
 def markdown(report: dict, result, policy, rows: int = 50) -> str:
-    title, what, baseline = headline(report, result)
+    title, what, baseline, *numerics = headline(report, result)
     icon = {"pass": "✅", "fail": "❌", "error": "⚠️"}[result.verdict]
     out = [f"## {icon} difftest gate: {result.verdict}", "", title.split(": ", 1)[1], "",
            what + "  ", baseline + "  ",  # two trailing spaces: a Markdown line break
+           *(n + "  " for n in numerics),
            f"policy: `{policy.source}`" + ("; known failures fail" if policy.known_failures_fail else ""), ""]
     shown = sorted((r for r in result.segments if r.status != "pass" or r.segment["verdict"] not in CLEAN),
                    key=lambda r: ORDER.index(r.status))

@@ -14,6 +14,7 @@ from ..compare.audio import ChunkMetrics
 from ..compare.forced import ForcedPolicy
 from ..errors import BadInput
 from .null import NullPolicy
+from .numerics import NumericsPolicy
 
 DEFAULT_POLICY = Path(__file__).with_name("default_policy.yaml")
 
@@ -44,6 +45,7 @@ class Policy:
     # the candidate's reference codes against qwen-tts's: the share of (frame, codebook) entries that must agree
     encoder_min_agreement: float = 0.5
     null: NullPolicy = NullPolicy()  # the measured null's run-level test
+    numerics: NumericsPolicy = NumericsPolicy()  # the run's teacher-forced counts against the baseline's
 
     def tier_index(self, comparison: str) -> int:
         return TIERS.index(self.require[comparison])
@@ -57,7 +59,8 @@ class Policy:
                       "close_snr_db": self.close_snr_db, "close_logmel": self.close_logmel},
             "require": dict(self.require), "donor": {"max_ratio": self.donor_max_ratio},
             "fail_on": sorted(self.fail_on),
-            "baseline": {"verdicts": sorted(self.baseline_verdicts), "known_failures_fail": self.known_failures_fail},
+            "baseline": {"verdicts": sorted(self.baseline_verdicts), "known_failures_fail": self.known_failures_fail,
+                         **{f"numerics_{k}": v for k, v in self.numerics.__dict__.items()}},
             "forced": dict(self.forced.__dict__),
             "reference_encoder": {"min_agreement": self.encoder_min_agreement},
             "measured_null": dict(self.null.__dict__),
@@ -71,7 +74,7 @@ SCHEMA = {
     "require": {"concurrency", "vocoder", "drift"},
     "donor": {"max_ratio"},
     "fail_on": None,
-    "baseline": {"verdicts", "known_failures_fail"},
+    "baseline": {"verdicts", "known_failures_fail", *(f"numerics_{k}" for k in NumericsPolicy.__dataclass_fields__)},
     "forced": set(ForcedPolicy.__dataclass_fields__),
     "reference_encoder": {"min_agreement"},
     "measured_null": set(NullPolicy.__dataclass_fields__),
@@ -143,6 +146,17 @@ def load_policy(path: str | Path | None = None) -> Policy:
     known_fail = baseline.get("known_failures_fail", False)
     if not isinstance(known_fail, bool):
         bad("baseline.known_failures_fail", f"expected true or false, got {yamlfile.quote(known_fail)}")
+    numerics = {}
+    for key, default in NumericsPolicy().__dict__.items():
+        v = baseline.get(f"numerics_{key}", default)
+        if isinstance(default, bool):
+            if not isinstance(v, bool):
+                bad(f"baseline.numerics_{key}", f"expected true or false, got {yamlfile.quote(v)}")
+        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (
+                key == "false_flag_rate" and not 0 < v < 1) or (key == "rate_margin" and v < 1):
+            bad(f"baseline.numerics_{key}", f"expected {'a number in (0, 1)' if key == 'false_flag_rate' else 'a number of at least 1'}, "
+                                            f"got {yamlfile.quote(v)}")
+        numerics[key] = v if isinstance(default, bool) else float(v)
     forced = {}
     for key, default in ForcedPolicy().__dict__.items():  # an absent key keeps the built-in value
         v = (raw.get("forced") or {}).get(key, default)
@@ -167,7 +181,7 @@ def load_policy(path: str | Path | None = None) -> Policy:
     return Policy(vals["quantisation_max_abs"], vals["close_max_abs"], vals["close_snr_db"],
                   vals["close_logmel"], {c: require[c] for c in ("concurrency", "vocoder", "drift")},
                   float(ratio), frozenset(fail_on), str(path), frozenset(run_verdicts), known_fail,
-                  ForcedPolicy(**forced), float(agreement), NullPolicy(**null))
+                  ForcedPolicy(**forced), float(agreement), NullPolicy(**null), NumericsPolicy(**numerics))
 
 
 def chunk_tiers(m: ChunkMetrics, policy: Policy, quantised: bool = False) -> np.ndarray:
