@@ -7,7 +7,9 @@ import time
 
 import pytest
 
-from difftest.engines.launcher import ServerProcess, free_port
+from contextlib import ExitStack
+
+from difftest.engines.launcher import ServerProcess, free_port, free_ports, start_together
 from difftest.errors import InfraError
 
 HEALTHY = textwrap.dedent("""
@@ -98,3 +100,39 @@ def test_ports_drawn_together_are_distinct_even_when_the_draw_repeats(monkeypatc
     monkeypatch.undo()
     got = launcher.free_ports(20)
     assert len(set(got)) == 20
+
+
+# A server that answers /health only once the file argv[2] exists, and creates argv[3] when it starts.
+WAITS_FOR = HEALTHY.replace("class H(", """import os, time
+open(sys.argv[3], "w").close()
+while not os.path.exists(sys.argv[2]):
+    time.sleep(0.05)
+class H(""")
+
+
+def test_servers_started_together_are_all_spawned_before_any_is_waited_for(tmp_path):
+    """Each of the two becomes healthy only after the other has started: one after the other, the
+    first would never be healthy; side by side both are."""
+    a, b = tmp_path / "a-started", tmp_path / "b-started"
+    ports = free_ports(2)
+    servers = [ServerProcess([sys.executable, "-c", WAITS_FOR, str(port), str(other), str(mine)], f"http://127.0.0.1:{port}",
+                             tmp_path / f"{name}.log", health_timeout=300, name=name)
+               for name, port, mine, other in (("a", ports[0], a, b), ("b", ports[1], b, a))]
+    with ExitStack() as stack:
+        start_together(servers, stack)
+        assert all(s.started_s > 0 and s.proc.poll() is None for s in servers)
+    assert all(s.proc.poll() is not None for s in servers)  # both stopped with the stack
+
+
+def test_one_server_that_fails_to_start_stops_the_others(tmp_path):
+    port = free_port(exclude=set())
+    good = ServerProcess([sys.executable, "-c", HEALTHY, str(port)], f"http://127.0.0.1:{port}", tmp_path / "good.log",
+                         health_timeout=300, name="good")
+    bad = ServerProcess([sys.executable, "-c", "raise SystemExit(4)"], f"http://127.0.0.1:{free_port(exclude={port})}",
+                        tmp_path / "bad.log", health_timeout=300, name="bad")
+    with ExitStack() as stack, pytest.raises(InfraError, match="bad exited with status 4"):
+        start_together([good, bad], stack)
+    assert good.proc.poll() is not None  # stopped at once, not left for the stack
+    child = int((tmp_path / "good.log").read_text().split()[1])
+    assert gone_soon(child)
+

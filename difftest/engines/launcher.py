@@ -116,15 +116,18 @@ class ServerProcess:
     def start(self) -> "ServerProcess":
         """Start and wait for health; on any failure or interrupt meanwhile, stop what was started."""
         try:
-            return self._start()
+            self.spawn()
+            return self.wait_healthy()
         except BaseException:
             self.stop()
             raise
 
-    def _start(self) -> "ServerProcess":
+    def spawn(self) -> "ServerProcess":
+        """Start the process and return at once (`wait_healthy` waits for it): several servers can
+        start side by side. The caller stops it on failure."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")
-        t0 = time.monotonic()
+        self._t0 = time.monotonic()
         try:
             self.proc = zygote.popen(self.argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=lifeline.child_env(self.env), cwd=self.cwd, start_new_session=True)
@@ -133,6 +136,12 @@ class ServerProcess:
         finally:
             log.close()
         self._lifeline = lifeline.guard(self.proc)  # it ends with difftest, even a kill -9 of difftest
+        return self
+
+    def wait_healthy(self) -> "ServerProcess":
+        """Wait until the spawned server answers its health check; InfraError (with its log's tail)
+        when it exits first or the health timeout passes. `started_s` counts from the spawn."""
+        t0 = self._t0
         client = SpeechClient(self.url, connect_retries=0)
         deadline = t0 + self.health_timeout
         spoke = t0
@@ -180,3 +189,20 @@ class ServerProcess:
 
     def __exit__(self, *exc) -> None:
         self.stop()
+
+
+def start_together(servers: list[ServerProcess], stack) -> None:
+    """Spawn every server, then wait for each to be healthy: side by side, a start that is mostly
+    one process at a time importing (vLLM-Omni's three) leaves room for the others. Each stops when
+    `stack` closes; if one fails to start, all are stopped before the error goes on."""
+    try:
+        for srv in servers:
+            stack.callback(srv.stop)
+            srv.spawn()
+        for srv in servers:
+            srv.wait_healthy()
+    except BaseException:
+        for srv in servers:  # a server that died early may leave its children behind: stop each group
+            srv.stop()
+        raise
+
