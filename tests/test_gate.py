@@ -244,3 +244,36 @@ def test_the_headline_names_the_version_once():
     assert what == "candidate vllm-omni 0.30.0 at concurrency 4 on cpu"
     report["candidate"]["label"] = "vllm-omni"  # a label without it still gets it
     assert headline(report, GateResult("pass", 0, [], None, False))[1].startswith("candidate vllm-omni 0.30.0 at")
+
+
+def test_a_matrix_cell_is_gated_against_the_same_cell_of_the_baseline_release(mlflow_cwd, tmp_path):
+    """`difftest matrix --baseline-version V`: each cell against V's run of the cell of the same name
+    (logged by V's matrix), segments and numerics as `difftest gate` judges them; a cell V did not
+    run is an error naming it, never a pass."""
+    import xml.etree.ElementTree as ET
+
+    from difftest.records.tracking import log_run
+    from difftest.scale.gate_matrix import _judge, junit
+
+    policy = load_policy()
+    cell = {"cell": "smoke__vllm-omni__c4__default", "suite": "smoke", "candidate": "vllm-omni", "label": "vllm-omni",
+            "concurrency": 4, "config": "default", "engine_args": []}
+    for name in (cell["cell"], "smoke__vllm-omni__c8__default"):  # 0.30.0's matrix: this cell and another
+        assert log_run(make_report(tmp_path, f"base-{name}", version="0.30.0", measured_null=_off_top1(20)),
+                       tags={"difftest.matrix": "release", "difftest.matrix.cell": name})
+    log_run(make_report(tmp_path, "other-release", version="0.29.0", measured_null=_off_top1(60)),
+            tags={"difftest.matrix": "release", "difftest.matrix.cell": cell["cell"]})
+    now = make_report(tmp_path, "now", leak_into=("s1",), version="0.31.0", measured_null=_off_top1(40))
+    baselines = {}
+    row = _judge(cell, now, 1, policy, "0.30.0", None, baselines)
+    assert row["verdict"] == "fail" and row["baseline"]["version"] == "0.30.0"
+    assert row["baseline"]["regressions"] == ["s1"]
+    assert (row["baseline"]["numerics"]["verdict"], row["baseline"]["numerics"]["site"]) == (
+        "numerics_regression", "code_predictor")
+    suite = ET.fromstring(junit([row], policy, baselines))[0]
+    assert {c.get("name") for c in suite.iter("testcase")} >= {"s1", "numerics against 0.30.0"}
+    # against 0.29.0, noisier: the numerics pass and only the leak is a regression
+    assert _judge(cell, now, 1, policy, "0.29.0", None)["baseline"]["numerics"]["verdict"] == "pass"
+    missing = _judge({**cell, "cell": "smoke__vllm-omni__c2__default"}, now, 1, policy, "0.30.0", None)
+    assert missing["verdict"] == "error" and "no baseline" in missing["error"]
+    assert "difftest.matrix.cell smoke__vllm-omni__c2__default" in missing["error"]

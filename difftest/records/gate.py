@@ -123,9 +123,11 @@ def _download_report(client, run_id: str) -> dict | None:
             raise
 
 
-def find_baseline(client, report: dict, report_sha256: str, version: str, policy: Policy, tracking_uri: str = ""):
+def find_baseline(client, report: dict, report_sha256: str, version: str, policy: Policy, tracking_uri: str = "",
+                  tags: dict | None = None):
     """The latest finished parent run of candidate `version` with the report's suite hash and
-    device (both absent counts as equal) and a verdict the policy accepts; None if there is none."""
+    device (both absent counts as equal), every tag in `tags` (a matrix cell's name), and a
+    verdict the policy accepts; None if there is none."""
     if "'" in version:
         raise BadInput(f"--baseline-version {version!r}: quotes are not allowed")
     exps = [e.experiment_id for e in client.search_experiments(filter_string="name LIKE 'difftest/%'")]
@@ -137,7 +139,8 @@ def find_baseline(client, report: dict, report_sha256: str, version: str, policy
     for run in runs:
         t = run.data.tags
         if (t.get(rec.REPORT_SHA) != report_sha256 and t.get("verdict") in policy.baseline_verdicts
-                and t.get("suite.hash") == want.get("suite.hash") and t.get("device") == want.get("device")):
+                and t.get("suite.hash") == want.get("suite.hash") and t.get("device") == want.get("device")
+                and all(t.get(k) == v for k, v in (tags or {}).items())):
             verdicts = {c.data.tags["segment.id"]: c.data.tags.get("verdict") for c in child_runs(client, run)
                         if "segment.id" in c.data.tags}
             started = datetime.fromtimestamp(run.info.start_time / 1000, timezone.utc).isoformat(timespec="seconds")
@@ -146,26 +149,33 @@ def find_baseline(client, report: dict, report_sha256: str, version: str, policy
     return None
 
 
+def load_baseline(out: Path, version: str, policy: Policy, tracking_uri: str | None, tags: dict | None = None) -> Baseline:
+    """The baseline of the run in `out` (find_baseline); InfraError when MLflow cannot be read,
+    BadInput when it holds no such run."""
+    report, sha = read_report(out)
+    uri = resolve_tracking_uri(tracking_uri)
+    check_tracking_uri(uri, must_exist=True)
+    try:
+        with mlflow_client(uri) as client:
+            baseline = find_baseline(client, report, sha, version, policy, uri, tags)
+    except TrackingUnavailable as e:
+        raise InfraError(f"cannot read the baseline from MLflow at {uri}: {e}") from None
+    if baseline is None:
+        want = rec.canonical_tags(report)
+        raise BadInput(f"no baseline: MLflow at {uri} has no finished run of candidate version "
+                       f"{version!r} on suite hash {want.get('suite.hash', '(none)')} and device "
+                       f"{want.get('device', '(none)')}" + "".join(f", {k} {v}" for k, v in (tags or {}).items())
+                       + f" with verdict in {sorted(policy.baseline_verdicts)}")
+    return baseline
+
+
 def main_gate(args) -> int:
     out = Path(args.out)
-    report, sha = read_report(out)
+    report, _ = read_report(out)
     if not report.get("segments"):
         raise BadInput(f"{out / 'report.json'}: no segments to gate on")
     policy = load_policy(args.policy)
-    baseline = None
-    if args.baseline_version:
-        uri = resolve_tracking_uri(args.tracking_uri)
-        check_tracking_uri(uri, must_exist=True)
-        try:
-            with mlflow_client(uri) as client:
-                baseline = find_baseline(client, report, sha, args.baseline_version, policy, uri)
-        except TrackingUnavailable as e:
-            raise InfraError(f"cannot read the baseline from MLflow at {uri}: {e}") from None
-        if baseline is None:
-            want = rec.canonical_tags(report)
-            raise BadInput(f"no baseline: MLflow at {uri} has no finished run of candidate version "
-                           f"{args.baseline_version!r} on suite hash {want.get('suite.hash', '(none)')} and device "
-                           f"{want.get('device', '(none)')} with verdict in {sorted(policy.baseline_verdicts)}")
+    baseline = load_baseline(out, args.baseline_version, policy, args.tracking_uri) if args.baseline_version else None
     result = decide(report, policy, baseline)
     junit = Path(args.junit) if args.junit else out / "junit.xml"
     md = Path(args.markdown) if args.markdown else out / "gate.md"

@@ -280,9 +280,13 @@ def cell_argv(cell: dict, out: Path, store: str | None, ray: str | None, policy:
     return argv
 
 
-def _judge(cell: dict, folder: Path, code: int, policy) -> dict:
-    """The cell's row: its gate decision (the policy's fail_on, no baseline) from its report."""
-    from ..records.gate import decide
+def _judge(cell: dict, folder: Path, code: int, policy, baseline_version: str | None = None,
+           tracking_uri: str | None = None, baselines: dict | None = None) -> dict:
+    """The cell's row: its gate decision (the policy's fail_on) from its report; with
+    `baseline_version`, against that version's run of the same cell logged to MLflow (its segments'
+    verdicts and its numerics, difftest.records.gate), kept in `baselines` for the JUnit file."""
+    from ..errors import DifftestError
+    from ..records.gate import decide, load_baseline
     from ..records.report import check_report
 
     row = {**{k: cell[k] for k in ("cell", "suite", "candidate", "label", "concurrency", "config", "engine_args")},
@@ -294,8 +298,21 @@ def _judge(cell: dict, folder: Path, code: int, policy) -> dict:
         own = [ln[len("difftest: "):] for ln in tail.splitlines() if ln.startswith(("difftest: error:", "difftest: internal"))]
         why = own[-1] if own else f"no report ({str(e).splitlines()[0]})"
         return {**row, "verdict": "error", "error": f"exit {code}: {why}", "log_tail": tail}
-    result = decide(report, policy)
+    baseline = None
+    if baseline_version:
+        try:
+            baseline = load_baseline(folder, baseline_version, policy, tracking_uri, {"difftest.matrix.cell": cell["cell"]})
+        except DifftestError as e:
+            return {**row, "verdict": "error", "error": f"baseline {baseline_version}: {str(e).splitlines()[0]}"}
+        if baselines is not None:
+            baselines[cell["cell"]] = baseline
+    result = decide(report, policy, baseline)
     failing = [r.segment for r in result.segments if result.fails(r)]
+    if baseline is not None:
+        num = result.numerics or {}
+        row["baseline"] = {"version": baseline.version, "run_id": baseline.run_id,
+                           "regressions": [r.id for r in result.segments if r.status in ("regression", "new")],
+                           "numerics": {k: num.get(k) for k in ("verdict", "site", "effect", "summary")}}
     return {**row, "verdict": result.verdict, "gate_exit_code": result.exit_code, "counts": report.get("counts") or {},
             "failing": [{"id": s["id"], "verdict": s["verdict"], "stage": s.get("stage"), "donor": s.get("donor"),
                          "first_divergent_chunk": s.get("first_divergent_chunk")} for s in failing],
@@ -311,7 +328,7 @@ def exit_code(rows: list[dict]) -> int:
     return EXIT_PASS
 
 
-def junit(rows: list[dict], policy) -> bytes:
+def junit(rows: list[dict], policy, baselines: dict | None = None) -> bytes:
     """One testsuite per cell (its segments as testcases, from the gate's own JUnit), one file."""
     from ..records.gate import decide
     from ..records.gate_output import junit_xml
@@ -321,7 +338,7 @@ def junit(rows: list[dict], policy) -> bytes:
     for r in rows:
         try:
             report = json.loads((Path(r["folder"]) / "report.json").read_text(encoding="utf-8"))
-            cell = ET.fromstring(junit_xml(report, decide(report, policy)))[0]
+            cell = ET.fromstring(junit_xml(report, decide(report, policy, (baselines or {}).get(r["cell"]))))[0]
         except (OSError, ValueError, KeyError):
             cell = ET.Element("testsuite", tests="1", failures="0", errors="1", skipped="0")
             ET.SubElement(ET.SubElement(cell, "testcase", classname="difftest.matrix", name=r["cell"]), "error",
@@ -356,10 +373,11 @@ def markdown(m: Matrix, rows: list[dict], code: int) -> str:
 
 def run_matrix_file(m: Matrix, out: Path, policy, *, workers: int = 1, ray: str | None = None,
                     tracking_uri: str | None = None, mlflow: bool = True, policy_path: str | None = None,
-                    stream=sys.stderr) -> int:
+                    baseline_version: str | None = None, stream=sys.stderr) -> int:
     out = out.resolve()
     (out / "cells").mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
+    baselines: dict = {}
     started = time.time()
 
     def save(done: bool) -> None:
@@ -392,9 +410,10 @@ def run_matrix_file(m: Matrix, out: Path, policy, *, workers: int = 1, ray: str 
                 log.close()
                 lifeline.release(lines.pop(name, None))
                 del running[name]
-                row = _judge(cell, folder, proc.returncode, policy)
+                row = _judge(cell, folder, proc.returncode, policy, baseline_version, tracking_uri, baselines)
                 row["seconds"] = round(time.monotonic() - t0, 1)
-                if mlflow and row["verdict"] != "error":
+                # a cell without a baseline is still logged: it is the next release's baseline
+                if mlflow and (row["verdict"] != "error" or row.get("error", "").startswith("baseline ")):
                     from ..records.tracking import log_run
 
                     log_run(folder, tracking_uri, tags={"difftest.matrix": m.name, "difftest.matrix.cell": name})
@@ -413,7 +432,7 @@ def run_matrix_file(m: Matrix, out: Path, policy, *, workers: int = 1, ray: str 
         raise
     code = exit_code(rows)
     save(True)
-    atomic_write(out / "junit.xml", junit(rows, policy))
+    atomic_write(out / "junit.xml", junit(rows, policy, baselines))
     atomic_write(out / "summary.md", markdown(m, sorted(rows, key=lambda r: [c["cell"] for c in m.cells].index(
         r["cell"])), code).encode())
     print(f"matrix {m.name}: {sum(r['verdict'] == 'pass' for r in rows)} pass, "
@@ -431,7 +450,8 @@ def cmd_matrix(args) -> int:
         raise BadInput("--workers must be at least 1")
     return run_matrix_file(m, Path(args.out), policy, workers=args.workers, ray=args.ray,
                            tracking_uri=args.tracking_uri, mlflow=not args.no_mlflow,
-                           policy_path=str(Path(args.policy).resolve()) if args.policy else None)
+                           policy_path=str(Path(args.policy).resolve()) if args.policy else None,
+                           baseline_version=args.baseline_version)
 
 
 def add_matrix_parser(subparsers) -> argparse.ArgumentParser:
@@ -444,6 +464,9 @@ def add_matrix_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--policy", help="policy YAML for the gate (default: the built-in one)")
     p.add_argument("--tracking-uri", help="MLflow (default $MLFLOW_TRACKING_URI, else sqlite:///./mlflow.db)")
     p.add_argument("--no-mlflow", action="store_true")
+    p.add_argument("--baseline-version", metavar="V",
+                   help="gate every cell against version V's run of the same cell logged to MLflow (as `difftest gate "
+                        "--baseline-version`: segment regressions and numerics against the last release)")
     p.set_defaults(func=cmd_matrix)
     return p
 
