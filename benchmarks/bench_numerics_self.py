@@ -1,11 +1,12 @@
 """Numerics against the last release, measured on a release against itself (issue #30 item 4).
 
-    python benchmarks/bench_numerics_self.py [--runs 10] [--suite smoke] [-n 4] [--out DIR]
+    python benchmarks/bench_numerics_self.py [--runs 10] [--suite smoke] [-n 4] [--engine vllm-omni|cpu-bf16] [--out DIR]
 
-One real vLLM-Omni server (the release in .venv-vllm-omni, the tiny checkpoint, capture on), and
-`--runs` whole `difftest run`s of one suite at concurrency N against it (no repeat pass), each with
-another request order and arrival pattern, so the waves and the batches the engine forms differ
-from run to run. Every run is then held against every earlier one as `difftest gate
+One real vLLM-Omni server (the release in .venv-vllm-omni, the tiny checkpoint, capture on), or the
+CPU test engine with its talker in bf16 (`--engine cpu-bf16`: qwen-tts batched by its own scheduler
+as requests arrive, so its codes at N move with the batches), and `--runs` whole `difftest run`s of
+one suite at concurrency N against it (no repeat pass), each with another request order and
+arrival pattern, so the waves and the batches the engine forms differ from run to run. Every run is then held against every earlier one as `difftest gate
 --baseline-version` holds a release against the last (difftest/verdicts/numerics.py): a
 `numerics_regression` between two runs of the same release is a false flag. Prints one JSON object:
 per run its counts, per pair the decision and the smallest p-value, and the false flags against the
@@ -26,7 +27,7 @@ sys.path.insert(0, str(ROOT))
 
 from difftest.engines import vllm_omni as vo  # noqa: E402
 from difftest.engines.reference import reference_python  # noqa: E402
-from difftest.engines.start import CandidateSpec  # noqa: E402
+from difftest.engines.start import CPU_ENGINE, CandidateSpec  # noqa: E402
 from difftest.run import RunOptions, resolve_models, run  # noqa: E402
 from difftest.suites.suite import load_suite  # noqa: E402
 from difftest.verdicts.numerics import compare  # noqa: E402
@@ -51,6 +52,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=10)
     ap.add_argument("--suite", default="smoke")
     ap.add_argument("-n", type=int, default=4)
+    ap.add_argument("--engine", choices=("vllm-omni", "cpu-bf16"), default="vllm-omni")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-numerics-self-"))
@@ -63,11 +65,14 @@ def main() -> int:
     reports, rows = [], []
     t0 = time.perf_counter()
     with ExitStack() as stack:
-        tasks = {s.task for s in suite.segments}
-        client, capture, info = vo.start_vllm_omni(out / "server", models, opts, stack, tasks=tasks)
+        if args.engine == "vllm-omni":
+            tasks = {s.task for s in suite.segments}
+            client, capture, info = vo.start_vllm_omni(out / "server", models, opts, stack, tasks=tasks)
+            spec = CandidateSpec.parse(info["url"], capture_dir=str(capture))
+        else:
+            spec = CandidateSpec(CPU_ENGINE, engine_args=("--talker-dtype", "bfloat16"))
         for i in range(args.runs):
             order, pattern = ARRIVALS[i % len(ARRIVALS)]
-            spec = CandidateSpec.parse(info["url"], capture_dir=str(capture))
             t = time.perf_counter()
             rep = run(suite, spec, out / f"run-{i}", policy,
                       RunOptions(concurrency=args.n, pattern=pattern, order=order, store=store, repeat=False))
@@ -82,7 +87,7 @@ def main() -> int:
         flags += f["verdict"] == "numerics_regression"
         pairs.append({"run": i, "baseline": j, "verdict": f["verdict"], "tests": len(f["tests"]),
                       "min_p": min((t["p_value"] for t in f["tests"]), default=None)})
-    print(json.dumps({"suite": suite.name, "concurrency": args.n, "runs": rows, "pairs": pairs,
+    print(json.dumps({"engine": args.engine, "suite": suite.name, "concurrency": args.n, "runs": rows, "pairs": pairs,
                       "false_flags": flags, "comparisons": len(pairs),
                       "stated_rate": policy.numerics.false_flag_rate,
                       "seconds": round(time.perf_counter() - t0, 1), "out": str(out)}, indent=1))

@@ -53,3 +53,16 @@ def test_selfcheck_catches_talker_defects_at_concurrency_1_by_teacher_forcing(tm
     for clean in ("clean", "clean, sampled"):  # the clean engine's codes are qwen-tts's: no null was needed
         rep = json.loads((tmp_path / "sc" / clean.replace(", ", "-") / "report.json").read_text())
         assert rep["measured_null"] is None or not rep["measured_null"]["null_decoded"], clean
+
+    # Against the last release (`difftest gate --baseline-version`'s numerics test): with the clean
+    # engine's run as the baseline, the scaled prompt's run is a numerics_regression at the talker,
+    # where no segment failed; the clean run against itself is not.
+    from difftest.verdicts.numerics import NumericsPolicy, compare
+
+    clean = json.loads((tmp_path / "sc" / "clean" / "report.json").read_text())
+    scaled = json.loads((tmp_path / "sc" / "prompt-embeds-scaled" / "report.json").read_text())
+    got = compare(scaled, clean, NumericsPolicy(), "the clean engine")
+    assert (got["verdict"], got["stage"]) == ("numerics_regression", "talker"), got
+    worst = next(t for t in got["tests"] if t["site"] == got["site"])
+    assert worst["baseline"][0] == 0 and worst["run"][0] >= 9 and worst["p_value"] < got["alpha"]
+    assert compare(clean, clean, NumericsPolicy(), "itself")["verdict"] == "pass"
