@@ -191,7 +191,7 @@ def run_coverage(entries: list[Entry], matrix, out: Path, policy, opts: RunOptio
                         try:
                             report = _run_cell(e, c, cand_python, out, policy, opts, python, runners, stack)
                             control = None if e.release_carries_bug else release_report(out, c["cell"])
-                            got = judge(e, report, control)
+                            got = judge(e, report, control, policy)
                             row.update(status="caught" if got["caught"] else "missed", where=got["where"],
                                        got=got["got"], segment=got["segment"], run_verdict=got["run_verdict"],
                                        control=bool(control))
