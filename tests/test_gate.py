@@ -4,6 +4,7 @@ MLflow (sqlite in the working folder, and a real server)."""
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import pytest
 from mlflow_support import closed_uri, make_report
@@ -201,6 +202,16 @@ def test_numerics_worse_than_the_baseline_fail_the_gate_at_the_code_predictor(ml
     bare = make_report(tmp_path, "bare", version="0.31.0")
     assert gate(bare, "--baseline-version", "0.30.0") == 0
     assert "numerics: not_compared: no teacher-forced counts" in capsys.readouterr().out
+    # a baseline whose report.json artifact is unreadable decides nothing and says so; the segments still gate
+    from mlflow import MlflowClient
+
+    client = MlflowClient(f"sqlite:///{mlflow_cwd / 'mlflow.db'}")  # its artifacts: a local folder
+    base_run = next(r for r in client.search_runs([e.experiment_id for e in client.search_experiments()])
+                    if r.data.tags.get("candidate.version") == "0.30.0" and "segment.id" not in r.data.tags)
+    artifact = Path(base_run.info.artifact_uri.removeprefix("file://")) / "report.json"
+    artifact.write_text("{ not json")
+    assert gate(same, "--baseline-version", "0.30.0") == 0
+    assert f"numerics: not_compared: baseline run {base_run.info.run_id} has no readable report.json" in capsys.readouterr().out
 
 
 def test_gate_against_a_server_baseline(tmp_path, mlflow_server, monkeypatch):

@@ -103,7 +103,8 @@ def decide(report: dict, policy: Policy, baseline: Baseline | None = None) -> Ga
     if baseline is not None:
         result.numerics = (compare_numerics(report, baseline.report, policy.numerics, f"baseline {baseline.version}")
                            if baseline.report is not None else
-                           {"verdict": "not_compared", "summary": f"baseline run {baseline.run_id} has no report.json artifact"})
+                           {"verdict": "not_compared",
+                            "summary": f"baseline run {baseline.run_id} has no readable report.json artifact"})
         result.numerics["fails"] = result.numerics["verdict"] == "numerics_regression" and policy.numerics.fail
         if result.numerics["fails"] and result.verdict == "pass":
             result.verdict, result.exit_code = "fail", EXIT_FAIL
