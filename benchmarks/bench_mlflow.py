@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from difftest.records import segment_media, tracking  # noqa: E402
-from difftest.records.mlflow_records import CLEAN, segment_metrics  # noqa: E402
+from difftest.records.mlflow_records import CLEAN, has_child_run, segment_metrics  # noqa: E402
 from difftest.records.report import write_report  # noqa: E402
 from difftest.results import Result, write_result  # noqa: E402
 from difftest.verdicts.policy import load_policy  # noqa: E402
@@ -108,6 +108,8 @@ def main():
         os.chdir(tmp)
         report = make_run(tmp / "out", a.segments, a.chunks, a.audio_fraction, a.seconds)
         metrics = sum(len(segment_metrics(s)) for s in report["segments"])
+        runs = [s for s in report["segments"] if has_child_run(s)]
+        logged = sum(len(segment_metrics(s)) for s in runs)
 
         t0 = time.perf_counter()
         with store(tmp, a.server) as (uri, artifacts):
@@ -130,6 +132,7 @@ def main():
         "store": "mlflow server (sqlite)" if a.server else "sqlite",
         "segments": a.segments, "chunks": a.chunks, "segments_with_audio": int(round(a.segments * a.audio_fraction)),
         "audio_seconds_each": a.seconds, "metric_values": metrics,
+        "child_runs": len(runs), "metric_values_in_child_runs": logged,  # the clean segments' are in report.json
         "store_create_s": round(store_s, 2), "log_total_s": round(total, 2),
         "log_per_segment_ms": round(1000 * total / a.segments, 1),
         "log_cpu_s": round(cpu, 2),  # this process's (not the media workers', not the server's)

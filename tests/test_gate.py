@@ -212,6 +212,14 @@ def test_numerics_worse_than_the_baseline_fail_the_gate_at_the_code_predictor(ml
     artifact.write_text("{ not json")
     assert gate(same, "--baseline-version", "0.30.0") == 0
     assert f"numerics: not_compared: baseline run {base_run.info.run_id} has no readable report.json" in capsys.readouterr().out
+    # ... and the verdicts come from its child runs: none, every segment was clean (segment_runs tag),
+    # so a leak now is a regression from `clean`, not a new failure
+    leak = make_report(tmp_path, "leak", leak_into=("s1",), version="0.31.0", measured_null=_off_top1(21))
+    assert gate(leak, "--baseline-version", "0.30.0") == 1
+    assert "1 regression" in capsys.readouterr().out
+    _, cases = junit_cases(leak / "junit.xml")
+    assert cases["s1"][0] == "failure" and cases["s1"][2].startswith("regression: contamination"), cases["s1"]
+    assert "clean" in cases["s1"][2]
 
 
 def test_gate_against_a_server_baseline(tmp_path, mlflow_server, monkeypatch):

@@ -70,12 +70,31 @@ def test_segment_metrics_steps_tiers_and_caps():
                                                              "rms": [0.0, math.nan], "logmel": [0.0, 0.01]}},
         "codes": {"chunk_agreement": [1.0, 0.5]}, "donor_search": {"own_logmel": 1.0, "chunks": [1]}}}
     got = {(n, s): v for n, v, s in rec.segment_metrics(seg)}
-    assert got[("bit_exact", 0)] == 0.0
+    assert len(got) == 2 + 2 + 2 + 2 + 1 + 2  # max_abs, snr_db, logmel, tier, rms (one NaN dropped), agreement
     assert got[("audio.snr_db", 0)] == 100.0 and ("audio.rms", 1) not in got
     assert [got[("audio.tier", i)] for i in (0, 1)] == [0.0, 2.0]
     assert [got[("codes.chunk_agreement", i)] for i in (0, 1)] == [1.0, 0.5]
     assert not any(n.startswith("donor_search") for n, _ in got)
     assert rec.finite("x.max_abs", -math.inf) == -rec.METRIC_CAP and rec.finite("x", "n/a") is None
+
+
+def test_only_segments_that_are_not_clean_get_a_child_run_and_every_one_a_row_with_its_worst_chunk():
+    segs = [{"id": "a", "verdict": "identical", "comparisons": {"codes": {"chunk_agreement": [1.0, 1.0]}}},
+            {"id": "b", "verdict": "numeric_drift", "comparisons": {
+                "audio": {"tiers": ["identical", "close"], "chunks": {"max_abs": [0.0, 1e-4], "snr_db": [math.inf, 80.0],
+                                                                     "logmel": [0.0, 0.01]}}}},
+            {"id": "c", "verdict": "contamination", "first_divergent_chunk": 1, "stage": "handoff", "comparisons": {
+                "audio": {"tiers": ["close", "diverged"], "chunks": {"max_abs": [1e-4, 0.3], "snr_db": [70.0, 2.0],
+                                                                     "logmel": [0.0, 1.5]}},
+                "codes": {"chunk_agreement": [1.0, 0.25]}}}]
+    report = {"segments": segs, "failing": ["c"]}
+    assert [rec.has_child_run(s) for s in segs] == [False, False, True]
+    rows = {r["segment"]: r for r in rec.segment_rows(report)}
+    assert (rows["a"]["child_run"], rows["a"]["codes.chunk_agreement"], rows["a"]["audio.max_abs"]) == (False, 1.0, None)
+    assert (rows["b"]["audio.max_abs"], rows["b"]["audio.snr_db"], rows["b"]["audio.tier"]) == (1e-4, 80.0, 2)
+    assert (rows["c"]["failing"], rows["c"]["first_divergent_chunk"], rows["c"]["audio.snr_db"]) == (True, 1, 2.0)
+    assert rec.worst_metrics(report) == {"worst.audio.max_abs": 0.3, "worst.audio.snr_db": 2.0, "worst.audio.logmel": 1.5,
+                                         "worst.audio.tier": 3, "worst.codes.chunk_agreement": 0.25}
 
 
 def test_batches_stay_within_mlflow_limits():

@@ -61,10 +61,21 @@ def check_logged(client, run_id, out, tmp_path):
     m = run.data.metrics
     assert (m["count.contamination"], m["count.identical"], m["count.error"], m["failing"], m["pass"], m["segments"]) \
         == (2, 1, 0, 2, 0, 3)
+    assert tags[rec.SEGMENT_RUNS] == rec.NOT_CLEAN
+    # the run's worst chunk per comparison, over every segment (the clean one included)
+    for comp in {c for s in report["segments"] for c, body in s["comparisons"].items() if "chunks" in body}:
+        chunks = [c for s in report["segments"] for c in s["comparisons"].get(comp, {}).get("chunks", {}).get("max_abs", [])]
+        assert m[f"worst.{comp}.max_abs"] == pytest.approx(max(chunks), rel=1e-12), comp
+    assert m["worst.codes.chunk_agreement"] == min(
+        a for s in report["segments"] for a in s["comparisons"]["codes"]["chunk_agreement"])
 
+    # a child run for each segment that is not clean (s2, identical, has none)
     kids = {c.info.run_name: c for c in children(client, run)}
-    assert sorted(kids) == ["s0", "s1", "s2"]
+    assert sorted(kids) == ["s0", "s1"]
     for seg in report["segments"]:
+        if seg["id"] not in kids:
+            assert seg["verdict"] in rec.CLEAN
+            continue
         kid = kids[seg["id"]]
         assert kid.info.status == "FINISHED"
         t = kid.data.tags
@@ -72,7 +83,6 @@ def check_logged(client, run_id, out, tmp_path):
             seg["id"], seg["verdict"], seg["stage"], seg["donor"],
             None if seg["first_divergent_chunk"] is None else str(seg["first_divergent_chunk"]))
         assert t["candidate.version"] == "0.30.0" and t["device"] == "cpu"
-        assert kid.data.metrics["bit_exact"] == (1.0 if seg["verdict"] == "identical" else 0.0)
         # every per-chunk list in the report is a metric history with step = chunk index
         n_series = 0
         for comp, body in seg["comparisons"].items():
@@ -92,7 +102,7 @@ def check_logged(client, run_id, out, tmp_path):
 
     # artifacts: the report, and audio plus a spectrogram difference for each diverged segment only
     top = {f.path for f in client.list_artifacts(run_id)}
-    assert {"report.json", "summary.md", "audio", "specdiff", "divergences.json"} <= top
+    assert {"report.json", "summary.md", "audio", "specdiff", "divergences.json", "segments.json"} <= top
     assert {f.path for f in client.list_artifacts(run_id, "audio")} == {"audio/s0", "audio/s1"}
     assert {f.path for f in client.list_artifacts(run_id, "specdiff")} == {"specdiff/s0.png", "specdiff/s1.png"}
     local = tmp_path / "downloaded"
@@ -101,6 +111,7 @@ def check_logged(client, run_id, out, tmp_path):
     client.download_artifacts(run_id, "specdiff/s0.png", str(local))
     client.download_artifacts(run_id, "report.json", str(local))
     client.download_artifacts(run_id, "divergences.json", str(local))
+    client.download_artifacts(run_id, "segments.json", str(local))
     assert (local / "report.json").read_bytes() == (out / "report.json").read_bytes()
     assert (local / "s0.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     wavs = {p.stem: wavio.read(p) for p in (local / "s0").glob("*.wav")}
@@ -116,6 +127,14 @@ def check_logged(client, run_id, out, tmp_path):
     rows = [dict(zip(table["columns"], r)) for r in table["data"]]
     assert sorted((r["segment"], r["verdict"], r["donor"], r["first_divergent_chunk"]) for r in rows) == [
         ("s0", "contamination", "s2", 0), ("s1", "contamination", "s2", 0)]
+    table = json.loads((local / "segments.json").read_text())  # every segment, the clean one too
+    rows = {r[0]: dict(zip(table["columns"], r)) for r in table["data"]}
+    assert sorted(rows) == ["s0", "s1", "s2"]
+    for seg in report["segments"]:
+        row = rows[seg["id"]]
+        assert (row["verdict"], row["child_run"]) == (seg["verdict"], seg["id"] in kids)
+        assert row["concurrency.max_abs"] == pytest.approx(max(seg["comparisons"]["concurrency"]["chunks"]["max_abs"]),
+                                                          rel=1e-9)  # the table keeps 10 digits
     return run
 
 
@@ -149,7 +168,7 @@ def test_logging_twice_reuses_the_run(mlflow_cwd, tmp_path):
     (out / STATE).unlink()  # without its note, the run is found by the report's hash
     assert log_run(out) == first
     runs = parent_runs(client)
-    assert [r.info.run_id for r in runs] == [first] and len(children(client, runs[0])) == 3
+    assert [r.info.run_id for r in runs] == [first] and len(children(client, runs[0])) == 1
 
     # an upload that broke off (parent never finished) is replaced, not kept beside the new one
     (out / STATE).unlink()
@@ -158,7 +177,7 @@ def test_logging_twice_reuses_the_run(mlflow_cwd, tmp_path):
     assert second != first
     assert [r.info.run_id for r in parent_runs(client)] == [second]
     assert client.get_run(first).info.lifecycle_stage == "deleted"
-    assert len(children(client, client.get_run(second))) == 3
+    assert len(children(client, client.get_run(second))) == 1
 
 
 def test_suite_experiment_extra_tags_and_clean_run(mlflow_cwd, tmp_path):
@@ -171,11 +190,9 @@ def test_suite_experiment_extra_tags_and_clean_run(mlflow_cwd, tmp_path):
     assert (t["suite.name"], t["suite.hash"], t["gate"], t["candidate.version"], t["verdict"]) == (
         "toy", "f00d" * 16, "nightly", "0.30.0-rc1", "pass")
     assert run.data.metrics["pass"] == 1.0 and run.data.metrics["count.identical"] == 3
-    kids = children(client, run)
-    assert len(kids) == 3 and all(k.data.metrics["bit_exact"] == 1.0 for k in kids)
-    assert {k.data.tags["suite.hash"] for k in kids} == {"f00d" * 16}
+    assert children(client, run) == []  # every segment clean: no child runs, all in segments.json
     top = {f.path for f in client.list_artifacts(run_id)}
-    assert "audio" not in top and "divergences.json" not in top and "report.json" in top
+    assert "audio" not in top and "divergences.json" not in top and {"report.json", "segments.json"} <= top
 
 
 def test_infinities_are_capped_and_long_segments_batched(mlflow_cwd, tmp_path):
@@ -183,6 +200,7 @@ def test_infinities_are_capped_and_long_segments_batched(mlflow_cwd, tmp_path):
     path = out / "report.json"
     report = json.loads(path.read_text())
     seg = report["segments"][0]
+    seg["verdict"] = "vocoder_defect"  # a child run holds its per-chunk metrics (a clean segment has none)
     seg["comparisons"]["audio"]["chunks"]["snr_db"][0] = math.inf
     k = 300  # 300 chunks x (4 metrics + tier) = 1500 metrics: more than one log_batch may carry
     long = {"max_abs": [i * 1e-3 for i in range(k)], "rms": [1.0] * k, "snr_db": [-math.inf] + [50.0] * (k - 1),
@@ -401,7 +419,8 @@ def test_the_parallel_upload_writes_what_the_one_by_one_upload_did(store, tmp_pa
     client = MlflowClient(uri)
     want = records(client, one_by_one, tmp_path / "one-by-one")
     got = records(client, parallel, tmp_path / "parallel")
-    assert [c[0] for c in got["children"]] == [s["id"] for s in report["segments"]]  # in the report's order
+    assert [c[0] for c in got["children"]] == [s["id"] for s in report["segments"] if rec.has_child_run(s)]  # report order
+    assert len(got["children"]) == 5
     assert sorted(f for f in got["artifacts"] if f.startswith(("audio/", "specdiff/"))) == sorted(
         [f"audio/s{i}/{r}.wav" for i in range(5) for r in ("candidate", "control", "difference", "reference")]
         + [f"specdiff/s{i}.png" for i in range(5)])
@@ -447,7 +466,7 @@ def test_a_failure_in_a_writer_thread_marks_the_parent_failed_and_the_next_uploa
     assert client.get_run(broken.info.run_id).info.lifecycle_stage == "deleted"
     assert all(client.get_run(k.info.run_id).info.lifecycle_stage == "deleted" for k in kids)
     kids = children(client, client.get_run(run_id))
-    assert sorted(k.info.run_name for k in kids) == [f"s{i}" for i in range(8)]
+    assert sorted(k.info.run_name for k in kids) == [f"s{i}" for i in range(5)]  # the five not clean
     assert {k.info.status for k in kids} == {"FINISHED"}
 
 

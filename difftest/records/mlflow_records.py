@@ -45,6 +45,11 @@ METRIC_CAP = 1e30  # a stand-in for infinity in anything but SNR (MLflow stores 
 
 CLEAN = ("identical", "numeric_drift")
 KIND = "difftest.kind"
+# Parent tag: which segments have a child run. "not_clean": only those whose verdict is not in CLEAN
+# (a clean segment's numbers are in the parent's report.json and segments.json); runs logged before
+# it was set have one child run per segment.
+SEGMENT_RUNS = "difftest.segment_runs"
+NOT_CLEAN = "not_clean"
 REPORT_SHA = "difftest.report_sha256"
 PARENT = "mlflow.parentRunId"
 CHILD_INHERITS = ("candidate.label", "candidate.version", "candidate.commit", "suite.name", "suite.hash",
@@ -203,6 +208,7 @@ def parent_metrics(report: dict) -> dict[str, float]:
         if null:
             out[f"{prefix}.pass"] = 1.0 if null.get("verdict") == "pass" else 0.0
     out.update(sampling_metrics(report.get("sampling")))
+    out.update(worst_metrics(report))
     return out
 
 
@@ -223,6 +229,59 @@ def sampling_metrics(sampling: dict | None) -> dict[str, float]:
             out.update({f"{p}.{k}": float(v) for k, v in values.items() if finite(k, v) is not None})
     for site, pw in (sampling.get("power") or {}).items():
         out[f"sampling.power.{site}.temperature_0.1"] = float(pw["temperature_0.1"])
+    return out
+
+
+def has_child_run(seg: dict) -> bool:
+    """A child run for what a maintainer opens: a segment that is not identical or numeric drift.
+    Three store writes per run are most of an upload's time; the clean segments' per-chunk numbers
+    are in report.json, their worst values in segments.json."""
+    return seg.get("verdict") not in CLEAN
+
+
+def _worst(seg: dict) -> dict:
+    """Per comparison, the worst chunk: largest max_abs and log-mel distance, lowest SNR and code
+    agreement, highest tier."""
+    out = {}
+    for comp, body in sorted((seg.get("comparisons") or {}).items()):
+        if not isinstance(body, dict):
+            continue
+        chunks = body.get("chunks") if isinstance(body.get("chunks"), dict) else {}
+        for metric, pick in (("max_abs", max), ("logmel", max), ("snr_db", min)):
+            vals = [v for x in chunks.get(metric) or [] if (v := finite(metric, x)) is not None]
+            if vals:
+                out[f"{comp}.{metric}"] = pick(vals)
+        agree = [v for x in body.get("chunk_agreement") or [] if (v := finite("agreement", x)) is not None]
+        if agree:
+            out[f"{comp}.chunk_agreement"] = min(agree)
+        tiers = [TIERS.index(t) for t in body.get("tiers") or [] if t in TIERS]
+        if tiers:
+            out[f"{comp}.tier"] = max(tiers)
+    return out
+
+
+def segment_rows(report: dict) -> list[dict]:
+    """One row per segment, clean ones too (the `segments.json` table): its verdict, where it
+    parted, and its worst chunk per comparison (None where it has no such comparison)."""
+    failing = set(report.get("failing") or [])
+    worst = [_worst(s) for s in report.get("segments") or []]
+    columns = sorted({k for w in worst for k in w})
+    return [{"segment": s["id"], "verdict": s.get("verdict"), "failing": s["id"] in failing,
+             "child_run": has_child_run(s), "first_divergent_chunk": s.get("first_divergent_chunk"),
+             "stage": s.get("stage"), **{c: w.get(c) for c in columns}}
+            for s, w in zip(report.get("segments") or [], worst)]
+
+
+def worst_metrics(report: dict) -> dict[str, float]:
+    """`worst.<comparison>.<metric>`: the worst chunk of the whole run, so drift that stays within
+    tolerance can still be followed across versions on the parent run."""
+    out: dict[str, float] = {}
+    for seg in report.get("segments") or []:
+        for k, v in _worst(seg).items():
+            key = f"worst.{k}"
+            low = k.endswith(("snr_db", "chunk_agreement"))
+            if key not in out or (v < out[key] if low else v > out[key]):
+                out[key] = v
     return out
 
 
@@ -256,10 +315,10 @@ def finite(name: str, value) -> float | None:
 
 def segment_metrics(seg: dict) -> list[tuple[str, float, int]]:
     """(name, value, step) with step = chunk index: `<comparison>.<metric>` for every per-chunk
-    list in the segment's comparisons (max_abs, rms, snr_db, logmel, chunk_agreement), the tier
-    index per chunk as `<comparison>.tier`, and `bit_exact` (1 for an identical segment); and with
-    step = frame, the teacher-forced trace (`forced.rank_codebook0`, `forced.gap_codebook0`, ...)."""
-    out = [("bit_exact", 1.0 if seg.get("verdict") == "identical" else 0.0, 0)]
+    list in the segment's comparisons (max_abs, rms, snr_db, logmel, chunk_agreement) and the tier
+    index per chunk as `<comparison>.tier`; and with step = frame, the teacher-forced trace
+    (`forced.rank_codebook0`, `forced.gap_codebook0`, ...)."""
+    out = []
     for comp, body in sorted((seg.get("comparisons") or {}).items()):
         if not isinstance(body, dict):
             continue

@@ -1,10 +1,11 @@
 """`difftest log OUT`: a run's report and evidence into MLflow.
 
 One experiment per suite (`difftest/<suite name>`, `difftest/adhoc` without one), one parent
-run per report.json (tags: provenance; metrics: verdict counts), one child run per segment
-(tags: verdict, stage, donor, first divergent chunk; metrics per chunk with step = chunk
-index), and for every diverged segment its audio and a spectrogram difference. What is
-recorded is defined in mlflow_records.py.
+run per report.json (tags: provenance; metrics: verdict counts and the run's worst chunk per
+comparison; every segment in its report.json and segments.json), one child run per segment that
+is not identical or numeric drift (tags: verdict, stage, donor, first divergent chunk; metrics per
+chunk with step = chunk index), and for each of those its audio and a spectrogram difference.
+What is recorded is defined in mlflow_records.py.
 
 Only report.json and the result sidecars it names are read; OUT gets one file, mlflow.json,
 which records where the report was logged, or that the upload is still pending because
@@ -343,19 +344,28 @@ def _cpus() -> int:
 
 
 def _media_pool(n: int) -> Executor:
-    """Where the media of `n` diverged segments are made: worker processes, one core left to the
-    child runs. They come from a fork server (a fresh process that imports the drawing code once,
+    """Where the media of `n` diverged segments are made: worker processes, one per core (the child
+    runs, one per such segment, wait on the store more than they compute). They come from a fork server (a fresh process that imports the drawing code once,
     kept for later uploads), not from forking this one, which may hold threads and open databases."""
     if n < MEDIA_POOL_MIN:
         return _Here()
+    return ProcessPoolExecutor(min(n, _cpus(), MEDIA_WORKERS_MAX), mp_context=_media_context(n))
+
+
+def _media_context(n: int, start: bool = False):
+    """The fork server's context, its imports named; with `start`, it is started now and imports
+    them in the background (about 1 s of a 5 s upload) while MLflow's store is opened."""
     import multiprocessing
 
-    if "forkserver" in multiprocessing.get_all_start_methods():
-        ctx = multiprocessing.get_context("forkserver")
-        ctx.set_forkserver_preload(["difftest.records.segment_media", "matplotlib.pyplot"])  # missing: skipped
-    else:
-        ctx = multiprocessing.get_context("spawn")
-    return ProcessPoolExecutor(min(n, max(1, _cpus() - 1), MEDIA_WORKERS_MAX), mp_context=ctx)
+    if "forkserver" not in multiprocessing.get_all_start_methods():
+        return multiprocessing.get_context("spawn")
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["difftest.records.segment_media", "matplotlib.pyplot"])  # missing: skipped
+    if start and n >= MEDIA_POOL_MIN:
+        from multiprocessing import forkserver
+
+        forkserver.ensure_running()
+    return ctx
 
 
 @contextlib.contextmanager
@@ -385,17 +395,16 @@ def _log_files(client, run_id: str, folder: Path, paths: list[str]) -> None:
 
 def _log_segments(client, exp_id: str, parent: str, report: dict, tags: dict, out: Path, staging: Path,
                   media: Executor, threads: int) -> None:
-    """One child run per segment, written by `threads` threads, while `media` makes the diverged
-    segments' audio and pictures, each sent to the parent's artifacts once made. The child runs'
+    """A child run per segment that is not clean, written by `threads` threads, while `media` makes
+    their audio and pictures, each sent to the parent's artifacts once made. The child runs'
     start times are a millisecond apart in the report's order, whatever order they are written in:
     the dashboard lists segments by start time. The first failure stops it all."""
     t0 = int(time.time() * 1000)
-    segments = report.get("segments") or []
+    segments = [seg for seg in report.get("segments") or [] if rec.has_child_run(seg)]
     with _pool(ThreadPoolExecutor(threads, thread_name_prefix="difftest-mlflow")) as writers:
         pending = {writers.submit(_log_segment, client, exp_id, parent, seg, report, tags, t0 + i)
                    for i, seg in enumerate(segments)}
-        made = {media.submit(write_segment_media, seg, out, staging)
-                for seg in segments if seg.get("verdict") not in rec.CLEAN}
+        made = {media.submit(write_segment_media, seg, out, staging) for seg in segments}
         pending |= made
         while pending:
             done, pending = wait(pending, return_when=FIRST_COMPLETED)
@@ -433,7 +442,7 @@ def _upload(client, out: Path, report: dict, sha: str, experiment: str, extra_ta
         log.info("%s is already logged as run %s", out, prior.info.run_id)
         return prior.info.run_id, prior.info.experiment_id
     repro = sorted(repro_bundles(out))
-    tags = rec.parent_tags(report, sha, {"difftest.out_dir": str(out.resolve()),
+    tags = rec.parent_tags(report, sha, {"difftest.out_dir": str(out.resolve()), rec.SEGMENT_RUNS: rec.NOT_CLEAN,
                                          **({REPRO_TAG: ",".join(repro)} if repro else {}), **extra_tags})
     label = tags.get("candidate.label", "candidate")
     name = f"{label} c{report.get('concurrency') or '?'} {report.get('verdict', '?')}"
@@ -442,7 +451,7 @@ def _upload(client, out: Path, report: dict, sha: str, experiment: str, extra_ta
     try:
         _log_batched(client, parent, [(k, v, 0) for k, v in rec.parent_metrics(report).items()],
                      rec.parent_params(report), tags)
-        diverged = sum(seg.get("verdict") not in rec.CLEAN for seg in report.get("segments") or [])
+        diverged = sum(rec.has_child_run(seg) for seg in report.get("segments") or [])
         threads = HTTP_SEGMENT_THREADS if uri.startswith(("http://", "https://")) else 1
         with tempfile.TemporaryDirectory(prefix="difftest-mlflow-") as staging:
             media, files = Path(staging, "media"), Path(staging, "files")
@@ -450,12 +459,11 @@ def _upload(client, out: Path, report: dict, sha: str, experiment: str, extra_ta
                 _log_segments(client, exp_id, parent, report, tags, out, media, pool, threads)
             _stage_files(out, files)
             client.log_artifacts(parent, str(files))
-        rows = rec.divergence_rows(report)
-        if rows:
-            with warnings.catch_warnings():  # pandas' deprecation chatter from inside log_table
-                warnings.simplefilter("ignore")
-                client.log_table(parent, data={k: [r[k] for r in rows] for k in rows[0]},
-                                 artifact_file="divergences.json")
+        with warnings.catch_warnings():  # pandas' deprecation chatter from inside log_table
+            warnings.simplefilter("ignore")
+            for name, rows in (("divergences.json", rec.divergence_rows(report)), ("segments.json", rec.segment_rows(report))):
+                if rows:
+                    client.log_table(parent, data={k: [r[k] for r in rows] for k in rows[0]}, artifact_file=name)
         client.set_terminated(parent, "FINISHED")
     except BaseException:
         with contextlib.suppress(Exception):
@@ -470,6 +478,8 @@ def _log_run(out_dir, tracking_uri=None, *, experiment=None, tags=None) -> tuple
     state = read_state(out)
     uri = resolve_tracking_uri(tracking_uri, state)
     check_tracking_uri(uri)  # a URI that can never work is bad input: no pending note to retry it
+    if not any(r.get("tracking_uri") == uri for r in state.get("runs", [])):  # likely a new upload: warm the media workers
+        _media_context(sum(rec.has_child_run(s) for s in report.get("segments") or []), start=True)
     experiment = experiment or rec.experiment_name(report)
     try:
         with mlflow_client(uri) as client:
