@@ -86,13 +86,18 @@ def _spectrogram_figure():
         import matplotlib.pyplot as plt
 
         # Fixed margins: constrained layout costs about 1 s per figure, more than everything else.
-        fig, axes = plt.subplots(3, 1, figsize=(10, 6.5), sharex=True)
+        fig, axes = plt.subplots(3, 1, figsize=(10, 6.5), sharex=True, dpi=72)
         fig.subplots_adjust(left=0.07, right=0.97, top=0.91, bottom=0.08, hspace=0.35)
         panels = []
-        for ax, (_, cmap) in zip(axes, _PANELS):
+        for i, (ax, (_, cmap)) in enumerate(zip(axes, _PANELS)):
             im = ax.imshow(np.zeros((1, 1)), origin="lower", aspect="auto", cmap=cmap, interpolation="nearest")
             ax.set_ylabel("mel band")
-            panels.append((ax, im, fig.colorbar(im, ax=ax, pad=0.01, fraction=0.03)))
+            bar = fig.colorbar(im, ax=ax, pad=0.01, fraction=0.03)
+            # Reference and candidate share one scale, so one bar (the candidate's) says it; the
+            # reference's keeps its place (the panels stay aligned) but is not drawn: a sixth of the time.
+            panels.append((ax, im, bar if i else None))
+            if not i:
+                bar.ax.set_visible(False)
         axes[-1].set_xlabel("seconds")
         _figure = (fig, panels)
     return _figure
@@ -121,11 +126,14 @@ def spectrogram_difference(ref: np.ndarray, cand: np.ndarray, sample_rate: int, 
 def _draw(a, b, diff, lim, seconds, sample_rate, path, seg) -> bool:
     fig, panels = _spectrogram_figure()
     onset = seg.get("first_divergent_frame")
+    both = [m for m in (a, b) if len(m)]  # reference and candidate on one scale: their colours compare
+    lo, hi = (min(float(m.min()) for m in both), max(float(m.max()) for m in both)) if both else (0.0, 1.0)
     for (ax, im, bar), m, (title, _), v in zip(panels, (a, b, diff), _PANELS, (None, None, lim)):
         for line in list(ax.lines):  # the last segment's onset marker
             line.remove()
         im.set_visible(len(m) > 0)
-        bar.ax.set_visible(len(m) > 0)
+        if bar is not None:
+            bar.ax.set_visible(len(m) > 0)
         # y=1.0 is where matplotlib would put the title anyway (nothing sits above a panel); given,
         # it spares the search for that place at every draw. Same pixels, a tenth less time.
         if len(m) == 0:
@@ -135,7 +143,7 @@ def _draw(a, b, diff, lim, seconds, sample_rate, path, seg) -> bool:
         im.set_extent((0, len(m) * seconds, 0, m.shape[1]))
         # the colorbar follows on its own (it listens to the image's limits): no update_normal here,
         # which redrew it a second time
-        im.set_clim(-v if v else float(m.min()), v if v else float(m.max()))
+        im.set_clim(-v if v else lo, v if v else hi)
         ax.set_title(title, fontsize=9, y=1.0)
         ax.set_xlim(0, max(len(a), len(b), 1) * seconds)
         ax.set_ylim(0, m.shape[1])
@@ -144,5 +152,11 @@ def _draw(a, b, diff, lim, seconds, sample_rate, path, seg) -> bool:
     at = where(seg)
     fig.suptitle(f"{seg['id']}: {seg['verdict']}" + (f" ({at})" if at else ""), fontsize=10)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=72, pil_kwargs={"compress_level": 1})  # zlib's fastest: a noisy picture barely shrinks more
+    # Drawn and saved by hand: RGB (the figure is opaque; savefig keeps an alpha channel, a quarter
+    # more to compress) at zlib's fastest level (a noisy picture barely shrinks more).
+    from PIL import Image
+
+    fig.canvas.draw()
+    Image.frombuffer("RGBA", fig.canvas.get_width_height(), fig.canvas.buffer_rgba(), "raw", "RGBA", 0, 1) \
+        .convert("RGB").save(path, "PNG", compress_level=1)
     return True
