@@ -5,7 +5,7 @@
 A synthetic report.json (every segment with the comparisons a full run has: codes, concurrency
 codes, concurrency, vocoder and headline audio, each chunk by chunk) plus result files for the
 diverged segments, whose audio and spectrogram difference are logged. Measures `log_run` end to
-end (parent run, one child run per segment with its per-chunk metrics, artifacts), with the
+end (parent run, a child run with its per-chunk metrics per segment that is not clean, artifacts), with the
 store created beforehand; `--server` logs to an `mlflow server` on loopback (sqlite behind it,
 started by tests/mlflow_support.py, as the tests do). The audio and pictures are made during the
 upload in other processes; `audio_and_pictures_s` is what making them again here, one after
