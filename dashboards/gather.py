@@ -329,9 +329,10 @@ def _fetch_run(client, parent, kids: list, site: Path, exp_name: str, notes: lis
     if not isinstance(report, dict) or not isinstance(report.get("segments"), list):
         report = _report_from_children(parent, kids, client)
         source = "child runs"
-        only = (" (there is one only for each segment that was not identical or numeric drift; the others are not listed)"
-                if tags.get(SEGMENT_RUNS) == NOT_CLEAN else "")
-        notes.append(f"run {run_id} ({exp_name}): no readable report.json artifact; segments rebuilt from its child runs{only}")
+        only = (" (there is one only for each segment that was not identical or numeric drift; the others are"
+                " not listed)" if tags.get(SEGMENT_RUNS) == NOT_CLEAN else "")
+        notes.append(f"run {run_id} ({exp_name}): no readable report.json artifact; segments rebuilt from its "
+                     f"child runs{only}")
     if media_ok:
         (folder / FETCHED).write_text(json.dumps({"format": FETCHED_FORMAT, "report_sha256": sha, "source": source,
                                                   "repro": tags.get(REPRO_TAG), "audio": audio_settings(audio)},

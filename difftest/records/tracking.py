@@ -345,8 +345,9 @@ def _cpus() -> int:
 
 def _media_pool(n: int) -> Executor:
     """Where the media of `n` diverged segments are made: worker processes, one per core (the child
-    runs, one per such segment, wait on the store more than they compute). They come from a fork server (a fresh process that imports the drawing code once,
-    kept for later uploads), not from forking this one, which may hold threads and open databases."""
+    runs, one per such segment, wait on the store more than they compute). They come from a fork
+    server (a fresh process that imports the drawing code once, kept for later uploads), not from
+    forking this one, which may hold threads and open databases."""
     if n < MEDIA_POOL_MIN:
         return _Here()
     return ProcessPoolExecutor(min(n, _cpus(), MEDIA_WORKERS_MAX), mp_context=_media_context(n))
@@ -461,7 +462,8 @@ def _upload(client, out: Path, report: dict, sha: str, experiment: str, extra_ta
             client.log_artifacts(parent, str(files))
         with warnings.catch_warnings():  # pandas' deprecation chatter from inside log_table
             warnings.simplefilter("ignore")
-            for name, rows in (("divergences.json", rec.divergence_rows(report)), ("segments.json", rec.segment_rows(report))):
+            tables = (("divergences.json", rec.divergence_rows(report)), ("segments.json", rec.segment_rows(report)))
+            for name, rows in tables:
                 if rows:
                     client.log_table(parent, data={k: [r[k] for r in rows] for k in rows[0]}, artifact_file=name)
         client.set_terminated(parent, "FINISHED")
@@ -478,7 +480,7 @@ def _log_run(out_dir, tracking_uri=None, *, experiment=None, tags=None) -> tuple
     state = read_state(out)
     uri = resolve_tracking_uri(tracking_uri, state)
     check_tracking_uri(uri)  # a URI that can never work is bad input: no pending note to retry it
-    if not any(r.get("tracking_uri") == uri for r in state.get("runs", [])):  # likely a new upload: warm the media workers
+    if not any(r.get("tracking_uri") == uri for r in state.get("runs", [])):  # a new upload: warm the media workers
         _media_context(sum(rec.has_child_run(s) for s in report.get("segments") or []), start=True)
     experiment = experiment or rec.experiment_name(report)
     try:
