@@ -3,7 +3,9 @@ what is wrong with an entry, and a mutant is the release with exactly its patch,
 
 import difflib
 import hashlib
+import importlib.util
 import json
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -92,6 +94,16 @@ def test_the_mutant_is_the_release_with_exactly_its_patch(tmp_path, monkeypatch)
         env = python.parent.parent
         mutated = (Path(where[0]).parent / TALKER.split("/", 1)[1]).read_text()
         record = json.loads((env / RECORD).read_text())
+        # bytecode: an unpatched module's is the release's own file (linked); the patched one's is
+        # new and matches its new source, so no process of the mutant compiles vllm_omni again
+        own_site = Path(record["site"])
+        pyc = lambda root, rel: importlib.util.cache_from_source(str(root / rel))  # noqa: E731
+        assert os.path.samefile(pyc(own_site, "vllm_omni/version.py"), pyc(site, "vllm_omni/version.py"))
+        patched = Path(pyc(own_site, TALKER))
+        assert not os.path.samefile(patched, pyc(site, TALKER))
+        header = patched.read_bytes()[8:16]  # mtime and size of the source it was compiled from
+        src = (own_site / TALKER).stat()
+        assert header == int(src.st_mtime).to_bytes(4, "little") + (src.st_size & 0xFFFFFFFF).to_bytes(4, "little")
     assert Path(where[0]).is_relative_to(env) and where[1] == "0.30.0"  # its own package, the release's metadata
     assert "[[r for r in ref_code_list if r.numel() > 0][-1]]" in mutated and LINE not in mutated
     assert hashlib.sha256((site / TALKER).read_bytes()).hexdigest() == before  # the release untouched

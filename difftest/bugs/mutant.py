@@ -85,6 +85,16 @@ def _check_patched(entry: Entry, site: Path) -> None:
         raise InfraError(f"bug {entry.id}: after applying {entry.patch.name}, {', '.join(same)} is unchanged")
 
 
+def _compile(python: Path, files: list[Path], log_path: Path) -> None:
+    """Bytecode for the patched files, written anew beside them (their linked .pyc is the release's,
+    stale now: Python would compile the source on every import, as it should, but each time)."""
+    with open(log_path, "a", encoding="utf-8") as log:
+        p = subprocess.run([str(python), "-m", "py_compile", *map(str, files)], stdout=log, stderr=subprocess.STDOUT,
+                           check=False)
+    if p.returncode != 0:
+        raise InfraError(f"compiling the patched files failed (log {log_path})")
+
+
 @contextmanager
 def mutant_env(entry: Entry, base_python: Path, log_path: Path) -> Iterator[Path]:
     """The interpreter of the entry's mutant environment, held in difftest's cache while in use;
@@ -103,11 +113,15 @@ def mutant_env(entry: Entry, base_python: Path, log_path: Path) -> Iterator[Path
         with open(log_path, "a", encoding="utf-8") as log:
             python = make_overlay(base_python, env, log)
         own_site = Path(_python_info(python)["dirs"][0])
-        shutil.copytree(site / "vllm_omni", own_site / "vllm_omni", copy_function=_link_or_copy,
-                        ignore=shutil.ignore_patterns("__pycache__"))
+        # The release's bytecode comes along (linked): a .pyc is checked against its source's mtime
+        # and size, which a link shares, so every unpatched module loads compiled, as in the release.
+        # Without it each process of the mutant's server compiled vllm_omni again (CI runs with
+        # PYTHONDONTWRITEBYTECODE=1, so nothing was ever saved).
+        shutil.copytree(site / "vllm_omni", own_site / "vllm_omni", copy_function=_link_or_copy)
         _apply(entry.patch, own_site, entry, check=True)
         _apply(entry.patch, own_site, entry, check=False)
         _check_patched(entry, own_site)
+        _compile(python, [own_site / rel for rel in sorted(entry.source_sha256)], log_path)
         record = {"bug": entry.id, "upstream": entry.upstream, "release": entry.release,
                   "patch_sha256": patch_sha, "base_python": str(base_python), "site": str(own_site),
                   "patched_sha256": {rel: _sha256(own_site / rel) for rel in sorted(entry.source_sha256)}}
