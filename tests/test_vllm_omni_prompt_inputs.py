@@ -1,23 +1,174 @@
-"""The vLLM-Omni capture's talker input (issue #29): vLLM-Omni 0.30's real prompt builder, wrapped
-by difftest's observer, on every task and layout (tests/vllm_omni_prompt_inputs_check.py runs in
-`.venv-vllm-omni`). The observer must change nothing the builder returns and must report what the
-builder used: here, what it must have used, from the tokenizer and the config; with a defect
-planted in the builder's config, the defect."""
+"""vLLM-Omni 0.30's real prompt builder, wrapped by difftest's capture observer, without a server
+(tests/vllm_omni_prompt_inputs_check.py runs in `.venv-vllm-omni`, once for the whole file: one
+process importing vLLM-Omni is about 10 s of CPU).
 
+The capture's talker input (issue #29), on every task and layout: the observer must change nothing
+the builder returns and must report what the builder used: here, what it must have used, from the
+tokenizer and the config; with a defect planted in the builder's config, the defect.
+
+The same requests through qwen-tts's prompt code (the real reference runner) and vLLM-Omni's
+builder, judged by difftest's talker-input comparison (difftest/verdicts/talker_input.py). Where
+the two agree, the comparison finds nothing. Where vLLM-Omni 0.30.0 departs from qwen-tts, it
+names the field: two such places were found reading the two prompt codes, and each is shown here
+on a copy of the tiny custom-voice checkpoint whose config has what the released one has
+(docs/verdicts.md, "Where vLLM-Omni 0.30.0's prompt is not qwen-tts's"):
+- a dialect speaker asked for in Chinese: qwen-tts prompts the speaker's dialect, vLLM-Omni
+  Mandarin (its override runs only when the language has no id of its own, i.e. for Auto);
+- an instruction to a 0.6B CustomVoice checkpoint: qwen-tts drops it, vLLM-Omni prompts it.
+"""
+
+import json
+import os
+from pathlib import Path
+
+import numpy as np
 import pytest
-from reference_support import tiny  # noqa: F401
+from reference_support import generate, segment, start_runner, tiny  # noqa: F401
 from vllm_omni_support import REPO, run_in_env
 
-CASES = ("custom_voice", "custom_voice_streaming_instruct", "voice_design", "xvector_auto", "icl_streaming",
-         "icl_non_streaming_batched", "icl_streaming_planted")
+from difftest.engines.capture import INPUT
+from difftest.results import read_result
+from difftest.verdicts.talker_input import compare, inputs_of
+
+SICHUAN = 2062  # the released checkpoints' sichuan_dialect language id
+CHINESE = 2055
+DECODE = {"do_sample": False, "subtalker_dosample": False, "repetition_penalty": 1.0, "max_new_tokens": 3, "seed": 0}
+
+# name: (checkpoint variant, segment fields)
+CASES = {
+    "cv-en": ("custom_voice", dict(text="Hello world.", language="English", task="custom_voice", speaker="bob")),
+    "cv-de-instruct": ("custom_voice", dict(text="Guten Morgen.", language="German", task="custom_voice",
+                                            speaker="alice", instructions="Whisper.")),
+    "vd-fr": ("voice_design", dict(text="Bonjour.", language="French", task="voice_design",
+                                   instructions="A calm voice.")),
+    "dialect-zh": ("cv-dialect", dict(text="你好。", language="Chinese", task="custom_voice", speaker="alice")),
+    "dialect-auto": ("cv-dialect", dict(text="你好。", language="Auto", task="custom_voice", speaker="alice")),
+    "instruct-0b6": ("cv-0b6", dict(text="Hello world.", language="English", task="custom_voice", speaker="alice",
+                                    instructions="Whisper.")),
+}
+API_TASK = {"custom_voice": "CustomVoice", "voice_design": "VoiceDesign"}
+# the observer's cases, built by the check script itself
+OBSERVED = ("custom_voice", "custom_voice_streaming_instruct", "voice_design", "xvector_auto", "icl_streaming",
+            "icl_non_streaming_batched", "icl_streaming_planted")
+
+
+def _variant(src: Path, dst: Path, edit) -> Path:
+    """A copy of a tiny checkpoint (files linked) with its config edited and no builder manifest:
+    an ordinary checkpoint folder to both qwen-tts and vLLM-Omni."""
+    dst.mkdir()
+    for f in src.iterdir():
+        if f.name not in ("config.json", "difftest-checkpoint.json"):
+            os.symlink(f, dst / f.name)
+    cfg = json.loads((src / "config.json").read_text())
+    edit(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+def _dialect(cfg):  # as the released CustomVoice config has it for eric
+    cfg["talker_config"]["codec_language_id"]["sichuan_dialect"] = SICHUAN
+    cfg["talker_config"]["spk_is_dialect"]["alice"] = "sichuan_dialect"
+
+
+def _small(cfg):
+    cfg["tts_model_size"] = "0b6"
 
 
 @pytest.fixture(scope="module")
-def checked(tiny):  # noqa: F811
-    return run_in_env([str(REPO / "tests" / "vllm_omni_prompt_inputs_check.py"), str(tiny)], timeout=600)
+def _builders(tiny, tmp_path_factory):  # noqa: F811
+    work = tmp_path_factory.mktemp("builders")
+    paths = {"custom_voice": tiny / "custom_voice", "voice_design": tiny / "voice_design",
+             "cv-dialect": _variant(tiny / "custom_voice", work / "cv-dialect", _dialect),
+             "cv-0b6": _variant(tiny / "custom_voice", work / "cv-0b6", _small)}
+    segs = {name: segment(name, decode=DECODE, **fields) for name, (_, fields) in CASES.items()}
+    theirs = {}
+    for variant in sorted({v for v, _ in CASES.values()}):  # one runner per checkpoint of a task
+        runner = start_runner([str(paths[variant])])
+        try:
+            mine = [segs[n] for n, (v, _) in CASES.items() if v == variant]
+            events = generate(runner, mine, work / "ref")
+            failed = [e for e in events if e.get("event") == "error"]
+            assert not failed, failed
+        finally:
+            runner.close()
+        for s in mine:
+            theirs[s.id] = inputs_of(read_result(work / "ref" / f"{s.id}.{s.hash[:16]}.json"))
+    requests = {}
+    for name, (variant, f) in CASES.items():
+        info = {"text": [f["text"]], "language": [f["language"]]}
+        if "speaker" in f:
+            info["speaker"] = [f["speaker"]]
+        if "instructions" in f:
+            info["instruct"] = [f["instructions"]]
+        requests[name] = {"path": str(paths[variant]), "task_type": API_TASK[f["task"]], "info": info}
+    (work / "cases.json").write_text(json.dumps(requests))
+    out = run_in_env([str(REPO / "tests" / "vllm_omni_prompt_inputs_check.py"), str(tiny), str(work / "cases.json")],
+                     timeout=600)
+    return out, theirs
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.fixture(scope="module")
+def both(_builders):
+    """(vLLM-Omni's prompt inputs, qwen-tts's) per cross case."""
+    out, theirs = _builders
+    return {name: _arrays(obs) for name, obs in out["cross"].items()}, theirs
+
+
+@pytest.fixture(scope="module")
+def checked(_builders):
+    """The observer's cases (OBSERVED): what the wrapped builder returned and used, per case."""
+    return _builders[0]
+
+
+def _arrays(observed) -> dict:
+    assert isinstance(observed, dict), f"vLLM-Omni's builder was not observed: {observed}"
+    out = {}
+    for name in INPUT:
+        v = observed[name]
+        if name == "input_speaker_embedding":
+            out[name] = np.array(v, np.float32)
+        elif name == "input_speaker_dtype":
+            out[name] = np.array(v)
+        elif name == "input_ref_codes":
+            out[name] = np.array(v, np.int64).reshape(-1, 16)
+        else:
+            out[name] = np.array(v, np.int64)
+    return out
+
+
+@pytest.mark.parametrize("case", ["cv-en", "cv-de-instruct", "vd-fr", "dialect-auto"])
+def test_where_the_two_prompt_codes_agree_nothing_is_flagged(both, case):
+    vllm, qwen = both
+    assert qwen[case] is not None, "the reference recorded no talker input"
+    wrong, notes = compare(vllm[case], qwen[case])
+    assert wrong == [] and notes == [], (wrong, notes)
+    assert vllm[case]["input_codec_prefill"].size >= 3 and vllm[case]["input_text_ids"].size > 5
+
+
+def test_a_dialect_speaker_in_chinese_is_prompted_in_mandarin_by_vllm_omni(both):
+    vllm, qwen = both
+    wrong, _ = compare(vllm["dialect-zh"], qwen["dialect-zh"])
+    assert [m.field for m in wrong] == ["input_codec_prefill"], wrong
+    assert qwen["dialect-zh"]["input_codec_prefill"][2] == SICHUAN
+    assert vllm["dialect-zh"]["input_codec_prefill"][2] == CHINESE
+    assert wrong[0].at == 2  # the language slot, named
+    # with Auto both override to the dialect: the case above differs by the language alone
+    assert qwen["dialect-auto"]["input_codec_prefill"][2] == SICHUAN
+
+
+def test_an_instruction_to_a_small_custom_voice_model_is_kept_by_vllm_omni_only(both):
+    vllm, qwen = both
+    wrong, _ = compare(vllm["instruct-0b6"], qwen["instruct-0b6"])
+    assert [m.field for m in wrong] == ["input_instruct_ids"], wrong
+    assert qwen["instruct-0b6"]["input_instruct_ids"].size == 0  # qwen-tts: "0b6 ... instruct is not supported"
+    assert vllm["instruct-0b6"]["input_instruct_ids"].size > 3
+    # the same instruction to the 1.7B-sized checkpoint is prompted by both, identically (cv-de-instruct)
+    assert qwen["cv-de-instruct"]["input_instruct_ids"].size > 3
+
+
+# -- the observer's own cases --------------------------------------------------------------
+
+@pytest.mark.parametrize("case", OBSERVED)
 def test_the_observed_prompt_inputs_are_what_the_builder_used(checked, case):
     c = checked[case]
     assert c["same_output"], "the observer changed what build_prompt_embeds returned"

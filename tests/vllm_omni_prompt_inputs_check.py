@@ -1,5 +1,5 @@
-"""Run by the vLLM-Omni environment's interpreter (tests/test_vllm_omni_units.py): vLLM-Omni 0.30's
-real `Qwen3TTSPromptEmbedsBuilder` on a tiny checkpoint's config and tokenizer, with seeded
+"""Run by the vLLM-Omni environment's interpreter (tests/test_vllm_omni_prompt_inputs.py): vLLM-Omni
+0.30's real `Qwen3TTSPromptEmbedsBuilder` on a tiny checkpoint's config and tokenizer, with seeded
 embedding tables in the talker's bf16, building prompts for every task and layout, wrapped by
 difftest's prompt-input observer (runners/vllm_omni/difftest_capture/.../prompt_inputs.py).
 
@@ -9,7 +9,7 @@ Per case: whether the wrapped build returned the same tensors as the unwrapped o
 observed input_* arrays next to what they must be (the tokenizer on the chat templates, the ids
 from the config, the embedding as given, cast to bf16). One case plants a defect in the builder's
 config (English's language id moved) to show the capture reports what was used, not what should
-have been. With CASES.json (`{name: {"path", "task_type", "info"}}`, tests/test_prompt_builders_agree.py)
+have been. With CASES.json (`{name: {"path", "task_type", "info"}}`, tests/test_vllm_omni_prompt_inputs.py)
 it also builds those requests' prompts and reports what they were made of under `cross`, to be
 compared with what qwen-tts's prompt code made of the same requests. Nothing here needs a server.
 """
