@@ -69,7 +69,7 @@ class FakeSpeechServer:
                         threading.Thread(target=outer.stop, daemon=True).start()
                         self.connection.close()
                         return
-                    rec = {**body, "t": time.monotonic()}
+                    rec = {**body, "t": time.monotonic(), "wave_header": self.headers.get("X-Difftest-Wave")}
                     outer.requests.append(rec)
                     outer.in_flight += 1
                     outer.max_in_flight = max(outer.max_in_flight, outer.in_flight)

@@ -51,6 +51,8 @@ def test_barrier_waves_capture_and_quantised_audio(suite, tmp_path):
     # second wave is sent after the first's answers)
     assert srv.max_in_flight == 4
     assert min(r["t"] for r in second) > max(r["t_done"] for r in first)
+    # each request says how many were released with it (a window-batching server closes its batch then)
+    assert [r["wave_header"] for r in srv.requests] == ["4"] * 8
     r = read_result(out.results[segs[0].id].source)
     assert r.quantised and r.has_codes and r.codes.shape == (segs[0].decode["max_new_tokens"] - 1, 16)
     assert r.meta["tag"] == f"r1-{segs[0].id}-c4" and r.meta["concurrency"] == 4
@@ -60,8 +62,9 @@ def test_barrier_waves_capture_and_quantised_audio(suite, tmp_path):
 def test_pool_staggered_orders(suite, tmp_path):
     segs = clone_segments(suite, 6)
     with FakeSpeechServer(delay=0.1) as srv:
-        run_candidate(segs, SpeechClient(srv.url), tmp_path / "a", concurrency=3, pattern="staggered", stagger_ms=300)
+        run_candidate(segs, SpeechClient(srv.url), tmp_path / "a", concurrency=4, pattern="staggered", stagger_ms=300)
         t = sorted(r["t"] for r in srv.requests)
+        assert sorted(r["wave_header"] for r in srv.requests) == ["2", "2", "4", "4", "4", "4"]  # waves of 4, then 2
     assert t[1] - t[0] >= 0.15 and t[2] - t[1] >= 0.15
     assert [s.id for s in order_segments(segs, "permuted", 1)] == [s.id for s in order_segments(segs, "permuted", 1)]
     assert sorted(s.id for s in order_segments(segs, "permuted", 1)) == sorted(s.id for s in segs)
@@ -70,6 +73,7 @@ def test_pool_staggered_orders(suite, tmp_path):
     with FakeSpeechServer(delay=0.05) as srv:
         out = run_candidate(segs, SpeechClient(srv.url), tmp_path / "b", concurrency=3, pattern="pool")
     assert len(out.results) == 6 and srv.max_in_flight <= 3
+    assert {r["wave_header"] for r in srv.requests} == {None}  # a pool has no waves
     assert all(not r.has_codes for r in out.results.values())  # no capture dir: audio only
 
 

@@ -164,6 +164,20 @@ def test_a_request_with_no_key_runs_alone_and_the_window_waits_for_stragglers():
     assert ["s1"] in rec.batches and ["s2"] in rec.batches and ["g1", "g2"] in rec.batches
 
 
+def test_a_request_that_names_its_wave_closes_the_batch_when_the_wave_is_in():
+    """X-Difftest-Wave: under a 120 s window, a wave of one runs at once and a wave of two as soon as
+    its second request arrives (the waits below would time out if the window were waited out)."""
+    rec = Recorder()
+    b = Batcher(rec, max_batch=4, window_s=120).start()
+    assert b.submit("alone", "k", wave=1).wait(60) == "ALONE"
+    first = b.submit("w1", "k", wave=2)
+    time.sleep(0.1)
+    second = b.submit("w2", "k", wave=2)
+    assert (first.wait(60), second.wait(60)) == ("W1", "W2")
+    b.stop()
+    assert rec.batches == [["alone"], ["w1", "w2"]] and first.batch_size == 2
+
+
 def test_a_failing_batch_is_retried_one_by_one():
     rec = Recorder(fail="bad")
     b = Batcher(rec, max_batch=4, window_s=0.2)
@@ -426,6 +440,32 @@ def test_http_voices_identity_and_concurrent_batching(fake_server):
     with pytest.raises(SpeechError) as e:
         client.speech({"input": "Hi.", "voice": "amy", "response_format": "opus"})
     assert e.value.status == 400
+
+
+@pytest.mark.parametrize("fake_server", [(4, 120_000)], indirect=True)
+def test_the_wave_header_closes_a_batch_under_a_long_window(fake_server):
+    """Over HTTP, as difftest's runner sends it: with a 120 s window, a request alone in its wave and a
+    wave of two are answered at once (a client timeout of 60 s would expire if the window were waited
+    out); a header that is no count is ignored, not an error."""
+    from runners.cpu_engine.server import _wave
+
+    client = SpeechClient(fake_server.url, timeout=60)
+    body = {"input": "Hi.", "voice": "alice", "seed": 0, "max_new_tokens": 4, "extra_params": {"temperature": 0}}
+    assert client.speech(body, {"X-Difftest-Wave": "1"}).headers["x-difftest-batch-size"] == "1"
+    answers = [None, None]
+    barrier = threading.Barrier(2)
+
+    def one(i):
+        barrier.wait()
+        answers[i] = client.speech({**body, "input": f"Hi {i}."}, {"X-Difftest-Wave": "2"})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert [a.headers["x-difftest-batch-size"] for a in answers] == ["2", "2"]
+    assert [_wave(v) for v in ("3", "0", "-1", "x", None)] == [3, None, None, None, None]
 
 
 def test_one_voice_rule_for_suites_the_reference_runner_and_the_engine(tmp_path):

@@ -193,7 +193,7 @@ def test_routing_client_sends_each_task_to_its_server():
         def __init__(self, name):
             self.name, self.base_url, self.timeout, self.bodies = name, f"http://{name}:1", 5.0, []
 
-        def speech(self, body):
+        def speech(self, body, extra_headers=None):
             self.bodies.append(body)
             return self.name
 

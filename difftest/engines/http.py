@@ -35,6 +35,7 @@ from .capture import Capture, CaptureError
 from .speech_client import ServerUnreachable, SpeechClient, SpeechError, speech_request
 
 PATTERNS = ("barrier", "pool", "staggered")
+WAVE_HEADER = "X-Difftest-Wave"
 # Engines write the capture before they answer; a server's stages can still finish a moment apart,
 # and a busy machine stretches that moment. Waited out only when a capture is late.
 CAPTURE_WAIT_S = 30.0
@@ -148,8 +149,11 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
             return error(seg, "infrastructure", "server unreachable earlier in the run")
         tag = f"{run_tag}-{seg.id}-c{concurrency}"
         body = speech_request(seg, tag, voice_mode=voice_mode)
+        # The wave's size, for a server that batches by a window (the CPU test engine): it may close
+        # the batch once the wave is in. A server that does not know the header ignores it.
+        hint = None if pattern == "pool" else {WAVE_HEADER: str(len(wave))}
         try:
-            ans = client.speech(body)
+            ans = client.speech(body, hint)
             wav, info = wavio.read(ans.audio)
             if wav.ndim != 1:
                 raise SpeechError(200, f"audio has {info.channels} channels, expected mono")

@@ -171,10 +171,10 @@ class SpeechClient:
             raise SpeechError(status, f"registering voice {voice.id}: {_message(data)}")
         return name
 
-    def speech(self, body: dict) -> SpeechAnswer:
+    def speech(self, body: dict, extra_headers: dict | None = None) -> SpeechAnswer:
         t0 = time.perf_counter()
-        status, headers, data, retries = self._request(
-            "POST", "/v1/audio/speech", json.dumps(body).encode(), {"Content-Type": "application/json"})
+        sent = {"Content-Type": "application/json", **(extra_headers or {})}
+        status, headers, data, retries = self._request("POST", "/v1/audio/speech", json.dumps(body).encode(), sent)
         if status != 200:
             raise SpeechError(status, _message(data))
         return SpeechAnswer(data, headers, retries, time.perf_counter() - t0)

@@ -405,8 +405,8 @@ class RoutingSpeechClient(SpeechClient):
     def register_voice(self, voice) -> str:
         return self._for("Base").register_voice(voice)
 
-    def speech(self, body: dict) -> SpeechAnswer:
-        return self._for(body.get("task_type")).speech(body)
+    def speech(self, body: dict, extra_headers: dict | None = None) -> SpeechAnswer:
+        return self._for(body.get("task_type")).speech(body, extra_headers)
 
 
 def _prepare(out_dir: Path, models: list[str], opts: VllmOmniOptions, tasks) -> tuple:

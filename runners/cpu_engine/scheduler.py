@@ -8,6 +8,12 @@ whose key is None never shares a batch. Requests that queued up while the
 engine was busy join at once (their window has already passed), the way a
 continuously batching server picks up its waiting queue.
 
+A request may say how many requests its client released together with it (its
+wave: difftest's HTTP runner sends `X-Difftest-Wave`). The batch it opens then
+closes as soon as that many compatible requests are in, instead of waiting the
+window out: nothing else is coming. The batches are the same; a lone request at
+concurrency 1 no longer waits a window per request.
+
 The engine runs batches one at a time in this thread (the model is not
 thread-safe). If a batch raises, its requests are retried one by one so that
 one bad request cannot fail its batch-mates; an error that persists is that
@@ -42,6 +48,7 @@ class Pending:
     batch_id: int | None = None
     batch_size: int | None = None
     batch_index: int | None = None
+    wave: int | None = None  # how many requests the client released together with this one
 
     def wait(self, timeout: float | None = None) -> Any:
         if not self.done.wait(timeout):
@@ -73,10 +80,10 @@ class Batcher:
         self._thread.start()
         return self
 
-    def submit(self, job: Any, key: Hashable | None) -> Pending:
+    def submit(self, job: Any, key: Hashable | None, wave: int | None = None) -> Pending:
         if self._stop.is_set():
             raise EngineStopped("the engine is shutting down")
-        p = Pending(job, key, next(self._seq))
+        p = Pending(job, key, next(self._seq), wave=wave if wave and wave > 0 else None)
         self._queue.put(p)
         return p
 
@@ -103,16 +110,17 @@ class Batcher:
         if first is None:
             return []
         batch = [first]
-        if first.key is None or self.max_batch == 1:
+        limit = min(self.max_batch, first.wave or self.max_batch)
+        if first.key is None or limit == 1:
             return batch
         for p in list(self._held):
-            if len(batch) >= self.max_batch:
+            if len(batch) >= limit:
                 break
             if p.key == first.key:
                 batch.append(p)
                 self._held.remove(p)
         deadline = first.arrival + self.window_s
-        while len(batch) < self.max_batch:
+        while len(batch) < limit:
             remaining = deadline - time.monotonic()
             try:
                 p = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()

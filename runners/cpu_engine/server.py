@@ -124,6 +124,16 @@ def _histogram(sizes: list[int]) -> dict:
     return out
 
 
+def _wave(value: str | None) -> int | None:
+    """X-Difftest-Wave: how many requests the client released together (runners/cpu_engine/scheduler.py).
+    A hint only: a value that is not a positive integer is ignored."""
+    try:
+        n = int(value) if value is not None else None
+    except ValueError:
+        return None
+    return n if n and n > 0 else None
+
+
 class _Handler(BaseHTTPRequestHandler):
     server_ref: EngineServer
     server_version = "difftest-cpu-engine"
@@ -236,7 +246,8 @@ class _Handler(BaseHTTPRequestHandler):
         job = parse_speech(obj, s.models, s.voices)
         t0 = time.perf_counter()
         try:
-            pending = s.batcher.submit(job, job.batch_key(share_sampled=s.defect == "shared-rng"))
+            pending = s.batcher.submit(job, job.batch_key(share_sampled=s.defect == "shared-rng"),
+                                       wave=_wave(self.headers.get("X-Difftest-Wave")))
             out = pending.wait(s.request_timeout_s)
         except EngineStopped as e:
             s.count("engine_errors")
