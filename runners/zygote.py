@@ -43,7 +43,12 @@ def _preload() -> None:
     from runners.reference.environment import import_qwen_tts
 
     import_qwen_tts()
-    import librosa  # noqa: F401  (qwen-tts's audio helpers; numba's caches load once here)
+    # qwen-tts reads every reference voice with librosa.load (and resamples with librosa.resample).
+    # `import librosa` alone loads nothing: librosa is lazy, and its audio module (with the numba
+    # ufuncs of librosa.util, loaded from numba's cache) was imported by each child at its first
+    # voice, about 1 s of CPU per runner and engine. Imported here, every fork has it.
+    import librosa.core.audio  # noqa: F401
+    import librosa.util.utils  # noqa: F401  (to_mono's numba ufuncs: lazy too)
     import numpy  # noqa: F401
     import soundfile  # noqa: F401
 
