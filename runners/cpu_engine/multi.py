@@ -88,8 +88,13 @@ def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, lambda *a: stop.set())
     signal.signal(signal.SIGINT, lambda *a: stop.set())
     stop.wait()
-    for s in servers:
-        s.stop()
+    # Each server's stop waits for its listener's and its scheduler's next poll (up to 0.3 s); one
+    # after the other that was seconds for a dozen defects.
+    stoppers = [threading.Thread(target=s.stop) for s in servers]
+    for t in stoppers:
+        t.start()
+    for t in stoppers:
+        t.join()
     return 0
 
 
