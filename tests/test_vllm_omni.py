@@ -164,8 +164,14 @@ def test_same_voice_same_reference_codes_across_requests(runs, smoke):
     assert not np.array_equal(firsts["alba"][:10], firsts["bruno"][:10])
 
 
-def test_capture_wrappers_leave_the_real_handoff_functions_unchanged(tmp_path):
-    result = run_in_env([str(REPO / "tests" / "vllm_omni_capture_check.py"), str(tmp_path)])
+@pytest.fixture(scope="module")
+def env_checks(tmp_path_factory):
+    """The capture and platform checks, run in one process of the environment's interpreter."""
+    return run_in_env([str(REPO / "tests" / "vllm_omni_env_checks.py"), str(tmp_path_factory.mktemp("env-checks"))])
+
+
+def test_capture_wrappers_leave_the_real_handoff_functions_unchanged(env_checks):
+    result = env_checks["capture"]
     assert result["unset"]["patched"] is False
     full = result["full_payload"]
     assert full["wrapped"] == ["talker2code2wav_full_payload", "talker2code2wav_async_chunk"]
@@ -190,12 +196,12 @@ def test_capture_wrappers_leave_the_real_handoff_functions_unchanged(tmp_path):
     assert result["length_cap"] == {"accepted": True, "original_refuses": True, "stop_unchanged": True}
 
 
-def test_cpu_platform_checks_and_refuses_an_unsupported_release():
+def test_cpu_platform_checks_and_refuses_an_unsupported_release(env_checks):
     """The plugin's workers pass vLLM-Omni's own validation, its runners put vLLM-Omni's methods
     before vLLM's CPU runner, it refuses at stage start what the CPU cannot run (head size 8, a
     float32 talker, model runner v2) with the fix, and on a release it was not written for,
     resolving the platform (the first thing `vllm serve --omni` does) fails with its message."""
-    r = run_in_env([str(REPO / "tests" / "vllm_omni_platform_check.py")])
+    r = env_checks["platform"]
     assert r["detected"] == "difftest_cpu_platform.platform.DifftestCPUOmniPlatform"
     assert r["platform"] == "DifftestCPUOmniPlatform" and r["workers_validated"] and r["mro_omni_before_cpu"]
     p = r["problems"]

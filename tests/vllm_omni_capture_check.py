@@ -3,6 +3,8 @@ around vLLM-Omni's real Qwen3-TTS hand-off functions, fed synthetic batches.
 
     .venv-vllm-omni/bin/python tests/vllm_omni_capture_check.py WORKDIR   -> one JSON line on stdout
 
+(tests/test_vllm_omni.py runs it with the platform check in one process: tests/vllm_omni_env_checks.py.)
+
 For each case it records what the wrapped function returned against what the
 unwrapped one returns for the same inputs, and what the capture files hold.
 Nothing here needs a model or a server.
@@ -224,7 +226,11 @@ def length_cap() -> dict:
 
 
 def main() -> int:
-    work = Path(sys.argv[1])
+    print(json.dumps(checks(Path(sys.argv[1]))))
+    return 0
+
+
+def checks(work: Path) -> dict:
     logs: list[str] = []
 
     class Keep(logging.Handler):
@@ -241,8 +247,7 @@ def main() -> int:
     result["async_chunk"] = async_chunk_batch(proc, hooks, work / "async")
     result["failing_write"] = failing_write(proc, hooks, work / "broken", logs)
     result["length_cap"] = length_cap()
-    print(json.dumps(result))
-    return 0
+    return result
 
 
 if __name__ == "__main__":
