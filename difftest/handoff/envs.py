@@ -55,9 +55,14 @@ def _pip(python: Path | str, args: list[str], what: str, timeout: int = 1200) ->
     packages from where pip does (scripts/lib.sh: uv_setup), several times faster."""
     uv = os.environ.get("DIFFTEST_UV")
     cmd = ([uv, "pip", "install", "--python", str(python), "-q", *args] if uv else
-           [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", *args])
+           [str(python), "-m", "pip", "install", "--disable-pip-version-check", "-q", "--no-compile", *args])
+    # No byte-compiling at install (scripts/lib.sh asks uv for it): a probe imports a small part of
+    # what is installed (torch, transformers, two vLLMs), and writes the bytecode of what it imports
+    # as it goes (Env.environ), once for every later probe. Compiling everything cost the base
+    # environment 35 s of CPU and each release's 6 s.
+    env = {k: v for k, v in os.environ.items() if k != "UV_COMPILE_BYTECODE"}
     try:
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     except subprocess.TimeoutExpired:
         raise InfraError(f"{what}: {'uv pip' if uv else 'pip'} timed out after {timeout} s") from None
     if r.returncode != 0:
@@ -227,6 +232,7 @@ class Env:
 
     def environ(self) -> dict:
         env = dict(os.environ)
+        env.pop("PYTHONDONTWRITEBYTECODE", None)  # the environments are installed without bytecode (_pip)
         env["PYTHONPATH"] = os.pathsep.join([*(str(p) for p in self.pythonpath), str(REPO)])
         env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", VLLM_LOGGING_LEVEL="ERROR", PYTHONNOUSERSITE="1",
                    OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
