@@ -134,6 +134,20 @@ def test_a_patch_that_does_not_apply_is_refused(tmp_path, monkeypatch):
     assert not list((tmp_path / "cache" / "bug-mutant").glob("*.entry.json"))  # nothing half-built kept
 
 
+def test_a_patch_that_applies_but_does_not_compile_is_refused(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFTEST_CACHE", str(tmp_path / "cache"))
+    site, _ = release_site(omni_python())
+    root = make_entry(tmp_path / "corpus", site)
+    patch = root / "ref-leak-4373" / "revert.patch"
+    text = patch.read_text()
+    assert "[-1]]" in text
+    patch.write_text(text.replace("[-1]]", "[-1]]]", 1))  # an unmatched bracket in the added line
+    (e,) = load_corpus(root)
+    with pytest.raises(BadInput, match="ref-leak-4373: revert.patch applies but the patched source does not compile"):
+        with mutant_env(e, omni_python(), tmp_path / "build.log"):
+            pass
+
+
 def test_caught_needs_the_verdict_the_stage_and_the_donor(tmp_path):
     (e,) = load_corpus(make_entry(tmp_path))
     seg = {"id": "vcc-02", "verdict": "contamination", "stage": "handoff", "donor": "vcc-04", "summary": "s",

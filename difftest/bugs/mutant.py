@@ -85,14 +85,17 @@ def _check_patched(entry: Entry, site: Path) -> None:
         raise InfraError(f"bug {entry.id}: after applying {entry.patch.name}, {', '.join(same)} is unchanged")
 
 
-def _compile(python: Path, files: list[Path], log_path: Path) -> None:
+def _compile(python: Path, files: list[Path], log_path: Path, entry: Entry) -> None:
     """Bytecode for the patched files, written anew beside them (their linked .pyc is the release's,
-    stale now: Python would compile the source on every import, as it should, but each time)."""
+    stale now: Python would compile the source on every import, as it should, but each time). A
+    patched file that does not compile is the entry's patch at fault: bad input, named."""
+    p = subprocess.run([str(python), "-m", "py_compile", *map(str, files)], capture_output=True, text=True,
+                       check=False)
     with open(log_path, "a", encoding="utf-8") as log:
-        p = subprocess.run([str(python), "-m", "py_compile", *map(str, files)], stdout=log, stderr=subprocess.STDOUT,
-                           check=False)
+        log.write(p.stdout + p.stderr)
     if p.returncode != 0:
-        raise InfraError(f"compiling the patched files failed (log {log_path})")
+        raise BadInput(f"bug {entry.id}: {entry.patch.name} applies but the patched source does not compile: "
+                       f"{p.stderr.strip()[-800:]}")
 
 
 @contextmanager
@@ -121,7 +124,7 @@ def mutant_env(entry: Entry, base_python: Path, log_path: Path) -> Iterator[Path
         _apply(entry.patch, own_site, entry, check=True)
         _apply(entry.patch, own_site, entry, check=False)
         _check_patched(entry, own_site)
-        _compile(python, [own_site / rel for rel in sorted(entry.source_sha256)], log_path)
+        _compile(python, [own_site / rel for rel in sorted(entry.source_sha256)], log_path, entry)
         record = {"bug": entry.id, "upstream": entry.upstream, "release": entry.release,
                   "patch_sha256": patch_sha, "base_python": str(base_python), "site": str(own_site),
                   "patched_sha256": {rel: _sha256(own_site / rel) for rel in sorted(entry.source_sha256)}}
