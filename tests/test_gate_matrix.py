@@ -5,6 +5,7 @@ cells at a time, gated, logged to a real MLflow (sqlite), one JUnit file and one
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import xml.etree.ElementTree as ET
@@ -54,6 +55,12 @@ def test_two_candidates_at_two_concurrencies(tmp_path, mlflow_cwd):
         assert leak["failing"] and {f["verdict"] for f in leak["failing"]} == {"contamination"}
         assert all(f["donor"] and f["stage"] == "handoff" and f["first_divergent_chunk"] == 0 for f in leak["failing"])
         assert (out / "cells" / leak["cell"] / "report.json").is_file()
+    # two cells at a time, one reference: computed before the cells, found cached by every one of them
+    assert "the qwen-tts reference for smoke.yaml first (shared by 4 cells)" in r.stderr
+    assert "reference for smoke.yaml ready" in r.stderr and (out / "references" / "smoke.log").is_file()
+    for name in rows:
+        ref = json.loads((out / "cells" / name / "report.json").read_text())["reference"]
+        assert ref["cached_segments"] == 4, (name, ref["cached_segments"])
     suites = ET.parse(out / "junit.xml").getroot()
     assert suites.get("tests") == "16"  # 4 cells x 4 segments
     per_cell = {s.get("name"): int(s.get("failures")) for s in suites}
@@ -69,6 +76,23 @@ def test_two_candidates_at_two_concurrencies(tmp_path, mlflow_cwd):
     exp = client.get_experiment_by_name("difftest/smoke")
     runs = client.search_runs([exp.experiment_id], "tags.`difftest.matrix` = 'release-check'", max_results=100)
     assert sorted(r.data.tags["difftest.matrix.cell"] for r in runs if "difftest.matrix.cell" in r.data.tags) == sorted(rows)
+
+
+def test_a_reference_that_fails_first_is_left_to_the_cells(tmp_path):
+    """The shared reference is computed before the cells; where it cannot be (here: no qwen-tts
+    interpreter), the matrix says so and runs the cells anyway, each reporting its own error."""
+    path = _write(tmp_path, "suites: [{s}]\ncandidates: [cpu-engine]\nconcurrency: [2, 4]\nstore: store\n".format(
+        s=REPO / "cases" / "suites" / "smoke.yaml"))
+    out = tmp_path / "out"
+    env = {**os.environ, "DIFFTEST_REFERENCE_PYTHON": str(tmp_path / "no-such-venv" / "bin" / "python")}
+    r = subprocess.run([sys.executable, "-m", "difftest", "matrix", str(path), "--out", str(out), "--workers", "2",
+                        "--no-mlflow"], capture_output=True, text=True, timeout=600, env=env)
+    assert r.returncode == 3, r.stderr[-3000:]
+    assert "reference for smoke.yaml failed (exit 2" in r.stderr  # bad input, as the cells say
+    assert "no-such-venv" in (out / "references" / "smoke.log").read_text()
+    m = json.loads((out / "matrix.json").read_text())
+    assert m["complete"] and len(m["cells"]) == 2 and {c["verdict"] for c in m["cells"]} == {"error"}
+    assert all("no-such-venv" in c["log_tail"] for c in m["cells"])
 
 
 @pytest.mark.parametrize("body, where", [

@@ -22,8 +22,9 @@ Or cells named one by one (cases/gates/*.yaml), each with what it covers, run fo
 
 Every cell (of the product, or named) is one whole `difftest run`, its own process, into `OUT/cells/<cell>/`
 (its log beside it); `--workers K` runs K cells at once (each starts its own candidate: size K to
-what the machine or its GPUs can serve), and `--ray ADDRESS` puts every cell's reference side on
-that cluster (`difftest run --ray`). As each cell finishes it is gated (difftest.records.gate,
+what the machine or its GPUs can serve; a suite that several cells share has its qwen-tts reference
+computed once into the store before they start, which they would otherwise each compute at once),
+and `--ray ADDRESS` puts every cell's reference side on that cluster (`difftest run --ray`). As each cell finishes it is gated (difftest.records.gate,
 the policy's fail_on) and logged to MLflow (tags `difftest.matrix`, `difftest.matrix.cell`).
 
 OUT/matrix.json (stable JSON, rewritten after each cell: a stopped matrix keeps what it ran), OUT/junit.xml
@@ -37,6 +38,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -387,6 +389,8 @@ def run_matrix_file(m: Matrix, out: Path, policy, *, workers: int = 1, ray: str 
             "cells": sorted(rows, key=lambda r: [c["cell"] for c in m.cells].index(r["cell"]))},
             indent=1, sort_keys=True).encode())
 
+    if workers > 1 and ray is None:
+        _references_first(m, out, stream)
     queue = list(m.cells)
     running: dict = {}
     lines: dict[str, int | None] = {}
@@ -439,6 +443,39 @@ def run_matrix_file(m: Matrix, out: Path, policy, *, workers: int = 1, ray: str 
           f"{sum(r['verdict'] == 'fail' for r in rows)} fail, {sum(r['verdict'] == 'error' for r in rows)} error; "
           f"{out / 'summary.md'}, {out / 'junit.xml'}", file=stream, flush=True)
     return code
+
+
+def _references_first(m: Matrix, out: Path, stream) -> None:
+    """With cells side by side, the first K would each compute the same qwen-tts reference into the
+    store at once (none finds the other's): compute each suite's once, before any cell starts, so
+    every cell finds it cached. The cells keep their own runs' checks: a suite whose reference fails
+    here is left to its cells, which report it as they would have."""
+    suites: dict[str, int] = {}
+    for cell in m.cells:
+        suites[cell["suite"]] = suites.get(cell["suite"], 0) + 1
+    store = m.store or os.environ.get("DIFFTEST_STORE", "difftest-store")  # difftest run's default
+    for suite, n in suites.items():
+        if n < 2:
+            continue
+        log_path = out / "references" / f"{Path(suite).stem}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        print(f"matrix: the qwen-tts reference for {Path(suite).name} first (shared by {n} cells)", file=stream,
+              flush=True)
+        t0 = time.monotonic()
+        with open(log_path, "wb") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "difftest", "reference", suite, "--store", store],
+                                    stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                    env=lifeline.child_env(None))
+            line = lifeline.guard(proc)
+            try:
+                code = proc.wait()
+            except BaseException:
+                interrupt_groups([proc])
+                raise
+            finally:
+                lifeline.release(line)
+        print(f"matrix: reference for {Path(suite).name} " + (f"ready in {time.monotonic() - t0:.0f} s" if code == 0 else
+              f"failed (exit {code}, {log_path}); its cells compute what they need"), file=stream, flush=True)
 
 
 def cmd_matrix(args) -> int:
