@@ -41,9 +41,16 @@ install_bg vllm-omni with_rc "$DIFFTEST_VLLM_OMNI_INSTALL_RC" bash runners/vllm_
 install_bg chromium chromium
 wait_installs tester reference chromium || { echo "an install failed; no tests run"; exit 1; }
 
-# Two workers (DIFFTEST_TEST_WORKERS to change); a test file stays on one worker, and the slowest
-# files go first (tests/durations.txt, tests/conftest.py).
-workers=${DIFFTEST_TEST_WORKERS:-2}
+# One worker more than the cores (DIFFTEST_TEST_WORKERS to change), at most one per 6 GiB of memory
+# (a worker may hold a vLLM-Omni server): with as many workers as cores, the cores stood idle 15% of
+# a run (tests waiting on a server's start, a lock, a poll); a third worker on two cores filled most
+# of it (docs/ci.md). A test file stays on one worker; the slowest files go first
+# (tests/durations.txt, tests/conftest.py).
+mem_gib=$(awk '/^MemTotal:/ {print int($2 / 1048576)}' /proc/meminfo 2>/dev/null || echo 12)
+workers=$(( $(nproc) + 1 ))
+(( workers > mem_gib / 6 )) && workers=$(( mem_gib / 6 ))
+(( workers < 1 )) && workers=1
+workers=${DIFFTEST_TEST_WORKERS:-$workers}
 echo "== running the tests ($workers workers; a test file stays on one worker)"
 rc=0
 .venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@" || rc=$?
