@@ -70,9 +70,11 @@ def pytest_collection_modifyitems(config, items):
             seconds[name] = float(s)
     items.sort(key=lambda item: -seconds.get(item.path.name, 0.0))  # stable: a file's tests keep their order
     if _install_pending():
-        # the vLLM-Omni environment is still installing (scripts/test.sh starts the tests meanwhile): the
-        # two slowest files that do not need it go first, so neither worker starts by waiting for it
-        free = [f for f in dict.fromkeys(item.path for item in items) if not _needs_vllm_omni(f)][:2]
+        # the vLLM-Omni environment is still installing (scripts/test.sh starts the tests meanwhile): as
+        # many of the slowest files that do not need it as there are workers go first, so none starts
+        # by waiting for it
+        workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "2"))
+        free = [f for f in dict.fromkeys(item.path for item in items) if not _needs_vllm_omni(f)][:workers]
         items.sort(key=lambda item: item.path not in free)
 
 
