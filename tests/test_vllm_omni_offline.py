@@ -106,6 +106,27 @@ def test_batches_are_the_ones_the_engine_ran():
     assert _batches_run(out, [["a", "b", "c", "e"], ["d"]]) == [["a", "c"], ["b"], ["e"], ["d"]]
 
 
+def test_an_engine_started_by_a_request_is_counted_once_as_the_start():
+    """The runner starts a checkpoint type's engine at its first request and stamps every result it
+    computes with that start: a pass counts each engine's start once, a later pass or a result
+    found cached not at all (difftest.run._engine_starts)."""
+    from types import SimpleNamespace
+
+    from difftest.engines.base import Outcome
+    from difftest.run import _engine_starts
+
+    def res(ckpt, start):
+        return SimpleNamespace(provenance={"checkpoint": {"path": ckpt}}, timings={"seconds": 1.0, "engine_start_s": start})
+
+    started: dict = {}
+    first = Outcome(results={"a": res("base", 40.0), "b": res("base", 40.0), "c": res("design", 12.5)})
+    assert _engine_starts(first, started) == 52.5
+    again = Outcome(results={"a": res("base", 40.0), "d": res("custom", 3.0), "e": res("other", 9.0)}, cached={"e"})
+    assert _engine_starts(again, started) == 3.0  # base counted already; e is an earlier run's
+    http = Outcome(results={"a": SimpleNamespace(provenance={}, timings={"seconds": 1.0})})
+    assert _engine_starts(http, {}) == 0.0  # a server's start is timed where it starts
+
+
 def test_candidate_spec_names_the_offline_api():
     from difftest.errors import BadInput
     from difftest.run import CandidateSpec
@@ -215,6 +236,13 @@ def test_difftest_run_with_the_offline_candidate(tmp_path):
                                "c4": {"verdict": "pass", "counts": rep["counts"]}}
     assert got["devices"]["reference"] == "cpu" and got["settings"]["talker_dtype"] == "bfloat16"
     assert got["timings_s"]["total_s"] == rep["provenance"]["timings"]["total_s"] > 0
+    # the engine starts with the first request (the runner's lazy start): its start is the candidate's
+    # start in the timings, not part of the pass at concurrency 1
+    from difftest.results import read_result
+
+    t = rep["provenance"]["timings"]
+    first = read_result(next((tmp_path / "run" / "results" / "candidate-c1").glob("smoke-*.json")))
+    assert t["candidate_start_s"] >= first.timings["engine_start_s"] > t["candidate_c1_s"], t
     # every request's codes, audio and the talker's own input and top-k were captured (CPU: model runner v1)
     per_run = len(rep["segments"])
     assert got["capture"]["files"] >= per_run
