@@ -30,13 +30,14 @@ def main(argv=None) -> int:
     ap.add_argument("junit", type=Path)
     ap.add_argument("--write", type=Path, help="save the files, slowest first, with their seconds")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--workers", type=int, default=3, help="the run's test workers (scripts/test.sh: cores + 1)")
     args = ap.parse_args(argv)
     files = sorted(per_file(args.junit).items(), key=lambda kv: -kv[1])
     total = sum(s for _, s in files)
     for name, s in files[:args.top]:
         print(f"{s:8.1f} s  {name}")
-    print(f"{len(files)} files, {total:.0f} s in all; two workers need at least "
-          f"{max(total / 2, files[0][1] if files else 0):.0f} s")
+    print(f"{len(files)} files, {total:.0f} s in all; {args.workers} workers need at least "
+          f"{max(total / args.workers, files[0][1] if files else 0):.0f} s")
     if args.write:
         args.write.write_text("# seconds per test file, slowest first (benchmarks/ci_durations.py --write)\n"
                               + "".join(f"{s:.0f} {name}\n" for name, s in files))
