@@ -116,7 +116,7 @@ class _WavServer(http.server.ThreadingHTTPServer):
     daemon_threads = True
 
     def __init__(self, answers: dict):
-        self.answers = answers
+        self.answers, self.calls = answers, []
         super().__init__(("127.0.0.1", 0), _Handler)
 
 
@@ -127,6 +127,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
         wav = self.server.answers.get(body["input"])
+        if isinstance(wav, list):  # one answer per call, the last one repeated
+            wav = wav.pop(0) if len(wav) > 1 else wav[0]
+        self.server.calls.append(body["input"])
         self.send_response(200 if wav else 500)
         self.end_headers()
         self.wfile.write(wav or b"no")
@@ -154,7 +157,7 @@ def bundle(tmp_path):
     return b, audio
 
 
-def _standalone(b: Path, answers: dict) -> subprocess.CompletedProcess:
+def _standalone(b: Path, answers: dict, calls: list | None = None) -> subprocess.CompletedProcess:
     srv = _WavServer(answers)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     try:  # -I -S: no working folder, no site-packages: neither difftest nor numpy importable
@@ -162,6 +165,31 @@ def _standalone(b: Path, answers: dict) -> subprocess.CompletedProcess:
                               cwd=b, capture_output=True, text=True, timeout=120)
     finally:
         srv.shutdown()
+        if calls is not None:
+            calls.extend(srv.calls)
+
+
+def test_a_concurrency_finding_is_sent_up_to_three_times(bundle):
+    """Whether requests share a batch depends on when they arrive: a concurrency finding's requests
+    are sent again until the defect shows, three times at most; one that needs none, once."""
+    b, audio = bundle
+    doc = json.loads((b / "bundle.json").read_text())
+    (b / "bundle.json").write_text(json.dumps({**doc, "against": "own_c1", "against_label": "its own answers at 1"}))
+    good = {rid: wavio.encode(x, 24000, "pcm16") for rid, x in audio.items()}
+    bad_t = audio["t"].copy()
+    bad_t[:1920] = audio["d"][:1920]  # chunk 0 from the other request's voice
+    calls: list = []
+    p = _standalone(b, {"t": [good["t"], wavio.encode(bad_t, 24000, "pcm16")], "d": [good["d"]]}, calls)
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "try 1 of 3" in p.stdout and "try 2 of 3" in p.stdout and "try 3 of 3" not in p.stdout
+    assert "TARGET t: chunk 0 differs" in p.stdout and sorted(calls) == ["d", "d", "t", "t"]
+    calls.clear()
+    p = _standalone(b, good, calls)  # a clean server: three tries, none shows
+    assert p.returncode == 0 and p.stdout.count("does not show") == 3 and len(calls) == 6, p.stdout
+    (b / "bundle.json").write_text(json.dumps(doc))  # against qwen-tts: no concurrency needed, one try
+    calls.clear()
+    p = _standalone(b, good, calls)
+    assert p.returncode == 0 and "try 1" not in p.stdout and len(calls) == 2, p.stdout
 
 
 def test_repro_py_needs_nothing_but_the_standard_library(bundle):
