@@ -190,6 +190,9 @@ def test_a_concurrency_finding_is_sent_up_to_three_times(bundle):
     calls.clear()
     p = _standalone(b, good, calls)
     assert p.returncode == 0 and "try 1" not in p.stdout and len(calls) == 2, p.stdout
+    p = subprocess.run([sys.executable, "-I", "-S", "repro.py", "--url", "http://127.0.0.1:9", "--tries", "0"],
+                       cwd=b, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "--tries must be at least 1" in p.stderr  # never a silent "does not show"
 
 
 def test_repro_py_needs_nothing_but_the_standard_library(bundle):

@@ -166,6 +166,8 @@ def main(argv=None):
                         "for a finding that needs concurrency, whose batches depend on when requests arrive; else 1)")
     p.add_argument("--bundle", default=os.path.join(HERE, "bundle.json"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.tries is not None and args.tries < 1:
+        p.error("--tries must be at least 1")  # exit 2: none sent, so nothing shown either way
     with open(args.bundle, encoding="utf-8") as f:
         bundle = json.load(f)
     print(f"{bundle['title']}\nsending {len(bundle['requests'])} request(s) at concurrency {bundle['concurrency']} "

@@ -24,8 +24,8 @@ Every cell (of the product, or named) is one whole `difftest run`, its own proce
 (its log beside it); `--workers K` runs K cells at once (each starts its own candidate: size K to
 what the machine or its GPUs can serve; a suite that several cells share has its qwen-tts reference
 computed once into the store before they start, which they would otherwise each compute at once),
-and `--ray ADDRESS` puts every cell's reference side on that cluster (`difftest run --ray`). As each cell finishes it is gated (difftest.records.gate,
-the policy's fail_on) and logged to MLflow (tags `difftest.matrix`, `difftest.matrix.cell`).
+and `--ray ADDRESS` puts every cell's reference side on that cluster (`difftest run --ray`). As each
+cell finishes it is gated (difftest.records.gate, the policy's fail_on) and logged to MLflow (tags `difftest.matrix`, `difftest.matrix.cell`).
 
 OUT/matrix.json (stable JSON, rewritten after each cell: a stopped matrix keeps what it ran), OUT/junit.xml
 (a testsuite per cell, a testcase per segment), OUT/summary.md (a table a release manager reads).
