@@ -15,6 +15,7 @@ OUT=${DEMO_OUT:-demo-out}
 DT=.venv/bin/difftest
 
 echo "== installing side by side (cold: about 2 min with uv, 7 with pip; the vLLM-Omni environment is most of it)"
+system_packages run || exit 1  # Debian's libsndfile1 (scripts/system-packages.txt)
 uv_setup  # DIFFTEST_UV: the installs use uv (pip where it cannot be had)
 install_bg tester install_tester '.[mlflow]'
 install_bg reference bash runners/reference/make_env.sh

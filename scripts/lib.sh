@@ -53,6 +53,35 @@ wait_installs() {  # [NAME...]: wait for these installs (default: every one star
     return $failed
 }
 
+system_packages() {  # FOR...: install the Debian packages of scripts/system-packages.txt for these uses (run, test, ...)
+    local want=() missing=() p use u _
+    while read -r p use _; do
+        [[ -z $p || $p == \#* ]] && continue
+        for u in "$@"; do [[ $use == "$u" ]] && want+=("$p"); done
+    done < scripts/system-packages.txt
+    for p in "${want[@]}"; do
+        [[ $(dpkg-query -W -f '${Status}' "$p" 2>/dev/null) == *" installed" ]] || missing+=("$p")
+    done
+    if (( ${#missing[@]} == 0 )); then
+        echo "Debian packages ${want[*]}: installed"
+        return 0
+    fi
+    if [ "$(id -u)" != 0 ]; then
+        echo "this needs Debian packages a new machine lacks (scripts/system-packages.txt says why):" \
+             "sudo apt-get install --no-install-recommends ${missing[*]}   then run this again" >&2
+        return 1
+    fi
+    echo "installing Debian packages with apt-get (as root): ${missing[*]}"
+    mkdir -p .cache/logs
+    if ! { apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+           apt-get install -y -qq --no-install-recommends "${missing[@]}"; } > .cache/logs/apt.log 2>&1; then
+        cat .cache/logs/apt.log >&2
+        echo "apt-get could not install ${missing[*]} (its log above: .cache/logs/apt.log)" >&2
+        return 1
+    fi
+    echo "Debian packages ${want[*]}: installed"
+}
+
 UV_VERSION=0.13.9
 
 uv_setup() {  # export DIFFTEST_UV: uv, installing from where pip installs (scripts/uv_env.py)

