@@ -12,6 +12,10 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/toy.py, the vocoder test double
 
+# Every Debian package the session's processes load must be on a new machine or installed by the
+# project's scripts: one more test result at the end (tests/system_packages.py).
+from system_packages import pytest_configure, pytest_sessionfinish  # noqa: E402,F401
+
 
 @pytest.fixture
 def policy():
