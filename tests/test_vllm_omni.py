@@ -276,6 +276,11 @@ def test_sampled_decoding_on_the_real_server_passes_the_sampling_test(server, vo
     # sam-08 `contamination`, length from sam-05). The voice-clone-concurrency suite tests that wave.
     xvector = {v["id"] for v in raw["voices"] if v.get("mode") == "xvector"}
     raw["segments"] = [x for x in raw["segments"] if x["task"] == "voice_clone" and x["voice"] not in xvector]
+    # a seed of its own for each segment: segments drawn from one seed share their random numbers, and
+    # the rank-uniformity test's false-flag rate holds only for independent draws (it flagged 0.30.0
+    # at p = 0.00084 on a new machine with the suite's shared seed 7; issue 61)
+    for i, x in enumerate(raw["segments"]):
+        x["decode"] = {**x.get("decode", {}), "seed": 7001 + i}
     suite = tmp_path / "sampled-talker.yaml"
     suite.write_text(yaml.safe_dump(raw))
     _, capture, _, _ = server
