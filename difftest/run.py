@@ -554,6 +554,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
                               noise, support)
 
     ordered = [verdicts[s.id] for s in suite.segments]
+    judged = {"concurrency": exercised.concurrency(opts.concurrency, cand.results, len(suite.segments)), "codes": exercised.codes_judged(ordered)}
     # qwen-tts's samples in the candidate's numerics calibrate the sampling test too (not where that
     # is the reference's own: the reference's samples say it already)
     sampling_roles = {**scores[0], **({"null": alone[1]} if alone and not numerics["exact"] else {})}
@@ -577,11 +578,13 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         provenance={"difftest": __version__, "timings": {k: round(v, 3) for k, v in timings.items()}},
         warnings=[f"{sid}: reference: {e['message']}" for sid, e in ref_run.errors.items()]
         + [f"{sid}: teacher forcing of qwen-tts's own sample: {m}" for sid, m in scores[1].get("reference", {}).items()]
-        + null_warnings + shared_seeds(suite),
+        + null_warnings + shared_seeds(suite)
+        + ([] if opts.concurrency > 1 else ["concurrency 1: every request was served alone; a cross-request defect "
+                                            "(the seed's leak) cannot show in this run"]),
         sampling=sampling.judge(sampling_roles, policy.forced.sampling_max_z, policy.forced.sampling_false_flag_rate),
         null=null, null_n=null_n,
         configuration=exercised.finding(cand_info, {f"c={opts.concurrency}": cand.results, "c=1": ctrl.results,
-                                                    **({"repeat": again.results} if again else {})}),
+                                                    **({"repeat": again.results} if again else {})}, judged),
     )
     one = sampling.judge({k: v for k, v in sampling_roles.items() if k != "candidate"}, policy.forced.sampling_max_z,
                          policy.forced.sampling_false_flag_rate)

@@ -91,6 +91,10 @@ def read_capture(capture_dir: Path | None, tag: str, wait_s: float | None = None
     return capture.load(path, max_frames)
 
 
+ANSWER_ENCODINGS = {("pcm", 16), ("float", 32)}  # what vLLM-Omni's speech API and the offline API give
+BATCH_SIZE_HEADER = "x-difftest-batch-size"  # an engine's own word on how many requests it batched (the CPU engine)
+
+
 def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, *, concurrency: int,
                   pattern: str = "barrier", order: str = "suite", seed: int = 0, stagger_ms: float = 50.0,
                   voice_mode: str = "inline", capture_dir: Path | None = None, label: str = "candidate",
@@ -153,10 +157,15 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
         # the batch once the wave is in. A server that does not know the header ignores it.
         hint = None if pattern == "pool" else {WAVE_HEADER: str(len(wave))}
         try:
+            sent = time.time()
             ans = client.speech(body, hint)
+            in_flight = [round(sent, 4), round(time.time(), 4)]  # the concurrency check (verdicts/exercised.py)
             wav, info = wavio.read(ans.audio)
             if wav.ndim != 1:
                 raise SpeechError(200, f"audio has {info.channels} channels, expected mono")
+            if (info.format, info.bits) not in ANSWER_ENCODINGS:  # 8-bit would pass as 16-bit's rounding
+                raise SpeechError(200, f"audio is {info.bits}-bit {info.format}, not a WAV encoding a speech server "
+                                       f"answers with (16-bit PCM or 32-bit float)")
         except ServerUnreachable as e:
             dead.set()
             return error(seg, "infrastructure", str(e))
@@ -170,7 +179,8 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
             return error(seg, "infrastructure" if isinstance(e, capture.CaptureMissing) else "candidate", str(e))
         r = _result(seg, wav, info, cap, ans, label, provenance, wave,
                     {"concurrency": concurrency, "pattern": pattern, "order": order, "tag": tag,
-                     "identity": identity_key})
+                     "identity": identity_key, "in_flight": in_flight,
+                     **({"batch_size": int(b)} if (b := ans.headers.get(BATCH_SIZE_HEADER, "")).isdigit() else {})})
         side = write_result(ResultStore.stem(out_dir, seg.id, seg.hash), r)
         r.source = side.resolve()
         with lock:

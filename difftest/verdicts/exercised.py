@@ -11,6 +11,16 @@ was hit (the servers' `vllm:prefix_cache_hits_total`, read before they stop). On
 never is (the smoke suite sent twice, the same four requests: 302 tokens queried, 0 hit): their
 prompts fill no cache block, so such a run is no evidence about the cache, and says so.
 
+Concurrency likewise: a run at N > 1 tests cross-request defects (the seed's leak) only where two
+requests shared the engine. A one-segment suite, or a server that answers one request before the
+next arrives, never had two in flight: the run says so and is an `error`, never a pass. Two
+requests were in flight together when their spans (sent to answered, `meta.in_flight`, the HTTP
+runner's clock) overlap, or when one batch held both (`meta.batch`, the offline runner). Where the
+engine says how many requests it batched (`meta.batch_size`, the CPU test engine's header), its
+word decides: requests can be in flight together at the client and still be served one at a time
+by a server that queues them. vLLM-Omni says nothing of the kind over HTTP: for it, the client's
+view is what the run shows (docs/verdicts.md).
+
 Chunked means more than one hand-off for every request longer than one frame: vLLM-Omni's first
 chunk is a single frame (its deploy's `initial_chunk`), so any longer request is handed over at
 least twice when chunking runs.
@@ -71,10 +81,74 @@ def prefix_cache(candidate: dict) -> dict | None:
         f"stage {st} {counts[str(st)]['hits']} of {counts[str(st)]['queries']} tokens" for st in stages)}
 
 
-def finding(candidate: dict, passes: dict[str, dict]) -> dict | None:
+def most_in_flight(results: dict) -> tuple[int, list[str], str]:
+    """(the most requests in flight at once, the segments whose results say nothing of it, by whose
+    word: "engine" where every result carries the engine's batch size, else "client")."""
+    sizes = [r.meta.get("batch_size") for r in results.values()]
+    if sizes and all(isinstance(n, int) for n in sizes):
+        return max(sizes), [], "engine"
+    events, untold, most = [], [], 0
+    for sid, r in results.items():
+        span, batch = r.meta.get("in_flight"), r.meta.get("batch")
+        if batch:
+            most = max(most, len(batch))
+        if span:
+            events += [(float(span[0]), 1), (float(span[1]), -1)]
+        elif not batch:
+            untold.append(sid)
+    now = 0
+    for _, step in sorted(events):  # an answer at the instant another is sent: not together
+        now += step
+        most = max(most, now)
+    return most, sorted(untold), "client"
+
+
+def concurrency(asked: int, results: dict, sent: int) -> dict | None:
+    """The finding for concurrency over the run's pass at N (segment -> Result; `sent`: how many
+    requests it sent), or None at 1 and where no request was answered (the segments' errors say why)."""
+    if asked <= 1 or not results:
+        return None
+    most, untold, by = most_in_flight(results)
+    out = {"configured": {"concurrency": asked}, "requests": len(results), "most_in_flight": most, "by": by,
+           "not_said": untold}
+    if most >= 2:
+        return out | {"verdict": "pass", "summary": f"concurrency ran: up to {most} of {len(results)} requests "
+                                                    f"{'batched by the engine' if by == 'engine' else 'in flight together'}"
+                                                    f" (asked: {asked})"}
+    why = ("the suite has one segment" if sent <= 1
+           else f"the results of {len(untold)} requests do not say when they were in flight" if untold
+           else "the engine served each request in a batch of its own" if by == "engine"
+           else "each request was answered before the next was sent")
+    return out | {"verdict": "error", "summary": (
+        f"configuration not exercised: concurrency {asked} was asked, but no two of {sent} requests were "
+        f"in flight together ({why}): a cross-request defect cannot show in this run")}
+
+
+def codes_judged(verdicts: list) -> dict | None:
+    """No PASS on audio alone: a segment whose codes were not captured and whose audio is not
+    qwen-tts's within the audio tiers (`audio_divergence`) could be a numerics difference or any
+    defect at all (silence, one answer for every request, audio one sample late); without codes
+    nothing tells which. None when every segment was judged on codes."""
+    blind = [v.id for v in verdicts if v.verdict == "audio_divergence"]
+    uncoded = [v.id for v in verdicts if v.verdict != "error" and "codes" not in v.comparisons]
+    if not uncoded:
+        return None
+    if blind:
+        return {"verdict": "error", "segments": blind, "summary": (
+            f"nothing judged on codes: the candidate's codes were not captured, and the audio of {len(blind)} of "
+            f"{len(verdicts)} segments differs from qwen-tts's beyond the audio tiers ({', '.join(blind[:5])}"
+            f"{', ...' if len(blind) > 5 else ''}); without codes a numerics difference and a defect look alike: "
+            f"no PASS (capture the codes: --capture-dir, or a vLLM-Omni candidate difftest starts)")}
+    return {"verdict": "pass", "segments": [], "summary": (
+        f"{len(uncoded)} of {len(verdicts)} segments judged on audio alone (no codes captured): each within the "
+        f"audio tiers of qwen-tts's")}
+
+
+def finding(candidate: dict, passes: dict[str, dict], judged: dict | None = None) -> dict | None:
     """One run-level finding over what was configured (async chunks over the candidate's passes,
-    name -> segment -> Result; prefix caching over the run), or None when nothing needs showing."""
-    checks = {}
+    name -> segment -> Result; prefix caching over the run) and what the run could judge (`judged`:
+    name -> the `concurrency` and `codes_judged` findings), or None when nothing needs showing."""
+    checks = {k: v for k, v in (judged or {}).items() if v is not None}
     each = {name: async_chunks(candidate, results) for name, results in passes.items()}
     each = {k: v for k, v in each.items() if v is not None}
     if each:
