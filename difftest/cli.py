@@ -68,10 +68,12 @@ def main(argv=None) -> int:
 
 
 @contextlib.contextmanager
-def _signals_interrupt():
+def _signals_interrupt(caught_signal: list):
     """SIGTERM and SIGHUP act as Ctrl-C: the command unwinds, stopping every engine and runner it
     started, and keeps what it finished. Further signals while it unwinds are ignored (the unwinding
-    is bounded: a server gets 15 s, a runner is killed)."""
+    is bounded: a server gets 15 s, a runner is killed). The signal's name is also put in
+    `caught_signal`: where the KeyboardInterrupt lands in code that swallows it (a garbage
+    collector's callback inside SQLAlchemy, while MLflow logs) the command still ends as interrupted."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -80,6 +82,7 @@ def _signals_interrupt():
     def interrupt(signum, _frame):
         for s in caught:
             signal.signal(s, signal.SIG_IGN)
+        caught_signal.append(signal.Signals(signum).name)
         raise KeyboardInterrupt(signal.Signals(signum).name)
 
     old = {s: signal.signal(s, interrupt) for s in caught}
@@ -88,6 +91,12 @@ def _signals_interrupt():
     finally:
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _interrupted(why: str) -> int:
+    print(f"difftest: interrupted ({why}); engines and runners it started are stopped, finished results kept",
+          file=sys.stderr)
+    return EXIT_INFRA
 
 
 # OS errors about a path the user named (it is missing, a file, read-only) are bad input; others
@@ -100,17 +109,16 @@ def dispatch(func, args, verbose: bool = False) -> int:
     """Run a subcommand with the exit-code contract: 0 pass, 1 a judged divergence, 2 bad input,
     3 infrastructure. No traceback reaches the user: an unexpected exception is difftest's own bug,
     reported in one line (exit 3) with the traceback written to a file."""
-    with _signals_interrupt():
+    caught: list = []
+    with _signals_interrupt(caught):
         try:
-            return func(args)
+            code = func(args)
+            return _interrupted(caught[0]) if caught else code  # swallowed on the way: still an interrupt
         except DifftestError as e:
             print(f"difftest: error: {e}", file=sys.stderr)
             return e.exit_code
         except KeyboardInterrupt as e:
-            why = f" ({e.args[0]})" if e.args else ""
-            print(f"difftest: interrupted{why}; engines and runners it started are stopped, finished results kept",
-                  file=sys.stderr)
-            return EXIT_INFRA
+            return _interrupted(e.args[0] if e.args else "SIGINT")
         except UnicodeDecodeError as e:
             print(f"difftest: error: an input is not UTF-8 text ({e.reason} at byte {e.start})", file=sys.stderr)
             return EXIT_BAD_INPUT

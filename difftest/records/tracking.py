@@ -483,16 +483,22 @@ def _log_run(out_dir, tracking_uri=None, *, experiment=None, tags=None) -> tuple
     if not any(r.get("tracking_uri") == uri for r in state.get("runs", [])):  # a new upload: warm the media workers
         _media_context(sum(rec.has_child_run(s) for s in report.get("segments") or []), start=True)
     experiment = experiment or rec.experiment_name(report)
+    def pending(reason: str):
+        print(f"difftest: warning: could not log {out} to MLflow at {uri}: {reason}. Nothing is lost: "
+              f"upload later with `difftest log {out} --tracking-uri {uri}`.", file=sys.stderr)
+        state["pending"] = {"tracking_uri": uri, "experiment": experiment, "report_sha256": sha,
+                            "reason": reason, "since": _now()}
+        _write_state(out, state)
+
     try:
         with mlflow_client(uri) as client:
             run_id, exp_id = _upload(client, out, report, sha, experiment, dict(tags or {}), state, uri)
     except TrackingUnavailable as e:
-        print(f"difftest: warning: could not log {out} to MLflow at {uri}: {e}. Nothing is lost: "
-              f"upload later with `difftest log {out} --tracking-uri {uri}`.", file=sys.stderr)
-        state["pending"] = {"tracking_uri": uri, "experiment": experiment, "report_sha256": sha,
-                            "reason": str(e), "since": _now()}
-        _write_state(out, state)
+        pending(str(e))
         return None, uri
+    except KeyboardInterrupt as e:  # the half-made upload is replaced by the next (_previous_upload)
+        pending(f"interrupted ({e.args[0] if e.args else 'SIGINT'})")
+        raise
     state["runs"] = [r for r in state.get("runs", []) if r.get("tracking_uri") != uri] + [
         {"tracking_uri": uri, "experiment": experiment, "experiment_id": exp_id, "run_id": run_id,
          "report_sha256": sha, "logged": _now()}]
