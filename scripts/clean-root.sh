@@ -22,8 +22,9 @@ base=../shared/machine/debian-base-packages.txt
 
 # What the image carries outside Debian's packages (the python kind's machine doc): bound read-only.
 py_prefix=$(python3 -c 'import sys; print(sys.base_prefix)')  # the image's interpreter, not a shim
+# The image's certificate authorities too: its registries are reached through them.
 image_paths=("$py_prefix" /opt/wheels /opt/pypi /opt/pypi-more /etc/pip.conf /etc/xdg/pip
-             "$HOME/.config/pip" "$HOME/.pip")
+             "$HOME/.config/pip" "$HOME/.pip" /etc/ssl/certs/ca-certificates.crt /usr/local/share/ca-certificates)
 
 mounts() {  # bind the kernel's file systems and the image's own paths into the root
     mount --bind /proc "$root/proc"; mount --bind /sys "$root/sys"
@@ -44,7 +45,9 @@ unmount() {
 in_root() {  # COMMAND: run it inside the root as a new machine's root user would
     chroot "$root" /usr/bin/env -i HOME=/root TERM=dumb LANG=C.UTF-8 \
         PATH="$py_prefix/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin" \
-        PIP_FIND_LINKS="${PIP_FIND_LINKS:-}" PIP_CERT="${PIP_CERT:-}" CI=true bash -c "$1"
+        PIP_FIND_LINKS="${PIP_FIND_LINKS:-}" PIP_CERT="${PIP_CERT:-}" SSL_CERT_FILE="${SSL_CERT_FILE:-}" \
+        REQUESTS_CA_BUNDLE="${REQUESTS_CA_BUNDLE:-}" CURL_CA_BUNDLE="${CURL_CA_BUNDLE:-}" \
+        GIT_SSL_CAINFO="${GIT_SSL_CAINFO:-}" CI=true bash -c "$1"
 }
 
 case $cmd in
