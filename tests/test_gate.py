@@ -62,6 +62,7 @@ def test_gate_pass_and_fail_without_baseline(tmp_path, capsys):
     assert cases == {f"s{i}": ("pass", None, None) for i in range(3)}
     assert root.get("tests") == "3" and root.get("failures") == "0"
     assert (clean / "gate.md").read_text().startswith("## ✅ difftest gate: pass")
+    assert f"policy: {DEFAULT_POLICY} (sha256 {load_policy().sha256})  \n" in (clean / "gate.md").read_text()
 
     leak = make_report(tmp_path, "leak", leak_into=("s0", "s1"))
     junit, md = tmp_path / "ci" / "j.xml", tmp_path / "ci" / "summary.md"

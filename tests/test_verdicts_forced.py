@@ -438,7 +438,7 @@ def test_policy_reference_encoder_section_is_validated(tmp_path):
     assert load_policy().encoder_min_agreement == base["reference_encoder"]["min_agreement"] == 0.5
     p = tmp_path / "p.yaml"
     p.write_text(yaml.safe_dump({**base, "reference_encoder": {"min_agreement": 2}}))
-    with pytest.raises(BadInput, match="reference_encoder.min_agreement: expected a number in"):
+    with pytest.raises(BadInput, match=r"reference_encoder.min_agreement: out of range: 2, allowed \[0.05, 1\]"):
         load_policy(p)
 
 

@@ -119,8 +119,8 @@ def test_the_policy_holds_the_rate_and_the_margin(tmp_path):
     assert (p.null.false_flag_rate, p.null.rate_margin) == (0.01, 1.5)
     assert p.as_dict()["measured_null"] == {"false_flag_rate": 0.01, "rate_margin": 1.5}
     text = (load_policy.__globals__["DEFAULT_POLICY"]).read_text()
-    for bad, msg in (("rate_margin: 0.5", "measured_null.rate_margin: out of range: 0.5 (at least 1)"),
-                     ("false_flag_rate: 0", "measured_null.false_flag_rate: out of range: 0 (in (0, 1))"),
+    for bad, msg in (("rate_margin: 0.5", r"measured_null.rate_margin: out of range: 0.5, allowed \[1, 10\]"),
+                     ("false_flag_rate: 0", r"measured_null.false_flag_rate: out of range: 0, allowed \[1e-6, 0.5\]"),
                      ("false_flag_rate: x", "measured_null.false_flag_rate: expected a number")):
         key = bad.split(":")[0]
         f = tmp_path / "p.yaml"

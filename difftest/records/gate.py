@@ -21,9 +21,9 @@ from pathlib import Path
 from ..errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput, InfraError
 from ..results import atomic_write
 from ..verdicts.numerics import compare as compare_numerics
-from ..verdicts.policy import Policy, load_policy
+from ..verdicts.policy import Policy, load_policy, out_of_bounds
 from . import mlflow_records as rec
-from .gate_output import headline, junit_xml, markdown
+from .gate_output import headline, junit_xml, markdown, policy_lines
 from .tracking import (
     TrackingUnavailable,
     check_tracking_uri,
@@ -68,6 +68,8 @@ class GateResult:
     baseline: Baseline | None
     known_failures_fail: bool
     numerics: dict | None = None  # difftest.verdicts.numerics.compare against the baseline's report
+    policy_source: str = ""  # the policy judged with: its file and the sha256 of its values
+    policy_sha256: str = ""
 
     def count(self, status: str) -> int:
         return sum(1 for s in self.segments if s.status == status)
@@ -92,7 +94,8 @@ def _status(seg: dict, policy: Policy, baseline: Baseline | None) -> tuple[str, 
 
 def decide(report: dict, policy: Policy, baseline: Baseline | None = None) -> GateResult:
     rows = [SegmentGate(seg, *_status(seg, policy, baseline)) for seg in report["segments"]]
-    result = GateResult("pass", EXIT_PASS, rows, baseline, policy.known_failures_fail)
+    result = GateResult("pass", EXIT_PASS, rows, baseline, policy.known_failures_fail,
+                        policy_source=policy.source, policy_sha256=policy.sha256)
     kinds = {s.segment.get("error_kind") or "infrastructure" for s in rows if s.status == "error"}
     if "infrastructure" in kinds or (report.get("verdict") == "error" and not kinds):
         result.verdict, result.exit_code = "error", EXIT_INFRA
@@ -189,6 +192,8 @@ def main_gate(args) -> int:
     report, _ = read_report(out)
     if not report.get("segments"):
         raise BadInput(f"{out / 'report.json'}: no segments to gate on")
+    if problems := out_of_bounds(report.get("policy")):  # its verdicts rest on a tolerance that accepts anything
+        raise BadInput(f"{out / 'report.json'}: the run was judged under a policy out of bounds: {'; '.join(problems)}")
     policy = load_policy(args.policy)
     baseline = load_baseline(out, args.baseline_version, policy, args.tracking_uri) if args.baseline_version else None
     result = decide(report, policy, baseline)
@@ -197,7 +202,7 @@ def main_gate(args) -> int:
     for path, data in ((junit, junit_xml(report, result)), (md, markdown(report, result, policy).encode())):
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path, data)
-    print("\n".join(headline(report, result)))
+    print("\n".join(headline(report, result) + policy_lines(report, policy)))
     print(f"junit: {junit}\nmarkdown: {md}")
     return result.exit_code
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import xml.etree.ElementTree as ET
 
+from ..verdicts.policy import policy_sha256
 from ..verdicts.where import donor_text, where
 from .mlflow_records import CLEAN, canonical_tags
 
@@ -55,6 +56,8 @@ def junit_xml(report: dict, result) -> bytes:
     suite = ET.SubElement(root, "testsuite", name=name, timestamp=str(report.get("created", "")), **counts)
     props = ET.SubElement(suite, "properties")
     info = {"gate.verdict": result.verdict, **canonical_tags(report)}  # canonical `verdict` is the report's
+    if result.policy_sha256:  # the policy the gate judged with
+        info.update({"gate.policy": result.policy_source, "gate.policy.sha256": result.policy_sha256})
     if result.baseline:
         info.update({"baseline.version": result.baseline.version, "baseline.run_id": result.baseline.run_id})
     for k, v in info.items():
@@ -111,13 +114,26 @@ def headline(report: dict, result) -> list[str]:
     return lines + ([numerics_line(result.numerics)] if result.numerics is not None else [])
 
 
+def policy_lines(report: dict, policy) -> list[str]:
+    """The policy the gate judged with (its file and the sha256 of its values); the run's, where its
+    values differ (the segment verdicts are the run's policy's: the gate applies only its own
+    fail_on and baseline sections); and the gate policy's warnings (a fail_on that lets defects pass)."""
+    lines = [f"policy: {policy.source} (sha256 {policy.sha256})"
+             + ("; known failures fail" if policy.known_failures_fail else "")]
+    run = report.get("policy")
+    if isinstance(run, dict) and policy_sha256(run) != policy.sha256:
+        lines.append(f"the run judged its segments under another policy: {run.get('source') or '(unnamed)'} "
+                     f"(sha256 {policy_sha256(run)}); this gate applied its own fail_on and baseline sections only")
+    return lines + [f"WARNING: {w}" for w in policy.warnings()]
+
+
 def markdown(report: dict, result, policy, rows: int = 50) -> str:
     title, what, baseline, *numerics = headline(report, result)
     icon = {"pass": "✅", "fail": "❌", "error": "⚠️"}[result.verdict]
     out = [f"## {icon} difftest gate: {result.verdict}", "", title.split(": ", 1)[1], "",
            what + "  ", baseline + "  ",  # two trailing spaces: a Markdown line break
            *(n + "  " for n in numerics),
-           f"policy: `{policy.source}`" + ("; known failures fail" if policy.known_failures_fail else ""), ""]
+           *(line + "  " for line in policy_lines(report, policy)), ""]
     shown = sorted((r for r in result.segments if r.status != "pass" or r.segment["verdict"] not in CLEAN),
                    key=lambda r: ORDER.index(r.status))
     if not shown:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -53,6 +55,16 @@ class Policy:
     def fails(self, verdict: str) -> bool:
         return verdict in self.fail_on
 
+    @property
+    def sha256(self) -> str:
+        return policy_sha256(self.as_dict())
+
+    def warnings(self) -> list[str]:
+        """Loud lines for report.json's `warnings` and the gate: a fail_on that lets defects pass."""
+        passed = [v for v in DEFECTS if v not in self.fail_on]
+        return [f"POLICY: fail_on of {self.source or 'the policy'} leaves out {', '.join(passed)}: a segment with "
+                f"{'one of these verdicts' if len(passed) > 1 else 'this verdict'} PASSES"] if passed else []
+
     def as_dict(self) -> dict:
         return {
             "tiers": {"quantisation_max_abs": self.quantisation_max_abs, "close_max_abs": self.close_max_abs,
@@ -80,10 +92,107 @@ SCHEMA = {
     "measured_null": set(NullPolicy.__dataclass_fields__),
 }
 
+# Every number a policy holds, with the range it must lie in (exit 2 otherwise: BadInput names the
+# field and the range). Each range holds the default and any value a user could mean, and stops
+# where the tolerance would accept anything, so that a failing verdict stays reachable. A `(` or
+# `)` is an open end. docs/verdicts.md, "The policy", has this table; tests/test_policy_bounds.py
+# holds the two to each other.
+_GAP = ("[0, 8]", "nats below qwen-tts's top-1 (or its sampling support's last token): 8 nats is a token "
+        "e^8 = 3000x less likely than qwen-tts's choice, a ratio above a codebook's 2048 codes; wider excuses "
+        "almost any token (defaults 0.05-1.5)")
+_RATE = ("[1e-6, 0.5]", "a test's false-flag rate: 0 never flags; below 1e-6 only gross defects on large suites "
+         "could; above one half a correct engine fails more often than not (default 0.01)")
+_MARGIN = ("[1, 10]", "H0: a rate of tokens off qwen-tts's top-1 at most this many times the null's (the "
+           "baseline's): below 1 a correct engine fails; 10x is a defect, not numerics (real vLLM-Omni "
+           "0.30.0: 0.5-1.1x; defaults 1.5, 1.0)")
+_TOPK = ("[{lo}, 128]", "a rank among qwen-tts's 2048 codes per codebook (0 = its top-1): a token outside the top "
+         "128 is no near-miss (defaults 10, 3)")
+BOUNDS = {
+    "tiers.quantisation_max_abs": ("[0, 1e-3]", "16-bit PCM moves a sample by about 3e-5 (1 LSB; the default "
+                                   "6.2e-5 is 2 LSB); 1e-3 is 32 LSB and below an 8-bit step (7.8e-3): beyond, the "
+                                   "tier takes audio no 16-bit rounding made"),
+    "tiers.close_max_abs": ("[0, 0.1]", "samples lie in [-1, 1], so 2 accepts anything; float32 drift is about 4e-5 "
+                            "(default 1e-3); a tenth of full scale (-20 dBFS) is audible, not drift"),
+    "tiers.close_snr_db": ("[10, 100]", "at 0 dB noise as loud as the signal passes; below 10 dB the difference is "
+                           "a third of the signal's amplitude (another voice); 100 is the SNR cap, above which this "
+                           "route never passes (default 30)"),
+    "tiers.close_logmel": ("[0, 1]", "mean |ln mel a - ln mel b| over bands: 1 is an e-fold (4.3 dB) difference in "
+                           "every band, another sound (default 0.1)"),
+    "donor.max_ratio": ("(0, 1)", "a ratio of log-mel distances: at 1 a peer that explains the chunks no better is "
+                        "named the donor, at 0 none ever is (default 0.5)"),
+    "forced.max_rank": (_TOPK[0].format(lo=0), _TOPK[1]),
+    "forced.near_tie_top_k": (_TOPK[0].format(lo=1), _TOPK[1]),
+    **{f"forced.{k}": _GAP for k in ("max_gap", "near_tie_max_gap", "near_tie_gross_gap", "support_max_gap",
+                                     "support_gross_gap")},
+    **{f"forced.{k}": ("[0.5, 1]", "a greedy stream's share of positions on qwen-tts's top-1: 0 passes any "
+                                   "stream; below one half a stream mostly off qwen-tts's choices is plausible "
+                                   "(defaults 0.8, 0.9)") for k in ("min_top1_share", "min_sub_top1_share")},
+    "forced.sampling_max_z": ("(0, 10]", "|z| of a standard normal: 10 is a false-flag rate of 1e-23; a larger line "
+                              "buys no safety and only loses defects (default 4)"),
+    "forced.sampling_false_flag_rate": _RATE,
+    "reference_encoder.min_agreement": ("[0.05, 1]", "the share of reference-code entries that agree: another "
+                                        "voice's codes agree by chance (1 in 2048), so 0 passes any codes; 0.05 is "
+                                        "100x chance, under bf16-with-AMX against float32 (0.10-0.13) (default 0.5)"),
+    "measured_null.false_flag_rate": _RATE,
+    "measured_null.rate_margin": _MARGIN,
+    "baseline.numerics_false_flag_rate": _RATE,
+    "baseline.numerics_rate_margin": _MARGIN,
+}
+INTEGERS = {f"forced.{k}" for k, v in ForcedPolicy().__dict__.items() if isinstance(v, int)}
+# The verdicts that name something wrong with the candidate: the default policy fails on each; a
+# policy whose fail_on leaves one out is allowed, loudly (Policy.warnings).
+DEFECTS = ("concurrency_defect", "history_defect", "vocoder_defect", "talker_defect", "handoff_defect",
+           "contamination", "reference_encoder_defect", "sampling_defect", "length_mismatch", "error")
+
+
+def _in_range(x: float, text: str) -> bool:
+    lo, hi = (float(t) for t in text[1:-1].split(","))
+    return (lo < x if text[0] == "(" else lo <= x) and (x < hi if text[-1] == ")" else x <= hi)
+
+
+def number(field: str, v, where: str = ""):
+    """The one parser of a policy's numbers: an int or float, or a string YAML 1.1 leaves unparsed
+    (`2e0`, `1e-4`: an exponent without a dot), never a bool, NaN or infinity, within BOUNDS[field].
+    BadInput starts with `where` (the file)."""
+    integer, (allowed, why) = field in INTEGERS, BOUNDS[field]
+    try:
+        x = None if isinstance(v, bool) or not isinstance(v, (int, float, str)) else float(v)
+    except (ValueError, OverflowError):
+        x = None
+    problem = (f"expected {'an integer' if integer else 'a number'}" if x is None else
+               "expected a finite number" if not math.isfinite(x) else
+               "expected an integer" if integer and x != int(x) else None)
+    if problem:
+        raise BadInput(f"{where}{field}: {problem}, got {yamlfile.quote(v)}")
+    if not _in_range(x, allowed):
+        raise BadInput(f"{where}{field}: out of range: {yamlfile.quote(v)}, allowed {allowed}: {why}")
+    return int(x) if integer else x
+
+
+def out_of_bounds(policy: dict) -> list[str]:
+    """A policy as report.json records it (Policy.as_dict), checked against BOUNDS: one line per
+    number that is out of range (an absent one is not checked)."""
+    problems = []
+    for field in BOUNDS if isinstance(policy, dict) else ():
+        section, key = field.split(".")
+        if isinstance(policy.get(section), dict) and key in policy[section]:
+            try:
+                number(field, policy[section][key])
+            except BadInput as e:
+                problems.append(str(e))
+    return problems
+
+
+def policy_sha256(policy: dict) -> str:
+    """The first 12 hex digits of the sha256 of a policy's values (Policy.as_dict, `source` left
+    out): two policies with the same digest judge alike, whatever their files are called."""
+    values = {k: v for k, v in policy.items() if k != "source"}
+    return hashlib.sha256(json.dumps(values, sort_keys=True).encode()).hexdigest()[:12]
+
 
 def load_policy(path: str | Path | None = None) -> Policy:
-    """Load and validate a policy: every section and key known, every value of the right type;
-    BadInput names the file, the field and the problem."""
+    """Load and validate a policy: every section and key known, every value of the right type and
+    every number within BOUNDS; BadInput names the file, the field and the problem."""
     path = Path(path) if path else DEFAULT_POLICY
 
     def bad(field, problem):
@@ -112,25 +221,17 @@ def load_policy(path: str | Path | None = None) -> Policy:
         for key in raw[section]:
             if key not in keys:
                 bad(f"{section}.{key}", f"unknown key (known: {', '.join(sorted(keys))})")
-    tiers = raw.get("tiers", {})
-    vals = {}
-    for k in ("quantisation_max_abs", "close_max_abs", "close_snr_db", "close_logmel"):
-        v = tiers.get(k)
-        try:  # YAML reads 1e-4 (no dot) as a string: accept it as the number it means
-            if isinstance(v, bool):
-                raise TypeError
-            vals[k] = float(v)
-        except (TypeError, ValueError):
-            bad(f"tiers.{k}", f"expected a number, got {yamlfile.quote(v)}")
-        if not math.isfinite(vals[k]) or (k != "close_snr_db" and vals[k] < 0):
-            bad(f"tiers.{k}", f"expected a finite{' non-negative' if k != 'close_snr_db' else ''} number, got {yamlfile.quote(v)}")
+
+    def num(field, default=None):  # no default: the key is required
+        section, key = field.split(".")
+        return number(field, (raw.get(section) or {}).get(key, default), f"{path}: ")
+
+    vals = {k: num(f"tiers.{k}") for k in ("quantisation_max_abs", "close_max_abs", "close_snr_db", "close_logmel")}
     require = raw.get("require", {})
     for comp in ("concurrency", "vocoder", "drift"):
         if require.get(comp) not in TIERS[:-1]:
             bad(f"require.{comp}", f"expected one of {', '.join(TIERS[:-1])}, got {require.get(comp)!r}")
-    ratio = raw.get("donor", {}).get("max_ratio")
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
-        bad("donor.max_ratio", f"expected a number in (0, 1), got {yamlfile.quote(ratio)}")
+    ratio = num("donor.max_ratio")
     if "fail_on" not in raw:
         bad("fail_on", "required: the verdicts that fail a run (write [] to fail none)")
     fail_on = raw["fail_on"]
@@ -146,42 +247,19 @@ def load_policy(path: str | Path | None = None) -> Policy:
     known_fail = baseline.get("known_failures_fail", False)
     if not isinstance(known_fail, bool):
         bad("baseline.known_failures_fail", f"expected true or false, got {yamlfile.quote(known_fail)}")
-    numerics = {}
-    for key, default in NumericsPolicy().__dict__.items():
-        v = baseline.get(f"numerics_{key}", default)
-        if isinstance(default, bool):
-            if not isinstance(v, bool):
-                bad(f"baseline.numerics_{key}", f"expected true or false, got {yamlfile.quote(v)}")
-        elif isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (
-                key == "false_flag_rate" and not 0 < v < 1) or (key == "rate_margin" and v < 1):
-            bad(f"baseline.numerics_{key}", f"expected {'a number in (0, 1)' if key == 'false_flag_rate' else 'a number of at least 1'}, "
-                                            f"got {yamlfile.quote(v)}")
-        numerics[key] = v if isinstance(default, bool) else float(v)
-    forced = {}
-    for key, default in ForcedPolicy().__dict__.items():  # an absent key keeps the built-in value
-        v = (raw.get("forced") or {}).get(key, default)
-        integral = isinstance(default, int)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or (integral and not isinstance(v, int)):
-            bad(f"forced.{key}", f"expected {'an integer' if integral else 'a number'}, got {yamlfile.quote(v)}")
-        if not math.isfinite(v) or v < 0 or (key.endswith("share") and v > 1) or (key == "near_tie_top_k" and v < 1):
-            bad(f"forced.{key}", f"out of range: {yamlfile.quote(v)}")
-        forced[key] = v
-    agreement = (raw.get("reference_encoder") or {}).get("min_agreement", Policy.encoder_min_agreement)
-    if isinstance(agreement, bool) or not isinstance(agreement, (int, float)) or not 0 <= agreement <= 1:
-        bad("reference_encoder.min_agreement", f"expected a number in [0, 1], got {yamlfile.quote(agreement)}")
-    null = {}
-    for key, default in NullPolicy().__dict__.items():
-        v = (raw.get("measured_null") or {}).get(key, default)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
-            bad(f"measured_null.{key}", f"expected a number, got {yamlfile.quote(v)}")
-        if (key == "false_flag_rate" and not 0 < v < 1) or (key == "rate_margin" and v < 1):
-            bad(f"measured_null.{key}", f"out of range: {yamlfile.quote(v)} "
-                               f"({'in (0, 1)' if key == 'false_flag_rate' else 'at least 1'})")
-        null[key] = float(v)
+    numerics_fail = baseline.get("numerics_fail", NumericsPolicy.fail)
+    if not isinstance(numerics_fail, bool):
+        bad("baseline.numerics_fail", f"expected true or false, got {yamlfile.quote(numerics_fail)}")
+    numerics = NumericsPolicy(num("baseline.numerics_false_flag_rate", NumericsPolicy.false_flag_rate),
+                              num("baseline.numerics_rate_margin", NumericsPolicy.rate_margin), numerics_fail)
+    # an absent key keeps the built-in value
+    forced = ForcedPolicy(**{k: num(f"forced.{k}", d) for k, d in ForcedPolicy().__dict__.items()})
+    null = NullPolicy(**{k: num(f"measured_null.{k}", d) for k, d in NullPolicy().__dict__.items()})
+    agreement = num("reference_encoder.min_agreement", Policy.encoder_min_agreement)
     return Policy(vals["quantisation_max_abs"], vals["close_max_abs"], vals["close_snr_db"],
                   vals["close_logmel"], {c: require[c] for c in ("concurrency", "vocoder", "drift")},
-                  float(ratio), frozenset(fail_on), str(path), frozenset(run_verdicts), known_fail,
-                  ForcedPolicy(**forced), float(agreement), NullPolicy(**null), NumericsPolicy(**numerics))
+                  ratio, frozenset(fail_on), str(path), frozenset(run_verdicts), known_fail,
+                  forced, agreement, null, numerics)
 
 
 def chunk_tiers(m: ChunkMetrics, policy: Policy, quantised: bool = False) -> np.ndarray:
