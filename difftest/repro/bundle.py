@@ -15,7 +15,9 @@ Everything is read from the final probe's run folder (its report.json and result
 
 from __future__ import annotations
 
+import html
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -139,24 +141,46 @@ def issue_title(finding: Finding, case: Case, meta: dict) -> str:
     return f"{engine}: {what} ({finding.stage or 'stage unknown'}, {cond}, {len(case.segments)} request(s))"
 
 
+_CONTROL = re.compile("[\x00-\x1f\x7f-\x9f\u200b-\u200f\u202a-\u202e\u2066-\u2069]")
+_PUNCT = re.compile(r"([\\`*_\[\]|!#~$@])")  # what Markdown (GitHub's) would read as markup inside a line
+_LINE_START = re.compile(r"^(\s*\d*)([-+=.)])")  # a list item, a numbered one, a heading underline
+
+
+def md(value, code: bool = False) -> str:
+    """Every user- or server-controlled string ISSUE.md shows (ids, texts, voice files, summaries, the
+    candidate's versions, notes) goes through here: one line (line breaks become spaces, other control and
+    direction characters are shown as \\xNN / \\uNNNN), shown as its own characters and nothing else, in
+    prose and in table cells alike: no HTML, link, emphasis, heading or cell border. `code`: inline code
+    (a fence longer than any backtick run inside) where that holds it as it is; escaped text (`<>&` as
+    entities, Markdown's punctuation backslash-escaped) otherwise, so no raw markup is left for any renderer."""
+    s = _CONTROL.sub(lambda m: ascii(m[0])[1:-1], " ".join(str(value).splitlines()).replace("\t", " "))
+    if code and s.strip() and not set(s) & set("<>&|"):
+        fence = "`" * (max(map(len, re.findall("`+", s)), default=0) + 1)
+        pad = " " if "`" in (s[0], s[-1]) or s[0] == s[-1] == " " else ""
+        return f"{fence}{pad}{s}{pad}{fence}"
+    s = _PUNCT.sub(r"\\\1", html.escape(s, quote=False))
+    return _LINE_START.sub(r"\1\\\2", s)
+
+
 def _diagnosis(seg: dict) -> list[str]:
-    lines = [f"- verdict `{seg['verdict']}` at stage `{seg.get('stage') or '-'}`, first divergent chunk "
-             f"{seg.get('first_divergent_chunk')}: {seg.get('summary')}"]
+    lines = [f"- verdict {md(seg['verdict'], True)} at stage {md(seg.get('stage') or '-', True)}, first divergent "
+             f"chunk {md(seg.get('first_divergent_chunk'))}: {md(seg.get('summary'))}"]
     codes = (seg.get("comparisons") or {}).get("codes") or {}
     if codes.get("frames"):
         if not codes.get("frames_differing"):
-            lines.append(f"- the generated codes equal qwen-tts's ({codes['frames'][0]} frames): the talker is right, "
+            lines.append(f"- the generated codes equal qwen-tts's ({md(codes['frames'][0])} frames): the talker is right, "
                          f"the fault lies after it")
         else:
-            lines.append(f"- codes: {codes['frames_differing']} of {codes['frames'][0]} frames differ from qwen-tts's, "
-                         f"the first at frame {codes.get('first_divergent_frame')}")
+            lines.append(f"- codes: {md(codes['frames_differing'])} of {md(codes['frames'][0])} frames differ from "
+                         f"qwen-tts's, the first at frame {md(codes.get('first_divergent_frame'))}")
         if codes.get("ref_codes_equal") is False:
             lines.append(f"- the reference codes the vocoder got agree with qwen-tts's encoding of the request's own "
                          f"voice in {codes.get('ref_codes_agreement', 0):.0%} of entries")
     if seg.get("donor"):
-        lines.append(f"- donor: `{seg['donor']}` (its {seg.get('donor_kind') or 'reference'} reached this request)")
+        lines.append(f"- donor: {md(seg['donor'], True)} (its {md(seg.get('donor_kind') or 'reference')} reached "
+                     f"this request)")
     for k, v in (seg.get("evidence") or {}).items() if isinstance(seg.get("evidence"), dict) else []:
-        lines.append(f"- {k}: {v}")
+        lines.append(f"- {md(k)}: {md(v)}")
     return lines
 
 
@@ -164,17 +188,18 @@ def issue_text(origin, finding: Finding, case: Case, report: dict, bundle: dict,
     seg = shown_by(report, finding)
     cand = report.get("candidate") or {}
     versions = cand.get("versions") or {}
-    env = [f"- engine: {cand.get('engine') or cand.get('label')}",
-           *(f"- {k}: {v}" for k, v in sorted(versions.items()) if v and not isinstance(v, dict)),
-           f"- device: {cand.get('device') or (cand.get('identity') or {}).get('device') or '?'}",
-           f"- checkpoints: {', '.join(f'{k} {v[:12]}' for k, v in sorted(((cand.get('identity') or {}).get('checkpoints') or {}).items()))}"]
+    env = [f"- engine: {md(cand.get('engine') or cand.get('label'))}",
+           *(f"- {md(k)}: {md(v)}" for k, v in sorted(versions.items()) if v and not isinstance(v, dict)),
+           f"- device: {md(cand.get('device') or (cand.get('identity') or {}).get('device') or '?')}",
+           "- checkpoints: " + ", ".join(f"{md(k)} {md(str(v)[:12])}" for k, v in sorted(
+               ((cand.get("identity") or {}).get("checkpoints") or {}).items()))]
     if versions.get("vllm_omni_mutant"):
         m = versions["vllm_omni_mutant"]
         up = m.get("upstream") or {}
-        env.append(f"- a re-created bug: {m.get('bug')} (upstream "
-                   + ", ".join(f"{k} #{v}" for k, v in up.items() if v) + f") reverted into {m.get('release')}")
+        env.append(f"- a re-created bug: {md(m.get('bug'))} (upstream "
+                   + ", ".join(f"{md(k)} #{md(v)}" for k, v in up.items() if v) + f") reverted into {md(m.get('release'))}")
     if case.settings:
-        env.append(f"- settings: {', '.join(f'{k}={v}' for k, v in case.settings)}")
+        env.append(f"- settings: {', '.join(md(f'{k}={v}') for k, v in case.settings)}")
     serve = []
     if cand.get("deploy_overlay"):
         env.append("- deploy configuration: `deploy-overlay.yaml` (bundled)")
@@ -184,23 +209,23 @@ def issue_text(origin, finding: Finding, case: Case, report: dict, bundle: dict,
     reqs = []
     for item in bundle["requests"]:
         b = item["body"]
-        voice = f", reference `{item['ref_audio_file']}`" if item.get("ref_audio_file") else ""
-        reqs.append(f"| `{item['id']}`{' (target)' if item['id'] == finding.segment else ''}"
-                    f"{' (donor)' if item['id'] == finding.donor else ''} | {b['task_type']} | {b.get('language')} | "
-                    f"{b['input']!s}{voice} | {b['max_new_tokens']} |")
+        voice = f", reference {md(item['ref_audio_file'], True)}" if item.get("ref_audio_file") else ""
+        reqs.append(f"| {md(item['id'], True)}{' (target)' if item['id'] == finding.segment else ''}"
+                    f"{' (donor)' if item['id'] == finding.donor else ''} | {md(b['task_type'])} | "
+                    f"{md(b.get('language'))} | {md(b['input'])}{voice} | {md(b['max_new_tokens'])} |")
     rate = meta.get("rate")
-    text = [f"# {bundle['title']}", "",
+    text = [f"# {md(bundle['title'])}", "",
             "## Symptom", "",
-            f"{seg.get('summary')}.", "",
-            f"Found by difftest in the run `{origin.out}` (suite `{origin.suite.name}`, {len(origin.suite.segments)} "
-            f"segments at concurrency {origin.run['concurrency']}, {origin.run['pattern']} arrivals), segment "
-            f"`{finding.segment}`: `{finding.verdict}` at `{finding.stage}`"
-            + (f", donor `{finding.donor}`" if finding.donor else "") + ".", "",
+            f"{md(seg.get('summary'))}.", "",
+            f"Found by difftest in the run {md(origin.out, True)} (suite {md(origin.suite.name, True)}, "
+            f"{len(origin.suite.segments)} segments at concurrency {md(origin.run['concurrency'])}, "
+            f"{md(origin.run['pattern'])} arrivals), segment {md(finding.segment, True)}: {md(finding.verdict, True)} "
+            f"at {md(finding.stage, True)}" + (f", donor {md(finding.donor, True)}" if finding.donor else "") + ".", "",
             "## Environment", "", *env, "",
             "## Minimal reproduction", "",
-            f"{case.describe()}; reproduced in {rate['reproduced']} of {rate['tries']} tries"
+            f"{md(case.describe())}; reproduced in {md(rate['reproduced'])} of {md(rate['tries'])} tries"
             + (" (it depends on scheduling)" if rate and rate["reproduced"] < rate["tries"] else "") + "."
-            if rate else case.describe() + ".", "",
+            if rate else md(case.describe()) + ".", "",
             "| request | task | language | text | max_new_tokens |", "|---|---|---|---|---|", *reqs, "",
             *serve,
             "```",
@@ -212,10 +237,10 @@ def issue_text(origin, finding: Finding, case: Case, report: dict, bundle: dict,
     if meta.get("validation"):
         text += ["## Checked", ""]
         for who, code in meta["validation"].items():
-            text.append(f"- `repro.py` against {who}: exit {code}")
+            text.append(f"- `repro.py` against {md(who)}: exit {md(code)}")
         text.append("")
     if meta.get("notes"):
-        text += ["## Notes", "", *(f"- {n}" for n in meta["notes"]), ""]
+        text += ["## Notes", "", *(f"- {md(n)}" for n in meta["notes"]), ""]
     if picture:
         text += ["![the target's spectrogram against the expected one, and the difference](specdiff.png)", ""]
     text += ["The minimal case as a difftest suite: `suite.yaml` (`difftest run suite.yaml --candidate URL`, "

@@ -11,6 +11,7 @@ package's source is never changed.
 from __future__ import annotations
 
 import copy
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,7 @@ class Utterance:
     xvector_only: bool = False
     speaker: str | None = None
     instructions: str | None = None
+    voice_bytes: bytes | None = None  # the wav's bytes as the runner read and hashed them: what qwen-tts reads
 
 
 def _in_dtype(module, dtype):
@@ -238,8 +240,18 @@ class QwenTTSEngine:
             return None
         # One prompt per utterance: a prompt built for a batch would encode the
         # references zero-padded together, which changes their last frame.
-        return tts.create_voice_clone_prompt(ref_audio=str(u.voice_wav), ref_text=u.transcript or None,
-                                             x_vector_only_mode=u.xvector_only)
+        def prompt(path):
+            return tts.create_voice_clone_prompt(ref_audio=str(path), ref_text=u.transcript or None,
+                                                 x_vector_only_mode=u.xvector_only)
+
+        if u.voice_bytes is None:
+            return prompt(u.voice_wav)
+        # qwen-tts reads a private copy of the bytes the segment's hash was checked against: the voice
+        # file edited (and restored) meanwhile cannot reach a result stored under that hash
+        with tempfile.NamedTemporaryFile(suffix=".wav", prefix="difftest-voice-") as f:
+            f.write(u.voice_bytes)
+            f.flush()
+            return prompt(f.name)
 
     # -- teacher-forced scoring ----------------------------------------
     def score(self, u: Utterance, codes: np.ndarray, ref_codes: np.ndarray | None, ended_by_eos: bool):

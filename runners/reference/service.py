@@ -323,7 +323,7 @@ def parse_segment(seg: dict, checkpoints: dict[str, Checkpoint]) -> tuple[Uttera
         if mode == "icl" and not transcript:
             raise BadInput(f"voice {voice.get('id')!r}: in-context cloning needs the reference transcript")
         wav_path = Path(voice["wav"])
-        sha = _check_voice_wav(wav_path, voice.get("wav_sha256"))
+        sha, utt.voice_bytes = _check_voice_wav(wav_path, voice.get("wav_sha256"))
         utt.voice_wav, utt.transcript, utt.xvector_only = wav_path, transcript or None, mode == "xvector"
         voice_prov = {"id": voice.get("id"), "wav": str(wav_path), "wav_sha256": sha, "mode": mode}
     elif task == "custom_voice":
@@ -378,8 +378,9 @@ def _decode_params(raw) -> dict:
     return dict(raw)
 
 
-def _check_voice_wav(path: Path, expected_sha256: str | None) -> str:
-    """Reject a voice wav qwen-tts would misread or resample; returns its sha256."""
+def _check_voice_wav(path: Path, expected_sha256: str | None) -> tuple[str, bytes]:
+    """Reject a voice wav qwen-tts would misread or resample; returns its sha256 and the bytes hashed
+    (qwen-tts is given those, not the file again: QwenTTSEngine._voice_prompt)."""
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -395,7 +396,7 @@ def _check_voice_wav(path: Path, expected_sha256: str | None) -> str:
         # The segment's cache key was computed from other bytes.
         raise BadInput(f"voice wav {path}: changed since the suite was loaded (sha256 {sha[:12]}, "
                        f"expected {expected_sha256[:12]})")
-    return sha
+    return sha, data
 
 
 def _load_codes(path: Path) -> tuple[np.ndarray, np.ndarray]:
