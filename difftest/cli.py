@@ -47,6 +47,8 @@ SUBCOMMANDS = (
     ("difftest.suites.suite", "add_validate_parser"),
     ("difftest.cache", "add_cache_parser"),
 )
+# The subcommands that load suite files (themselves or in the processes they start): --allow-root.
+SUITE_COMMANDS = ("run", "matrix", "reference", "bisect", "probe", "repro", "selfcheck", "validate")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,6 +58,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True, parser_class=Parser)
     for module, function in SUBCOMMANDS:
         getattr(importlib.import_module(module), function)(sub)
+    from .suites.suite import ALLOW_ROOTS_ENV, allow_root_arg
+
+    for name in SUITE_COMMANDS:
+        sub.choices[name].add_argument(
+            "--allow-root", action="append", default=[], type=allow_root_arg, metavar="DIR",
+            help=f"a folder outside the suite's own whose voices and transcripts the suite may name, repeatable "
+                 f"(also ${ALLOW_ROOTS_ENV}; by default only the suite's folder and the shipped cases/voices)")
     return p
 
 
@@ -64,7 +73,10 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)  # usage errors: exit 2 (Parser.error)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="difftest: %(levelname)s: %(message)s")
-    return dispatch(args.func, args, verbose=args.verbose)
+    from .suites.suite import allowing
+
+    with allowing(getattr(args, "allow_root", None)):  # in the environment: the processes it starts load suites too
+        return dispatch(args.func, args, verbose=args.verbose)
 
 
 @contextlib.contextmanager

@@ -3,9 +3,9 @@ configurations): strict where PyYAML is lenient.
 
 - A key given twice in one mapping is an error naming both lines. PyYAML keeps the last one
   silently, so a policy with `fail_on:` twice (the second `[]`) would pass a leaking run.
-- Aliases are bounded: a document whose aliases expand to more than MAX_NODES (nodes, and
-  scalars by their length: the "billion laughs") is refused before it is built, as is a file
-  over MAX_BYTES.
+- Size is bounded: a document of more than MAX_NODES (a node counts 1, a scalar 1 more per 100
+  characters), counted with its aliases expanded (the "billion laughs"), is refused before it is
+  built, as is a file over MAX_BYTES. The message says which: too many nodes as written, or aliases.
 - `quote()` shortens a value quoted in an error message, so no message carries a whole file.
 
 Every error is a yaml.YAMLError, so the callers' existing handlers name the file.
@@ -19,7 +19,7 @@ from pathlib import Path
 import yaml
 
 MAX_BYTES = 16 << 20  # the largest shipped suite (278 segments) is 55 KB
-MAX_NODES = 200_000  # size after expanding aliases: a node, or 100 characters of a scalar; audiobook-278: 4,300
+MAX_NODES = 200_000  # a node, or 100 characters of a scalar; audiobook-278: 4,300, 15 a segment
 
 
 class TooLarge(yaml.YAMLError):
@@ -43,20 +43,27 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
-def _expanded_size(node, memo: dict) -> int:
-    """Nodes in the tree `node` stands for, aliases expanded (memoised: linear in distinct nodes)."""
-    got = memo.get(id(node))
-    if got is not None:
-        return got
-    memo[id(node)] = MAX_NODES + 1  # a node inside itself (a recursive alias) counts as too large
-    if isinstance(node, yaml.SequenceNode):
-        size = 1 + sum(_expanded_size(c, memo) for c in node.value)
-    elif isinstance(node, yaml.MappingNode):
-        size = 1 + sum(_expanded_size(k, memo) + _expanded_size(v, memo) for k, v in node.value)
-    else:
-        size = 1 + len(str(node.value)) // 100
-    memo[id(node)] = size = min(size, MAX_NODES + 1)
-    return size
+def _sizes(root) -> tuple[int, int]:
+    """(size as written, size with aliases expanded but at most MAX_NODES + 1) of the tree `root`
+    (memoised: linear in distinct nodes)."""
+    memo, own = {}, {}
+
+    def size(node) -> int:
+        got = memo.get(id(node))
+        if got is not None:
+            return got
+        memo[id(node)] = MAX_NODES + 1  # a node inside itself (a recursive alias) counts as too large
+        if isinstance(node, yaml.ScalarNode):
+            own[id(node)] = total = 1 + len(str(node.value)) // 100
+        else:
+            own[id(node)] = 1
+            kids = node.value if isinstance(node, yaml.SequenceNode) else [x for kv in node.value for x in kv]
+            total = 1 + sum(size(c) for c in kids)
+        memo[id(node)] = total = min(total, MAX_NODES + 1)
+        return total
+
+    expanded = size(root)
+    return sum(own.values()), expanded
 
 
 def loads(text: str):
@@ -68,8 +75,12 @@ def loads(text: str):
         node = loader.get_single_node()
         if node is None:
             return None
-        if _expanded_size(node, {}) > MAX_NODES:
-            raise TooLarge(f"its aliases expand to more than {MAX_NODES} nodes")
+        written, expanded = _sizes(node)
+        if written > MAX_NODES:
+            raise TooLarge(f"{written} nodes (a node counts 1, a scalar 1 more per 100 characters), more than the "
+                           f"{MAX_NODES} difftest reads in one file; split it")
+        if expanded > MAX_NODES:
+            raise TooLarge(f"its aliases expand to more than {MAX_NODES} nodes ({written} as written)")
         return loader.construct_document(node)
     finally:
         loader.dispose()

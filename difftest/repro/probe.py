@@ -277,7 +277,8 @@ class Prober:
         from ..run import run
 
         t0 = time.perf_counter()
-        suite = load_suite(write_suite(self.origin.suite, case, d, f"{self.origin.suite.name}-probe"))
+        origin_voices = frozenset(v.wav for v in self.origin.suite.voices.values())  # the origin's own, allowed there
+        suite = load_suite(write_suite(self.origin.suite, case, d, f"{self.origin.suite.name}-probe"), also=origin_voices)
         # a finding of the history check needs the repeat serving; every other probe is shorter without it
         opts = replace(self.opts, concurrency=case.concurrency, pattern=case.pattern, order=case.order,
                        repeat=self.finding.verdict == "history_defect",

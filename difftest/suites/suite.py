@@ -4,11 +4,24 @@ A suite names voices (a reference wav and its transcript), segments (text,
 language, and a voice, a built-in speaker or design instructions) and the
 decode parameters both sides must use. Validation names the file, the field
 and the problem; nothing runs on an invalid suite.
+
+Where voices may come from: a voice's `wav` and `transcript_file` are sent to the candidate, so a
+suite may only name files that resolve (symlinks followed) inside
+- the suite file's own folder tree,
+- the repository's shipped voices, cases/voices (public, and what cases/suites/*.yaml name as
+  `../voices/...`; tests and scratch suites name them by absolute path),
+- a root the user names: `--allow-root DIR` (repeatable) on every command that loads suites, or
+  $DIFFTEST_ALLOW_ROOTS (folders separated by `:`), which the processes difftest starts inherit,
+- or a file the caller allows by name (`load_suite(..., also=...)`: repro's probe suites name their
+  origin's voices by absolute path).
+Not the suite's parent folder: a suite downloaded into ~/Downloads would reach ~/.ssh, one in /tmp
+every file. Anything else (`/proc/self/environ`, `../../../etc/passwd`) is bad input.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import math
@@ -62,6 +75,12 @@ DEFAULT_CHUNKS = {"initial_frames": 1, "frames": 25}
 MAX_TEXT_CHARS = 5000  # text, transcript, instructions; a long audiobook paragraph is about 1,500
 MAX_ID_CHARS = 100  # ids become file names (with a hash and a suffix)
 MAX_NEW_TOKENS = 8192
+# qwen-tts returns max_new_tokens - 1 frames (a step's residual codebooks come with the next step):
+# 1 would be no audio at all, and a raw RuntimeError from torch.stack in the reference runner.
+MIN_NEW_TOKENS = 2
+
+ALLOW_ROOTS_ENV = "DIFFTEST_ALLOW_ROOTS"
+SHIPPED_VOICES = (Path(__file__).resolve().parents[2] / "cases" / "voices").resolve()
 
 
 @dataclass(frozen=True)
@@ -139,8 +158,8 @@ def content_hash(obj: Any) -> str:
 
 
 class _Checker:
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, also: frozenset = frozenset()):
+        self.path, self.also = path, also  # also: files the caller allows by name (_inside)
 
     def fail(self, where: str, problem: str):
         raise SuiteError(self.path, where, problem)
@@ -195,8 +214,9 @@ def _decode_params(chk: _Checker, raw, where: str, base: dict | None) -> dict:
         for name, (_, required) in DECODE_FIELDS.items():
             if required and name not in out:
                 chk.fail(f"{where}.{name}", "is required (both engines must apply the same explicit value)")
-    if not 0 < out["max_new_tokens"] <= MAX_NEW_TOKENS:
-        chk.fail(f"{where}.max_new_tokens", f"must lie in 1..{MAX_NEW_TOKENS}, got {out['max_new_tokens']}")
+    if not MIN_NEW_TOKENS <= out["max_new_tokens"] <= MAX_NEW_TOKENS:
+        chk.fail(f"{where}.max_new_tokens", f"must lie in {MIN_NEW_TOKENS}..{MAX_NEW_TOKENS}, got "
+                 f"{out['max_new_tokens']} (qwen-tts makes max_new_tokens - 1 frames; 1 would be no audio)")
     if out["seed"] < 0:
         chk.fail(f"{where}.seed", f"must be >= 0, got {out['seed']}")
     if out["repetition_penalty"] <= 0:
@@ -207,14 +227,54 @@ def _decode_params(chk: _Checker, raw, where: str, base: dict | None) -> dict:
     return out
 
 
+def allowed_roots(suite_dir: Path) -> list[Path]:
+    """The folders a suite in `suite_dir` may name voices and transcripts in (the module's text)."""
+    extra = os.environ.get(ALLOW_ROOTS_ENV, "").split(os.pathsep)
+    return [suite_dir, SHIPPED_VOICES, *(Path(d).expanduser().resolve() for d in extra if d)]
+
+
+@contextlib.contextmanager
+def allowing(roots):
+    """$DIFFTEST_ALLOW_ROOTS with `roots` added, while the block runs (and in what it starts)."""
+    old = os.environ.get(ALLOW_ROOTS_ENV)
+    if roots:
+        given = [str(Path(r).expanduser().resolve()) for r in roots]
+        os.environ[ALLOW_ROOTS_ENV] = os.pathsep.join([*given, old] if old else given)
+    try:
+        yield
+    finally:
+        if roots and old is None:
+            os.environ.pop(ALLOW_ROOTS_ENV, None)
+        elif roots:
+            os.environ[ALLOW_ROOTS_ENV] = old
+
+
+def allow_root_arg(text: str) -> str:
+    """argparse type of --allow-root: an existing folder."""
+    if not Path(text).expanduser().is_dir():
+        raise argparse.ArgumentTypeError(f"{text}: not a folder")
+    return text
+
+
+def _inside(chk: _Checker, name: str, where: str, base_dir: Path) -> Path:
+    """`name` (relative to the suite's folder) resolved, if it lies where the suite may read."""
+    if "\0" in name:
+        chk.fail(where, "holds a NUL character")
+    path = (base_dir / name).resolve()
+    roots = allowed_roots(base_dir)
+    if path not in chk.also and not any(path.is_relative_to(r) for r in roots):
+        chk.fail(where, f"{yamlfile.quote(name)} resolves to {path}, outside the folders a suite may read "
+                        f"({', '.join(map(str, roots))}); name its folder with --allow-root DIR or ${ALLOW_ROOTS_ENV}")
+    return path
+
+
 def _voice(chk: _Checker, raw, i: int, base_dir: Path) -> Voice:
     where = f"voices[{i}]"
     raw = chk.mapping(raw, where)
     vid = chk.ident(raw.get("id"), f"{where}.id")
     where = f"voices[{vid}]"
     chk.unknown_keys(raw, {"id", "wav", "transcript", "transcript_file", "mode"}, where)
-    wav_rel = chk.text(raw.get("wav"), f"{where}.wav")
-    wav = (base_dir / wav_rel).resolve()
+    wav = _inside(chk, chk.text(raw.get("wav"), f"{where}.wav"), f"{where}.wav", base_dir)
     if not wav.is_file():
         chk.fail(f"{where}.wav", f"file not found: {wav}")
     data = wav.read_bytes()
@@ -225,7 +285,8 @@ def _voice(chk: _Checker, raw, i: int, base_dir: Path) -> Voice:
     if "transcript" in raw and "transcript_file" in raw:
         chk.fail(where, "give transcript or transcript_file, not both")
     if "transcript_file" in raw:
-        tpath = (base_dir / chk.text(raw["transcript_file"], f"{where}.transcript_file")).resolve()
+        tpath = _inside(chk, chk.text(raw["transcript_file"], f"{where}.transcript_file"), f"{where}.transcript_file",
+                        base_dir)
         if not tpath.is_file():
             chk.fail(f"{where}.transcript_file", f"file not found: {tpath}")
         try:
@@ -300,14 +361,17 @@ def hf_cached(model_id: str) -> bool:
     return snapshots.is_dir() and any(snapshots.iterdir())
 
 
-def load_suite(path: str | Path) -> Suite:
-    """Load and validate a suite file; raises SuiteError naming file, field and problem."""
+def load_suite(path: str | Path, also: frozenset[Path] = frozenset()) -> Suite:
+    """Load and validate a suite file; raises SuiteError naming file, field and problem. `also`:
+    files its voices may name wherever they lie (resolved paths; repro's probes of a suite)."""
     path = Path(path).resolve()
-    chk = _Checker(path)
+    chk = _Checker(path, frozenset(also))
     if not path.is_file():
         raise SuiteError(path, "(file)", "not found")
     try:
         raw = yamlfile.load_file(path)
+    except yamlfile.TooLarge as e:  # valid YAML, only too large
+        raise SuiteError(path, "(file)", e.problem) from None
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
         where = f"line {mark.line + 1}" if mark else "(file)"
