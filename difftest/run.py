@@ -256,6 +256,9 @@ def _candidate_at(n, engine, suite: Suite, folder: Path, key: str):
         progress.segment(sid, cached=True)
     progress.close()
     _stop_if_disk_full(outcome.errors, folder)
+    hung = next((e["message"] for e in outcome.errors.values() if e.get("server_dead")), None)
+    if hung:  # every later request would wait out the timeout too: stop, keeping what was received
+        raise InfraError(f"candidate: {hung}; what it answered is kept, the same command resumes")
     return outcome
 
 
@@ -576,7 +579,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
                    "batches": cand.batches, "identity": engine, "identity_key": folders[opts.concurrency][1]},
         concurrency=opts.concurrency,
         provenance={"difftest": __version__, "timings": {k: round(v, 3) for k, v in timings.items()}},
-        warnings=[f"{sid}: reference: {e['message']}" for sid, e in ref_run.errors.items()]
+        warnings=policy.warnings() + [f"{sid}: reference: {e['message']}" for sid, e in ref_run.errors.items()]
         + [f"{sid}: teacher forcing of qwen-tts's own sample: {m}" for sid, m in scores[1].get("reference", {}).items()]
         + null_warnings + shared_seeds(suite)
         + ([] if opts.concurrency > 1 else ["concurrency 1: every request was served alone; a cross-request defect "

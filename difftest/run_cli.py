@@ -80,12 +80,15 @@ def cmd_run(args) -> int:
     spec = CandidateSpec.parse(args.candidate, args.capture_dir)
     if args.concurrency < 1:
         raise BadInput("--concurrency must be at least 1")
+    if not 0 < args.request_timeout < float("inf"):
+        raise BadInput(f"--request-timeout {args.request_timeout:g}: must be more than 0 seconds")
     opts = RunOptions(concurrency=args.concurrency, pattern=args.pattern, order=args.order,
                       voice_mode=args.voices, store=Path(args.store),
                       reference=ReferenceOptions(models=args.reference_model, python=args.reference_python,
                                                  device=args.device, dtype=args.dtype),
                       vllm_omni=vllm_omni_settings(args),
                       replace=args.replace, repeat=args.repeat, candidate_dtype=args.candidate_dtype,
+                      request_timeout=args.request_timeout,
                       ray=None if args.ray is None else {"address": args.ray, "workers": args.ray_workers,
                                                          "candidate": args.ray_candidate,
                                                          "candidate_gpus": args.ray_candidate_gpus})
@@ -135,6 +138,9 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
                         "else float32: judged as exact)")
     r.add_argument("--concurrency", "-n", type=int, default=4,
                    help="requests in flight at once for the candidate under test (default 4); it also runs at 1")
+    r.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
+                   help="the most one candidate request may take (default 600); the first request past it marks "
+                        "the server dead and ends the run (exit 3), keeping what it answered")
     r.add_argument("--pattern", default="barrier", choices=("barrier", "pool", "staggered"),
                    help="arrivals: barrier (waves of N released together, the default), pool (N workers pulling, "
                         "so requests join a running batch), staggered (waves whose requests start 50 ms apart)")

@@ -18,8 +18,9 @@ from difftest.suites import wavio
 
 
 class FakeSpeechServer:
-    def __init__(self, capture_dir: Path | None = None, delay: float = 0.05, gather: int = 0):
+    def __init__(self, capture_dir: Path | None = None, delay: float = 0.05, gather: int = 0, prefix: str = ""):
         self.capture_dir = capture_dir
+        self.prefix = prefix  # served under this path (a server behind a reverse proxy); elsewhere 404
         self.delay = delay
         # gather=k: each group of k requests (in arrival order) is answered only once all k are in (or
         # after a 120 s guard), so "k in flight at once" does not depend on how fast the machine is
@@ -30,6 +31,15 @@ class FakeSpeechServer:
         self.fail: dict[str, int] = {}  # text -> HTTP status to answer
         self.truncate: set[str] = set()  # texts whose body is cut short
         self.die_after: int | None = None  # stop serving after this many speech requests
+        self.hang_after: int | None = None  # speech requests after this many are never answered (until stop)
+        self.hang_registration = False  # voice registrations are never answered (until stop)
+        self.trickle: set[str] = set()  # texts answered with headers, then a byte every 0.2 s for 20 s
+        # text -> (bytes, declared): a WAV answer of that many bytes, generated as it is sent, with its
+        # Content-Length (declared) or without (the body ends when the connection closes)
+        self.oversize: dict[str, tuple[int, bool]] = {}
+        self.sent: dict[str, int] = {}  # text -> body bytes an oversize answer got out before the client left
+        self.paths: list[str] = []  # every request's path
+        self.released = threading.Event()  # set on stop: hung requests end
         # text -> what to write as its capture instead of the real one: a dict of arrays, raw bytes,
         # or None (write nothing): hostile engines for the capture checks
         self.capture_override: dict = {}
@@ -49,19 +59,50 @@ class FakeSpeechServer:
                 self.end_headers()
                 self.wfile.write(body)
 
+            def _route(self):
+                outer.paths.append(self.path)
+                p = self.path
+                return p[len(outer.prefix):] if p.startswith(outer.prefix + "/") else None
+
             def do_GET(self):
-                if self.path == "/health":
-                    self._send(200, b'{"status":"healthy"}')
+                answers = {"/health": b'{"status":"healthy"}', "/version": b'{"version":"fake"}',
+                           "/v1/models": b'{"data":[{"id":"fake-model","root":"fake"}]}'}
+                path = self._route()
+                if path in answers:
+                    self._send(200, answers[path])
                 else:
                     self._send(404, b'{"error":"not found"}')
 
+            def _stream(self, text, size, declared):
+                self.send_response(200)
+                self.send_header("Content-Type", "audio/wav")
+                if declared:
+                    self.send_header("Content-Length", str(size))
+                self.end_headers()
+                outer.sent[text] = 0
+                chunk = bytes(64 << 10)  # silence
+                try:
+                    self.wfile.write(wavio.encode(np.zeros(0, np.float32), 24000))  # data size 0: streamed
+                    while outer.sent[text] < size:
+                        self.wfile.write(chunk)
+                        outer.sent[text] += len(chunk)
+                except OSError:
+                    pass
+                self.close_connection = True
+
             def do_POST(self):
                 data = self.rfile.read(int(self.headers.get("Content-Length", 0)))
-                if self.path == "/v1/audio/voices":
+                path = self._route()
+                if path == "/v1/audio/voices":
+                    if outer.hang_registration:
+                        outer.released.wait(120)
+                        return self.connection.close()
                     text = data.decode("latin-1")
                     name = text.split('name="name"\r\n\r\n')[1].split("\r\n")[0]
                     outer.voices[name] = {"bytes": len(data)}
                     return self._send(200, json.dumps({"name": name}).encode())
+                if path != "/v1/audio/speech":
+                    return self._send(404, b'{"error":"not found"}')
                 body = json.loads(data)
                 with outer.lock:
                     n = len(outer.requests)
@@ -73,6 +114,23 @@ class FakeSpeechServer:
                     outer.requests.append(rec)
                     outer.in_flight += 1
                     outer.max_in_flight = max(outer.max_in_flight, outer.in_flight)
+                if outer.hang_after is not None and n >= outer.hang_after:
+                    outer.released.wait(120)
+                    return self.connection.close()
+                if body["input"] in outer.trickle:
+                    self.send_response(200)
+                    self.send_header("Content-Length", "1000000")
+                    self.end_headers()
+                    end = time.monotonic() + 20
+                    while not outer.released.wait(0.2) and time.monotonic() < end:
+                        try:
+                            self.wfile.write(b"\0")
+                            self.wfile.flush()
+                        except OSError:
+                            break
+                    return
+                if body["input"] in outer.oversize:
+                    return self._stream(body["input"], *outer.oversize[body["input"]])
                 if outer.gather:
                     with outer.arrived:
                         outer.arrived.notify_all()
@@ -111,6 +169,7 @@ class FakeSpeechServer:
         return self
 
     def stop(self):
+        self.released.set()
         self.httpd.shutdown()
         self.httpd.server_close()
 

@@ -32,7 +32,7 @@ from ..suites.suite import Segment
 from . import capture
 from .base import Outcome
 from .capture import Capture, CaptureError
-from .speech_client import ServerUnreachable, SpeechClient, SpeechError, speech_request
+from .speech_client import RequestTimeout, ServerUnreachable, SpeechClient, SpeechError, speech_request
 
 PATTERNS = ("barrier", "pool", "staggered")
 WAVE_HEADER = "X-Difftest-Wave"
@@ -114,6 +114,7 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
     outcome = Outcome()
     lock = threading.Lock()
     dead = threading.Event()
+    hung: list[str] = []  # why the server is dead: a request timed out (the run then stops, difftest.run)
 
     store = ResultStore(out_dir)
     found = {}
@@ -131,15 +132,20 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
             try:
                 client.register_voice(v)
             except (SpeechError, ServerUnreachable) as e:
+                hang = {"kind": "infrastructure", "server_dead": True} if isinstance(e, RequestTimeout) else {}
                 for s in todo:
                     if s.voice and s.voice.id == v.id:
                         outcome.errors[s.id] = {"source": "candidate", "kind": "candidate",
-                                                "message": f"voice registration failed: {e}"}
+                                                "message": f"voice registration failed: {e}", **hang}
+                if hang:  # no more registrations or requests: each would wait out the timeout
+                    hung.append(f"{e}; the server is marked dead")
+                    dead.set()
+                    break
         todo = [s for s in todo if s.id not in outcome.errors]
 
-    def error(seg: Segment, kind: str, message: str) -> None:
+    def error(seg: Segment, kind: str, message: str, **more) -> None:
         with lock:
-            outcome.errors[seg.id] = {"source": "candidate", "kind": kind, "message": message}
+            outcome.errors[seg.id] = {"source": "candidate", "kind": kind, "message": message, **more}
 
     def one(seg: Segment, wave: list[str], delay: float = 0.0, barrier: threading.Barrier | None = None):
         if barrier is not None:
@@ -150,6 +156,8 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
         if delay:
             time.sleep(delay)
         if dead.is_set():
+            if hung:
+                return error(seg, "infrastructure", f"not sent: {hung[0]}", server_dead=True)
             return error(seg, "infrastructure", "server unreachable earlier in the run")
         tag = f"{run_tag}-{seg.id}-c{concurrency}"
         body = speech_request(seg, tag, voice_mode=voice_mode)
@@ -169,6 +177,11 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
         except ServerUnreachable as e:
             dead.set()
             return error(seg, "infrastructure", str(e))
+        except RequestTimeout as e:  # hung: every later request would wait out the timeout as well
+            with lock:
+                hung.append(f"{e}; the server is marked dead")
+            dead.set()
+            return error(seg, "infrastructure", hung[0], server_dead=True)
         except (SpeechError, wavio.WavError) as e:
             # status 0: the connection died or timed out mid-request: the engine is down or hung
             return error(seg, "infrastructure" if getattr(e, "status", None) == 0 else "candidate", str(e))

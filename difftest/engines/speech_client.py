@@ -1,9 +1,12 @@
 """A client for vLLM-Omni's OpenAI-compatible speech API (contract 4, docs/architecture.md).
 
 Only the standard library: `GET /health`, `POST /v1/audio/voices` (multipart),
-`POST /v1/audio/speech` (JSON in, WAV out). Connection failures are retried a
-bounded number of times and counted; an HTTP error or a truncated body is an
-answer, never retried.
+`POST /v1/audio/speech` (JSON in, WAV out), under the URL's path (a server behind
+a reverse proxy). Connection failures are retried a bounded number of times and
+counted; an HTTP error or a truncated body is an answer, never retried. Each
+request has a deadline for its whole answer (RequestTimeout), and an answer may
+not be larger than its request allows (answer_bound): read in pieces, refused as
+soon as it is.
 """
 
 from __future__ import annotations
@@ -11,13 +14,20 @@ from __future__ import annotations
 import base64
 import http.client
 import json
+import math
 import socket
+import threading
 import time
 import uuid
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from ..suites.suite import API_TASK_TYPE, Segment, Voice
+from ..suites.suite import API_TASK_TYPE, SAMPLE_RATE, SAMPLES_PER_FRAME, Segment, Voice
+from ..suites.voices import MAX_SECONDS
+
+HEADER_ALLOWANCE = 64 << 10  # a WAV's header and any metadata chunks
+MAX_OTHER_BYTES = 16 << 20  # any answer but a speech one (health, version, models, a voice's registration)
+READ_PIECE = 1 << 20
 
 
 class SpeechError(Exception):
@@ -28,8 +38,24 @@ class SpeechError(Exception):
         super().__init__(f"HTTP {status}: {message}")
 
 
+class RequestTimeout(SpeechError):
+    """No whole answer within the request timeout: the server is hung (status 0, as a lost connection)."""
+
+    def __init__(self, message: str):
+        self.status = 0
+        Exception.__init__(self, message)
+
+
 class ServerUnreachable(Exception):
     """No connection could be made (after the allowed retries)."""
+
+
+def answer_bound(body: dict) -> int:
+    """The most bytes a speech answer to `body` may hold: float32 samples at 24 kHz for its
+    max_new_tokens frames plus, for a voice clone, the longest reference a suite accepts (a server
+    that leaves it in the stream: the frames capture.validate allows), and a header allowance."""
+    ref = math.ceil(MAX_SECONDS * SAMPLE_RATE / SAMPLES_PER_FRAME) if body.get("task_type") == "Base" else 0
+    return (int(body.get("max_new_tokens") or 0) + ref) * SAMPLES_PER_FRAME * 4 + HEADER_ALLOWANCE
 
 
 @dataclass
@@ -92,42 +118,56 @@ class SpeechClient:
         u = urlsplit(base_url if "://" in base_url else f"http://{base_url}")
         if u.scheme not in ("http", "https") or not u.hostname:
             raise ValueError(f"not an http(s) URL: {base_url!r}")
-        self.base_url = f"{u.scheme}://{u.netloc}"
+        self.prefix = u.path.rstrip("/")  # a server mounted under a path
+        self.base_url = f"{u.scheme}://{u.netloc}{self.prefix}"
         self._conn_args = (u.scheme, u.hostname, u.port or (443 if u.scheme == "https" else 80))
         self.timeout = timeout
         self.connect_retries = connect_retries
         self.retry_wait = retry_wait
 
     def _request(self, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
-                 timeout: float | None = None) -> tuple[int, dict, bytes, int]:
+                 timeout: float | None = None, max_bytes: int = MAX_OTHER_BYTES,
+                 why: str = "") -> tuple[int, dict, bytes, int]:
         scheme, host, port = self._conn_args
         cls = http.client.HTTPSConnection if scheme == "https" else http.client.HTTPConnection
+        timeout = timeout or self.timeout
         retries = 0
         while True:
-            conn = cls(host, port, timeout=timeout or self.timeout)
+            conn = cls(host, port, timeout=timeout)
             try:
-                try:
-                    conn.connect()
-                except (ConnectionRefusedError, socket.gaierror, OSError) as e:
-                    if retries >= self.connect_retries:
-                        raise ServerUnreachable(f"{self.base_url}: {e}") from None
-                    retries += 1
-                    time.sleep(self.retry_wait * retries)
-                    continue
-                conn.request(method, path, body=body, headers=headers or {})
+                conn.connect()
+            except TimeoutError:  # not refused but not answering either: waiting again would not help
+                conn.close()
+                raise ServerUnreachable(f"{self.base_url}: no connection within {timeout:g} s") from None
+            except OSError as e:
+                conn.close()
+                if retries >= self.connect_retries:
+                    raise ServerUnreachable(f"{self.base_url}: {e}") from None
+                retries += 1
+                time.sleep(self.retry_wait * retries)
+                continue
+            # The whole answer's deadline: a socket's timeout is per read, which a trickle never trips.
+            expired = threading.Event()
+            timer = threading.Timer(timeout, _abort, (conn, expired))
+            timer.daemon = True
+            timer.start()
+            try:
+                conn.request(method, self.prefix + path, body=body, headers=headers or {})
                 resp = conn.getresponse()
-                try:
-                    data = resp.read()
-                except http.client.IncompleteRead as e:
+                data = _read(resp, max_bytes, why, expired)
+                return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data, retries
+            except (OSError, http.client.HTTPException) as e:
+                if expired.is_set() or isinstance(e, TimeoutError):
+                    raise RequestTimeout(f"{self.base_url}: no answer within {timeout:g} s "
+                                         f"(--request-timeout)") from None
+                if isinstance(e, http.client.IncompleteRead):
                     raise SpeechError(resp.status, f"truncated body: {len(e.partial)} bytes of "
                                                    f"{len(e.partial) + (e.expected or 0)}") from None
-                return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data, retries
-            except (ConnectionResetError, BrokenPipeError, http.client.RemoteDisconnected) as e:
-                # The request reached the server, which then went away: an answer, not a retry.
-                raise SpeechError(0, f"connection lost mid-request: {type(e).__name__}") from None
-            except socket.timeout:
-                raise SpeechError(0, f"no answer within {timeout or self.timeout:.0f} s") from None
+                if isinstance(e, OSError):  # it reached the server, which then went away: an answer, not a retry
+                    raise SpeechError(0, f"connection lost mid-request: {type(e).__name__}") from None
+                raise SpeechError(0, f"not an HTTP answer: {type(e).__name__}: {str(e)[:200]}") from None
             finally:
+                timer.cancel()
                 conn.close()
 
     def health(self, timeout: float = 5.0) -> bool:
@@ -174,10 +214,46 @@ class SpeechClient:
     def speech(self, body: dict, extra_headers: dict | None = None) -> SpeechAnswer:
         t0 = time.perf_counter()
         sent = {"Content-Type": "application/json", **(extra_headers or {})}
-        status, headers, data, retries = self._request("POST", "/v1/audio/speech", json.dumps(body).encode(), sent)
+        status, headers, data, retries = self._request(
+            "POST", "/v1/audio/speech", json.dumps(body).encode(), sent, max_bytes=answer_bound(body),
+            why=f"max_new_tokens {body.get('max_new_tokens')} allows")
         if status != 200:
             raise SpeechError(status, _message(data))
         return SpeechAnswer(data, headers, retries, time.perf_counter() - t0)
+
+
+def _abort(conn, expired: threading.Event) -> None:
+    """The deadline passed: end the connection, so a read blocked on it returns now."""
+    expired.set()
+    try:
+        conn.sock.shutdown(socket.SHUT_RDWR)
+    except (OSError, AttributeError):
+        pass
+
+
+def _read(resp, max_bytes: int, why: str, expired: threading.Event) -> bytes:
+    """The body, in pieces: refused as soon as it is over `max_bytes` (a Content-Length over it,
+    before any is read); http.client.IncompleteRead when shorter than its Content-Length;
+    TimeoutError once `expired`."""
+    why = why or "allowed"
+    declared = resp.getheader("Content-Length", "")
+    declared = int(declared) if declared.isdigit() else None
+    if declared is not None and declared > max_bytes:
+        raise SpeechError(resp.status, f"an answer of {declared} bytes (Content-Length), more than the "
+                                       f"{max_bytes} bytes {why}; not read")
+    parts, size = [], 0
+    while not expired.is_set() and (piece := resp.read1(READ_PIECE)):
+        size += len(piece)
+        if size > max_bytes:
+            raise SpeechError(resp.status, f"an answer of more than the {max_bytes} bytes {why} "
+                                           f"({size} read); the rest not read")
+        parts.append(piece)
+    if expired.is_set():
+        raise TimeoutError
+    data = b"".join(parts)
+    if declared is not None and size < declared:
+        raise http.client.IncompleteRead(data, declared - size)
+    return data
 
 
 def _message(data: bytes) -> str:

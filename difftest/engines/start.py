@@ -97,6 +97,8 @@ def check_url(text: str, what: str) -> None:
         raise BadInput(f"{what} {text!r}: expected http://host:port")
     if port == 0:
         raise BadInput(f"{what} {text!r}: port 0 names no server")
+    if u.query or u.fragment:  # a path is kept (a server behind a reverse proxy); these would be dropped
+        raise BadInput(f"{what} {text!r}: a query or fragment names no server (expected http://host:port[/path])")
 
 
 @dataclass
