@@ -94,9 +94,15 @@ def planted_defect():
 '''
 
 
+# Who commits in the tests' repositories: a new machine has no git identity configured, and a
+# commit or merge without one fails (seen in a clean root: `git merge` exit 128).
+IDENTITY = {"GIT_AUTHOR_NAME": "Test", "GIT_AUTHOR_EMAIL": "test@example.com", "GIT_COMMITTER_NAME": "Test",
+            "GIT_COMMITTER_EMAIL": "test@example.com"}
+
+
 def git(repo: Path, *args: str, env: dict | None = None) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True, text=True,
-                          env=env).stdout.strip()
+                          env={**os.environ, **IDENTITY, **(env or {})}).stdout.strip()
 
 
 def commit(repo: Path, day: int, subject: str, files: dict[str, str]) -> str:
@@ -106,10 +112,7 @@ def commit(repo: Path, day: int, subject: str, files: dict[str, str]) -> str:
         path.write_text(text)
     git(repo, "add", "-A")
     date = f"2024-01-{day:02d}T12:00:00+00:00"
-    env = {**os.environ, "GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date, "GIT_AUTHOR_NAME": "Test",
-           "GIT_AUTHOR_EMAIL": "test@example.com", "GIT_COMMITTER_NAME": "Test",
-           "GIT_COMMITTER_EMAIL": "test@example.com"}
-    git(repo, "commit", "-q", "-m", subject, env=env)
+    git(repo, "commit", "-q", "-m", subject, env={"GIT_AUTHOR_DATE": date, "GIT_COMMITTER_DATE": date})
     return git(repo, "rev-parse", "HEAD")
 
 
