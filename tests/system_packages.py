@@ -14,6 +14,7 @@ are what load system libraries.
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -132,6 +133,7 @@ class Sampler:
     root_pid: int = field(default_factory=os.getpid)
     mark: str = ""
     maps: dict[str, set[str]] = field(default_factory=dict)  # "pid N: argv" -> every file it mapped
+    exes: dict[str, str] = field(default_factory=dict)  # "pid N: argv" -> its executable
     errors: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -162,7 +164,10 @@ class Sampler:
             del self._procs[gone]
             self._read_at.pop(gone, None)
         for pid in sorted(pids - self._procs.keys()):  # parents before their children
-            self._procs[pid] = _label(pid) if self._is_ours(pid) else None
+            label = self._procs[pid] = _label(pid) if self._is_ours(pid) else None
+            if label:
+                with contextlib.suppress(OSError):
+                    self.exes[label] = os.readlink(f"/proc/{pid}/exe")
         now = time.monotonic()
         for pid, label in list(self._procs.items()):
             if label and now - self._read_at.get(pid, -REREAD) >= REREAD:
@@ -257,14 +262,17 @@ class Finding:
 
 
 def hidden_packages(processes: dict[str, set[str]], executables: dict[str, str], *, base: set[str],
-                    project: set[str], owners: dict[str, str] | None = None,
+                    project: set[str], exes: dict[str, str] | None = None, owners: dict[str, str] | None = None,
                     status: dict[str, dict[str, str]] | None = None) -> list[Finding]:
     """One finding per package that a process mapped a file of, or whose executable the code calls,
     and that neither list accounts for. A listed package's dependencies count as installed only in a
-    process that loads the listed package itself: chromium pulls in libsndfile1 (through libpulse0),
-    but the demo, which installs no chromium, still needs libsndfile1 listed for the reference."""
+    process of that package: one that loads its files, or whose executable (`exes`: label -> path) is
+    one of what it pulls in (chromium's crashpad handler, from chromium-common). Chromium pulls in
+    libsndfile1 (through libpulse0), but the demo, which installs no chromium, still needs
+    libsndfile1 listed for the reference."""
     owners = file_owners() if owners is None else owners
     status = _dpkg_status() if status is None else status
+    pulled = {p: with_dependencies({p}, status) for p in project}
     out: dict[str, Finding] = {}
 
     def judge(files, allowed, where):
@@ -275,7 +283,9 @@ def hidden_packages(processes: dict[str, set[str]], executables: dict[str, str],
 
     for label, files in sorted(processes.items()):
         pkgs = {owner(f, owners) for f in files}
-        judge(files, base | project | with_dependencies(project & pkgs, status), label)
+        exe = owner(exes[label], owners) if label in (exes or {}) else None
+        ours = {p for p in project if p in pkgs or exe in pulled[p]}
+        judge(files, base.union(project, *(pulled[p] for p in ours)), label)
     for name, where in sorted(executables.items()):
         if exe := shutil.which(name):
             judge([exe], base | project, f"called by {where}")
@@ -315,7 +325,7 @@ def pytest_sessionfinish(session, exitstatus):
     sampler.stop()
     started = time.monotonic()
     findings = hidden_packages(sampler.maps, called_executables(), base=read_list(base_list()),
-                               project=read_list(PROJECT_LIST))
+                               project=read_list(PROJECT_LIST), exes=sampler.exes)
     problems = explain(findings) if findings else ""
     if sampler.errors:
         problems += "\nthe sampler stopped: " + "; ".join(sampler.errors)

@@ -60,6 +60,26 @@ def test_dependencies_of_a_listed_package_are_allowed():
     assert sp.with_dependencies({"a"}, status) == {"a", "b", "d", "e", "f"}
 
 
+def test_what_a_listed_package_pulls_in_counts_only_in_that_package_s_processes():
+    """chromium pulls in libsndfile1 (through libpulse0) and chromium-common (its crashpad handler,
+    a process of its own that maps no file of chromium's): the handler passes, but a reference
+    runner that loads libsndfile still needs libsndfile1 listed, the demo installing no chromium."""
+    status = {"chromium": {"Depends": "chromium-common, libpulse0"}, "chromium-common": {},
+              "libpulse0": {"Depends": "libsndfile1"}, "libsndfile1": {}}
+    owners = {"/usr/lib/chromium/chrome_crashpad_handler": "chromium-common",
+              "/usr/lib/x86_64-linux-gnu/libsndfile.so.1.0.35": "libsndfile1"}
+    handler = "pid 2: /usr/lib/chromium/chrome_crashpad_handler --monitor-self"
+    runner = "pid 3: .venv-reference/bin/python -m runners.reference"
+    processes = {handler: {"/usr/lib/chromium/chrome_crashpad_handler"},
+                 runner: {"/usr/lib/x86_64-linux-gnu/libsndfile.so.1.0.35"}}
+    exes = {handler: "/usr/lib/chromium/chrome_crashpad_handler", runner: "/work/.venv-reference/bin/python3"}
+    found = sp.hidden_packages(processes, {}, base=set(), project={"chromium"}, exes=exes, owners=owners,
+                               status=status)
+    assert [(f.package, f.where) for f in found] == [("libsndfile1", runner)]
+    found = sp.hidden_packages(processes, {}, base=set(), project={"chromium"}, owners=owners, status=status)
+    assert {f.package for f in found} == {"libsndfile1", "chromium-common"}  # without its executable, no telling
+
+
 def test_merged_usr_paths_are_one_file():
     owners = {"/lib/x86_64-linux-gnu/libfoo.so.1": "libfoo1", "/usr/lib/x86_64-linux-gnu/libfoo.so.1": "libfoo1"}
     assert sp.owner("/usr/lib/x86_64-linux-gnu/libfoo.so.1", {"/lib/x86_64-linux-gnu/libfoo.so.1": "libfoo1"}) \
