@@ -52,7 +52,8 @@ def test_barrier_waves_capture_and_quantised_audio(suite, tmp_path):
     assert srv.max_in_flight == 4
     assert min(r["t"] for r in second) > max(r["t_done"] for r in first)
     # each request says how many were released with it (a window-batching server closes its batch then)
-    assert [r["wave_header"] for r in srv.requests] == ["4"] * 8
+    sizes, ids = zip(*(r["wave_header"].split(";") for r in srv.requests))
+    assert sizes == ("4",) * 8 and len(set(ids)) == 2  # each wave names itself, once for its four requests
     r = read_result(out.results[segs[0].id].source)
     assert r.quantised and r.has_codes and r.codes.shape == (segs[0].decode["max_new_tokens"] - 1, 16)
     assert r.meta["tag"] == f"r1-{segs[0].id}-c4" and r.meta["concurrency"] == 4
@@ -64,7 +65,7 @@ def test_pool_staggered_orders(suite, tmp_path):
     with FakeSpeechServer(delay=0.1) as srv:
         run_candidate(segs, SpeechClient(srv.url), tmp_path / "a", concurrency=4, pattern="staggered", stagger_ms=300)
         t = sorted(r["t"] for r in srv.requests)
-        assert sorted(r["wave_header"] for r in srv.requests) == ["2", "2", "4", "4", "4", "4"]  # waves of 4, then 2
+        assert sorted(r["wave_header"].split(";")[0] for r in srv.requests) == ["2", "2", "4", "4", "4", "4"]  # waves of 4, then 2
     assert t[1] - t[0] >= 0.15 and t[2] - t[1] >= 0.15
     assert [s.id for s in order_segments(segs, "permuted", 1)] == [s.id for s in order_segments(segs, "permuted", 1)]
     assert sorted(s.id for s in order_segments(segs, "permuted", 1)) == sorted(s.id for s in segs)

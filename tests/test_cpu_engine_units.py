@@ -18,7 +18,7 @@ from difftest.suites import wavio
 from runners.cpu_engine import ENGINE_NAME, LABEL, handoff
 from runners.cpu_engine.api import BadRequest, ModelInfo, VoiceStore, parse_speech, parse_voice_upload
 from runners.cpu_engine.defects import DEFECTS, check
-from runners.cpu_engine.scheduler import Batcher
+from runners.cpu_engine.scheduler import WAVE_GUARD_S, Batcher
 from runners.cpu_engine.server import EngineServer
 
 SR = 24000
@@ -176,6 +176,24 @@ def test_a_request_that_names_its_wave_closes_the_batch_when_the_wave_is_in():
     assert (first.wait(60), second.wait(60)) == ("W1", "W2")
     b.stop()
     assert rec.batches == [["alone"], ["w1", "w2"]] and first.batch_size == 2
+
+
+def test_a_named_wave_waits_for_a_member_that_arrives_after_the_window():
+    """On a loaded machine a wave-mate can arrive after the 50 ms window: a wave that names itself is
+    batched whole however late its members come, and a wave of mixed keys closes each batch once
+    every member is in (no wait for members held for the other key)."""
+    rec = Recorder()
+    b = Batcher(rec, max_batch=4, window_s=0.05).start()
+    first = b.submit("w1", "k", wave=2, wave_id="a")
+    time.sleep(0.5)  # ten windows
+    second = b.submit("w2", "k", wave=2, wave_id="a")
+    assert (first.wait(60), second.wait(60)) == ("W1", "W2")
+    mixed = [b.submit(f"m{i}", "k" if i % 2 else "j", wave=4, wave_id="b") for i in range(4)]
+    t0 = time.monotonic()
+    assert [p.wait(60) for p in mixed] == ["M0", "M1", "M2", "M3"]
+    b.stop()
+    assert rec.batches[0] == ["w1", "w2"] and sorted(map(sorted, rec.batches[1:])) == [["m0", "m2"], ["m1", "m3"]]
+    assert time.monotonic() - t0 < WAVE_GUARD_S  # the second key's batch did not wait out the guard
 
 
 def test_a_failing_batch_is_retried_one_by_one():
@@ -465,7 +483,8 @@ def test_the_wave_header_closes_a_batch_under_a_long_window(fake_server):
     for t in threads:
         t.join()
     assert [a.headers["x-difftest-batch-size"] for a in answers] == ["2", "2"]
-    assert [_wave(v) for v in ("3", "0", "-1", "x", None)] == [3, None, None, None, None]
+    assert [_wave(v) for v in ("3", "3;ab", "0;ab", "-1", "x", None)] == [
+        (3, None), (3, "ab"), (None, None), (None, None), (None, None), (None, None)]
 
 
 def test_one_voice_rule_for_suites_the_reference_runner_and_the_engine(tmp_path):

@@ -116,13 +116,7 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
     dead = threading.Event()
     hung: list[str] = []  # why the server is dead: a request timed out (the run then stops, difftest.run)
 
-    store = ResultStore(out_dir)
-    found = {}
-    for s in segments:
-        cached = store.get(out_dir, s.id, s.hash) if reuse else None
-        if cached is not None and cached.meta.get("identity") == identity_key:
-            found[s.id] = cached
-    outcome.results = reusable_together(found)
+    outcome.results = cached_results(segments, out_dir, identity_key) if reuse else {}
     outcome.cached = set(outcome.results)
     todo = [s for s in segments if s.id not in outcome.results]
     outcome.batches = recorded_waves(outcome.results.values(), {s.id for s in segments})
@@ -147,7 +141,8 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
         with lock:
             outcome.errors[seg.id] = {"source": "candidate", "kind": kind, "message": message, **more}
 
-    def one(seg: Segment, wave: list[str], delay: float = 0.0, barrier: threading.Barrier | None = None):
+    def one(seg: Segment, wave: list[str], delay: float = 0.0, barrier: threading.Barrier | None = None,
+            wave_id: str = ""):
         if barrier is not None:
             try:
                 barrier.wait()
@@ -163,7 +158,7 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
         body = speech_request(seg, tag, voice_mode=voice_mode)
         # The wave's size, for a server that batches by a window (the CPU test engine): it may close
         # the batch once the wave is in. A server that does not know the header ignores it.
-        hint = None if pattern == "pool" else {WAVE_HEADER: str(len(wave))}
+        hint = None if pattern == "pool" else {WAVE_HEADER: f"{len(wave)};{wave_id}"}  # the size, and which wave
         try:
             sent = time.time()
             ans = client.speech(body, hint)
@@ -210,10 +205,22 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
         for wave in _waves(todo, concurrency, order, seed):
             ids = [s.id for s in wave]
             outcome.batches.append(ids)
-            barrier = threading.Barrier(len(wave))
-            _send(len(wave), [(one, s, ids, (i * stagger_ms / 1000.0) if pattern == "staggered" else 0.0, barrier)
-                              for i, s in enumerate(wave)])
+            barrier, wave_id = threading.Barrier(len(wave)), uuid.uuid4().hex[:12]
+            _send(len(wave), [(one, s, ids, (i * stagger_ms / 1000.0) if pattern == "staggered" else 0.0, barrier,
+                               wave_id) for i, s in enumerate(wave)])
     return outcome
+
+
+def cached_results(segments: list[Segment], out_dir: Path, identity_key: str | None) -> dict:
+    """The results in `out_dir` that a pass with this identity may reuse: made from the same segment
+    by the same identity, each with its whole wave (results.reusable_together)."""
+    store = ResultStore(out_dir)
+    found = {}
+    for s in segments:
+        r = store.get(out_dir, s.id, s.hash)
+        if r is not None and r.meta.get("identity") == identity_key:
+            found[s.id] = r
+    return reusable_together(found)
 
 
 def _send(workers: int, calls: list[tuple]) -> None:

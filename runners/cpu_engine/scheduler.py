@@ -12,7 +12,12 @@ A request may say how many requests its client released together with it (its
 wave: difftest's HTTP runner sends `X-Difftest-Wave`). The batch it opens then
 closes as soon as that many compatible requests are in, instead of waiting the
 window out: nothing else is coming. The batches are the same; a lone request at
-concurrency 1 no longer waits a window per request.
+concurrency 1 no longer waits a window per request. Where the wave also names
+itself (`N;ID`), its batch waits for the whole wave however late its members
+arrive (up to WAVE_GUARD_S): on a loaded machine a wave-mate can arrive after
+the window, and a leak between the two would then not show (seen: a repro
+reproduced 2 times of 3); it closes once every member of the wave is in the
+engine, in this batch or held for another (incompatible ones).
 
 The engine runs batches one at a time in this thread (the model is not
 thread-safe). If a batch raises, its requests are retried one by one so that
@@ -32,6 +37,9 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
 
+WAVE_GUARD_S = 30.0  # the longest a named wave's batch waits for its members (a member the client never sent)
+
+
 class EngineStopped(RuntimeError):
     pass
 
@@ -49,6 +57,7 @@ class Pending:
     batch_size: int | None = None
     batch_index: int | None = None
     wave: int | None = None  # how many requests the client released together with this one
+    wave_id: str | None = None  # which wave, where the client names it
 
     def wait(self, timeout: float | None = None) -> Any:
         if not self.done.wait(timeout):
@@ -75,17 +84,31 @@ class Batcher:
         self._thread = threading.Thread(target=self._loop, name="cpu-engine-scheduler", daemon=True)
         self.batches_run = 0
         self.batch_sizes: list[int] = []
+        self._arrived: dict[str, list] = {}  # wave id -> [requests of it submitted, when the first was]
+        self._lock = threading.Lock()
 
     def start(self) -> "Batcher":
         self._thread.start()
         return self
 
-    def submit(self, job: Any, key: Hashable | None, wave: int | None = None) -> Pending:
+    def submit(self, job: Any, key: Hashable | None, wave: int | None = None, wave_id: str | None = None) -> Pending:
         if self._stop.is_set():
             raise EngineStopped("the engine is shutting down")
-        p = Pending(job, key, next(self._seq), wave=wave if wave and wave > 0 else None)
+        wave = wave if wave and wave > 0 else None
+        p = Pending(job, key, next(self._seq), wave=wave, wave_id=wave_id if wave else None)
+        if p.wave_id:
+            with self._lock:  # counted before it is queued: the gatherer sees it counted when it gets it
+                now = time.monotonic()
+                for old in [w for w, (_, t) in self._arrived.items() if now - t > 10 * WAVE_GUARD_S]:
+                    del self._arrived[old]
+                self._arrived.setdefault(p.wave_id, [0, now])[0] += 1
         self._queue.put(p)
         return p
+
+    def _wave_in(self, p: Pending) -> bool:
+        """Every member of `p`'s named wave has been submitted."""
+        with self._lock:
+            return bool(p.wave_id) and self._arrived.get(p.wave_id, [0])[0] >= p.wave
 
     def stop(self, timeout: float = 5.0) -> None:
         self._stop.set()
@@ -119,8 +142,10 @@ class Batcher:
             if p.key == first.key:
                 batch.append(p)
                 self._held.remove(p)
-        deadline = first.arrival + self.window_s
+        deadline = first.arrival + (WAVE_GUARD_S if first.wave_id else self.window_s)
         while len(batch) < limit:
+            if self._wave_in(first) and self._queue.empty():
+                break  # the whole wave is in: the rest of it is held for a batch of its own key
             remaining = deadline - time.monotonic()
             try:
                 p = self._queue.get(timeout=remaining) if remaining > 0 else self._queue.get_nowait()

@@ -124,14 +124,15 @@ def _histogram(sizes: list[int]) -> dict:
     return out
 
 
-def _wave(value: str | None) -> int | None:
-    """X-Difftest-Wave: how many requests the client released together (runners/cpu_engine/scheduler.py).
-    A hint only: a value that is not a positive integer is ignored."""
+def _wave(value: str | None) -> tuple[int | None, str | None]:
+    """X-Difftest-Wave: `N` or `N;ID`, how many requests the client released together and which wave
+    (runners/cpu_engine/scheduler.py). A hint only: a count that is not a positive integer is ignored."""
+    count, _, wave_id = (value or "").partition(";")
     try:
-        n = int(value) if value is not None else None
+        n = int(count)
     except ValueError:
-        return None
-    return n if n and n > 0 else None
+        return None, None
+    return (n, wave_id.strip() or None) if n > 0 else (None, None)
 
 
 class _Handler(BaseHTTPRequestHandler):
@@ -247,7 +248,7 @@ class _Handler(BaseHTTPRequestHandler):
         t0 = time.perf_counter()
         try:
             pending = s.batcher.submit(job, job.batch_key(share_sampled=s.defect == "shared-rng"),
-                                       wave=_wave(self.headers.get("X-Difftest-Wave")))
+                                       *_wave(self.headers.get("X-Difftest-Wave")))
             out = pending.wait(s.request_timeout_s)
         except EngineStopped as e:
             s.count("engine_errors")
