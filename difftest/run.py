@@ -24,6 +24,7 @@ import numpy as np
 
 from . import __version__
 from .engines import identity as ident
+from .engines import url_reuse
 from .engines.base import Engine
 from .engines.reference import (
     REPO,
@@ -76,6 +77,7 @@ class RunOptions:
     repeat: bool = True  # serve every segment once more at concurrency 1, after the others (history check)
     ray: dict | None = None  # {"address": ..., "workers": N}: the reference side on Ray (difftest.scale)
     candidate_dtype: str | None = None  # the candidate talker's dtype, declared (the measured null's numerics)
+    reuse_unidentified: bool = False  # reuse a URL candidate's results though it says nothing of itself (url_reuse)
 
 
 def _segments_with_codes(results: dict) -> dict:
@@ -241,6 +243,11 @@ def _result_folders(out: Path, engine: dict, opts: RunOptions, pattern: str) -> 
 
 
 REPEAT = "repeat"  # the history check's pass (difftest/verdicts/history.py)
+
+
+def _pass_order(n) -> tuple:
+    """The pass at N first, then at 1, then the repeat."""
+    return (n == REPEAT, n == 1)
 
 
 def _candidate_at(n, engine, suite: Suite, folder: Path, key: str):
@@ -511,6 +518,9 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
                     candidate = start_candidate(spec, setup, stack, run_tag=run_id)
         cand_info = candidate.info
         _announce(cand_info)
+        if spec.kind == URL and spec.declared is None:  # whatever answers at the URL now: re-checked before reuse
+            url_reuse.check(candidate, suite.segments, {n: folders[n] for n in sorted(folders, key=_pass_order)},
+                            engine, spec.url, opts.reuse_unidentified)
         outcomes = {}
         started: dict = {}
         for n, (folder, key) in folders.items():

@@ -88,7 +88,7 @@ def cmd_run(args) -> int:
                                                  device=args.device, dtype=args.dtype),
                       vllm_omni=vllm_omni_settings(args),
                       replace=args.replace, repeat=args.repeat, candidate_dtype=args.candidate_dtype,
-                      request_timeout=args.request_timeout,
+                      request_timeout=args.request_timeout, reuse_unidentified=args.reuse_unidentified,
                       ray=None if args.ray is None else {"address": args.ray, "workers": args.ray_workers,
                                                          "candidate": args.ray_candidate,
                                                          "candidate_gpus": args.ray_candidate_gpus})
@@ -138,6 +138,9 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
                         "else float32: judged as exact)")
     r.add_argument("--concurrency", "-n", type=int, default=4,
                    help="requests in flight at once for the candidate under test (default 4); it also runs at 1")
+    r.add_argument("--reuse-unidentified", action="store_true",
+                   help="reuse a URL candidate's results in --out though the server says nothing of itself (no GET "
+                        "/version); one wave of them is still served again and must come back the same")
     r.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS",
                    help="the most one candidate request may take (default 600); the first request past it marks "
                         "the server dead and ends the run (exit 3), keeping what it answered")

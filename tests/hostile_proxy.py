@@ -2,15 +2,17 @@
 engine) that answers every speech request with audio it changed, the way a broken server could,
 and passes everything else through. Not an engine: what it changes is the upstream's answer.
 
-modes: `silence` (digital silence as long as the right answer), `same` (the first answer, for every
+modes: `pass` (the upstream's answers unchanged), `silence` (digital silence as long as the right answer), `same` (the first answer, for every
 request), `late` (the right audio one sample late), `pcm8` (the right audio as 8-bit PCM),
 `serial` (the right audio, one request at a time: the engine never batches two). The upstream's
-headers pass through (the CPU engine's batch size among them).
+headers pass through (the CPU engine's batch size among them). `upstream` may be changed while it
+runs (a build redeployed behind the same URL), and `version` set answers GET /version itself.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import threading
 import urllib.request
 import wave
@@ -20,7 +22,7 @@ import numpy as np
 
 from difftest.suites import wavio
 
-MODES = ("silence", "same", "late", "pcm8", "serial")
+MODES = ("pass", "silence", "same", "late", "pcm8", "serial")
 
 
 def _pcm8(wav: bytes) -> bytes:
@@ -39,6 +41,7 @@ class HostileProxy:
         assert mode in MODES, mode
         self.upstream, self.mode = upstream.rstrip("/"), mode
         self.first: bytes | None = None
+        self.version: dict | None = None  # what GET /version answers, when set (else the upstream's)
         self.lock = threading.Lock()
         outer = self
 
@@ -66,11 +69,15 @@ class HostileProxy:
                 self.wfile.write(body)
 
             def do_GET(self):
+                if self.path == "/version" and outer.version is not None:
+                    return self._send(200, {"Content-Type": "application/json"}, json.dumps(outer.version).encode())
                 self._send(*self._forward(None))
 
             def do_POST(self):
                 body = self.rfile.read(int(self.headers.get("Content-Length", 0)))
                 if not self.path.startswith("/v1/audio/speech"):
+                    return self._send(*self._forward(body))
+                if outer.mode == "pass":
                     return self._send(*self._forward(body))
                 if outer.mode == "serial":
                     with outer.lock:

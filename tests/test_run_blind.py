@@ -1,6 +1,7 @@
-"""No PASS from what the run could not see (issue 56, items 1, 2 and 5): `difftest run` against an
+"""No PASS from what the run could not see (issue 56, items 1, 2, 3 and 5): `difftest run` against an
 audio-only URL candidate (the real CPU test engine, no capture) behind a hostile proxy
-(tests/hostile_proxy.py), and runs whose requests were never in flight together.
+(tests/hostile_proxy.py), runs whose requests were never in flight together, and a leaking build
+redeployed behind the same URL.
 
 Each hostile answer passed before: every segment `audio_divergence`, which fails nothing, exit 0.
 """
@@ -43,21 +44,34 @@ def world(tiny, tmp_path_factory):  # noqa: F811
     engine = ServerProcess([str(reference_python()), "-m", "runners.cpu_engine", "--port", str(port), *models],
                            f"http://127.0.0.1:{port}", d / "engine.log", env=env, cwd=REPO, health_timeout=300,
                            name="the clean CPU engine (audio only)")
+    leak_port = free_port(exclude={port})
+    leak = ServerProcess([str(reference_python()), "-m", "runners.cpu_engine", "--port", str(leak_port), *models,
+                          "--defect", "ref-leak"], f"http://127.0.0.1:{leak_port}", d / "leak.log", env=env, cwd=REPO,
+                         health_timeout=300, name="the CPU engine with the seed's leak (audio only)")
     engine.start()
     try:
-        yield {"url": engine.url, "tiny": tiny, "store": d / "store", "two": _suite(d, ["smoke-01", "smoke-02"]),
-               "one": _suite(d, ["smoke-01"])}
+        leak.start()
+        yield {"url": engine.url, "leak": leak.url, "tiny": tiny, "store": d / "store",
+               "two": _suite(d, ["smoke-01", "smoke-02"]), "one": _suite(d, ["smoke-01"])}
     finally:
+        leak.stop()
         engine.stop()
 
 
-def run(world, url: str, out: Path, suite: str = "two", *extra) -> tuple[int, dict, str]:
+def run_refused(world, url: str, out: Path, suite: str = "two", *extra) -> tuple[int, str]:
+    """`difftest run` of the suite against `url` at 2: (exit code, what it said)."""
     argv = [sys.executable, "-m", "difftest", "run", str(world[suite]), "--candidate", url, "-n", "2",
             "--no-repeat", "--reference-model", str(world["tiny"] / "base"), "--store", str(world["store"]),
             "--out", str(out), "--no-mlflow", *extra]
     p = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=out.parent)
     assert "Traceback" not in p.stderr, p.stderr[-3000:]
-    return p.returncode, json.loads((out / "report.json").read_text()), p.stdout + p.stderr
+    return p.returncode, p.stdout + p.stderr
+
+
+def run(world, url: str, out: Path, suite: str = "two", *extra) -> tuple[int, dict, str]:
+    """The same, and the report it wrote."""
+    code, said = run_refused(world, url, out, suite, *extra)
+    return code, json.loads((out / "report.json").read_text()), said
 
 
 def test_the_clean_engine_heard_alone_passes_and_says_codes_were_not_judged(world, tmp_path):
@@ -117,3 +131,33 @@ def test_a_one_segment_suite_at_n_is_no_test_of_concurrency_and_n_1_says_so(worl
     assert code == 0, said
     assert "concurrency" not in rep["configuration_exercised"]["checks"]
     assert any("concurrency 1: every request was served alone" in w for w in rep["warnings"]), rep["warnings"]
+
+
+def test_a_leaking_build_redeployed_behind_the_same_url_is_not_judged_on_the_old_results(world, tmp_path):
+    """The clean build, then the seed's leak behind the same URL saying the same version: the kept
+    results are reused only after one wave of them, served again at N, comes back the same."""
+    proxy = HostileProxy(world["url"], "pass")
+    proxy.version = {"version": "0.30.0"}  # both builds say the same
+    out = tmp_path / "redeployed"
+    try:
+        code, _, said = run(world, proxy.url, out)
+        assert code == 0, said
+        code, rep, said = run(world, proxy.url, out)  # the same server again: a wave re-served, then reused
+        assert code == 0 and "candidate c=2: 2/2 segments, 2 cached" in said, said
+        proxy.upstream = world["leak"]
+        code, said = run_refused(world, proxy.url, out)
+        assert code == 2, said
+        assert "is not the one whose results are kept there" in said and "smoke-01, smoke-02" in said, said
+        assert "--replace" in said
+    finally:
+        proxy.close()
+
+
+def test_an_unidentified_url_candidate_s_results_are_reused_only_when_asked(world, tmp_path):
+    out = tmp_path / "unidentified"  # the CPU engine has no GET /version
+    code, _, said = run(world, world["url"], out)
+    assert code == 0, said
+    code, said = run_refused(world, world["url"], out)
+    assert code == 2 and "says nothing of itself (no GET /version)" in said, said
+    code, rep, said = run(world, world["url"], out, "two", "--reuse-unidentified")
+    assert code == 0 and "candidate c=2: 2/2 segments, 2 cached" in said, said
