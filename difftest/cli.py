@@ -101,8 +101,9 @@ def _signals_interrupt(caught_signal: list):
     try:
         yield
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        if not caught_signal:  # once interrupted, stay deaf until exit: a second Ctrl-C in the interpreter's
+            for s, h in old.items():  # shutdown (MLflow's exit handlers) would end it with 130 and no word
+                signal.signal(s, h)
 
 
 def _interrupted(why: str) -> int:

@@ -38,6 +38,26 @@ def test_an_interrupt_swallowed_on_the_way_still_ends_the_command_as_interrupted
     assert p.stderr.strip().splitlines()[-1].startswith("difftest: interrupted (SIGINT)")
 
 
+AFTER = textwrap.dedent("""\
+    import atexit, signal, sys
+    from difftest.cli import dispatch
+
+    def command(args):
+        signal.raise_signal(signal.SIGINT)  # interrupted ...
+        return 0
+
+    atexit.register(lambda: (signal.raise_signal(signal.SIGINT), sum(range(10000))))  # ... and again at exit
+    sys.exit(dispatch(command, None))
+    """)
+
+
+def test_a_second_interrupt_while_the_interpreter_exits_changes_nothing(tmp_path):
+    p = subprocess.run([sys.executable, "-c", AFTER], capture_output=True, text=True, timeout=120)
+    assert p.returncode == 3, (p.returncode, p.stderr)  # not 130 (killed by the signal, no word said)
+    assert p.stderr.strip().splitlines() == ["difftest: interrupted (SIGINT); engines and runners it started are "
+                                             "stopped, finished results kept"]
+
+
 def test_an_interrupted_upload_leaves_a_pending_note(tmp_path, monkeypatch):
     out = make_report(tmp_path, "leak", leak_into=("s0",))
 
