@@ -593,7 +593,8 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         + [f"{sid}: teacher forcing of qwen-tts's own sample: {m}" for sid, m in scores[1].get("reference", {}).items()]
         + null_warnings + shared_seeds(suite)
         + ([] if opts.concurrency > 1 else ["concurrency 1: every request was served alone; a cross-request defect "
-                                            "(the seed's leak) cannot show in this run"]),
+                                            "(the seed's leak) cannot show in this run"])
+        + exercised.unbatched_warning(judged["concurrency"]),
         sampling=sampling.judge(sampling_roles, policy.forced.sampling_max_z, policy.forced.sampling_false_flag_rate),
         null=null, null_n=null_n,
         configuration=exercised.finding(cand_info, {f"c={opts.concurrency}": cand.results, "c=1": ctrl.results,

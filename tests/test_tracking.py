@@ -490,7 +490,8 @@ def test_an_interrupted_upload_loses_nothing(mlflow_cwd, tmp_path, monkeypatch):
     # (how many depends on how busy the machine is), but never the interrupted one
     names = {k.info.run_name for k in children(client, broken)}
     assert {"s0", "s1", "s2"} <= names and "s3" not in names, names
-    assert not (out / STATE).exists()  # nothing claims it was logged
+    state = json.loads((out / STATE).read_text())  # nothing claims it was logged; the upload is pending
+    assert not state.get("runs") and state["pending"]["reason"] == "interrupted (SIGINT)", state
 
     monkeypatch.setattr(tracking, "_log_segment", real)
     again = log_run(out, experiment="interrupted")

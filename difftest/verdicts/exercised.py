@@ -12,14 +12,14 @@ never is (the smoke suite sent twice, the same four requests: 302 tokens queried
 prompts fill no cache block, so such a run is no evidence about the cache, and says so.
 
 Concurrency likewise: a run at N > 1 tests cross-request defects (the seed's leak) only where two
-requests shared the engine. A one-segment suite, or a server that answers one request before the
-next arrives, never had two in flight: the run says so and is an `error`, never a pass. Two
-requests were in flight together when their spans (sent to answered, `meta.in_flight`, the HTTP
-runner's clock) overlap, or when one batch held both (`meta.batch`, the offline runner). Where the
-engine says how many requests it batched (`meta.batch_size`, the CPU test engine's header), its
-word decides: requests can be in flight together at the client and still be served one at a time
-by a server that queues them. vLLM-Omni says nothing of the kind over HTTP: for it, the client's
-view is what the run shows (docs/verdicts.md).
+requests shared the engine. A one-segment suite, or a client whose requests never overlapped, never
+had two in flight: the run says so and is an `error`, never a pass. Two requests were in flight
+together when their spans (sent to answered, `meta.in_flight`, the HTTP runner's clock) overlap, or
+when one batch held both (`meta.batch`, the offline runner). Where the engine also says how many
+requests it batched (`meta.batch_size`, the CPU test engine's header), that is reported, and a run
+whose engine batched none together says so in a warning: a server may queue requests it holds
+together and run them one at a time (the CPU engine does so with sampled requests, each drawing
+from its own generator). vLLM-Omni says nothing of the kind over HTTP (docs/verdicts.md).
 
 Chunked means more than one hand-off for every request longer than one frame: vLLM-Omni's first
 chunk is a single frame (its deploy's `initial_chunk`), so any longer request is handed over at
@@ -81,12 +81,8 @@ def prefix_cache(candidate: dict) -> dict | None:
         f"stage {st} {counts[str(st)]['hits']} of {counts[str(st)]['queries']} tokens" for st in stages)}
 
 
-def most_in_flight(results: dict) -> tuple[int, list[str], str]:
-    """(the most requests in flight at once, the segments whose results say nothing of it, by whose
-    word: "engine" where every result carries the engine's batch size, else "client")."""
-    sizes = [r.meta.get("batch_size") for r in results.values()]
-    if sizes and all(isinstance(n, int) for n in sizes):
-        return max(sizes), [], "engine"
+def most_in_flight(results: dict) -> tuple[int, list[str]]:
+    """(the most requests in flight at once, the segments whose results say neither span nor batch)."""
     events, untold, most = [], [], 0
     for sid, r in results.items():
         span, batch = r.meta.get("in_flight"), r.meta.get("batch")
@@ -100,7 +96,7 @@ def most_in_flight(results: dict) -> tuple[int, list[str], str]:
     for _, step in sorted(events):  # an answer at the instant another is sent: not together
         now += step
         most = max(most, now)
-    return most, sorted(untold), "client"
+    return most, sorted(untold)
 
 
 def concurrency(asked: int, results: dict, sent: int) -> dict | None:
@@ -108,20 +104,29 @@ def concurrency(asked: int, results: dict, sent: int) -> dict | None:
     requests it sent), or None at 1 and where no request was answered (the segments' errors say why)."""
     if asked <= 1 or not results:
         return None
-    most, untold, by = most_in_flight(results)
-    out = {"configured": {"concurrency": asked}, "requests": len(results), "most_in_flight": most, "by": by,
-           "not_said": untold}
+    most, untold = most_in_flight(results)
+    sizes = [r.meta.get("batch_size") for r in results.values()]
+    batched = max(sizes) if all(isinstance(n, int) for n in sizes) else None  # the engine's own word
+    out = {"configured": {"concurrency": asked}, "requests": len(results), "most_in_flight": most,
+           "engine_most_batched": batched, "not_said": untold}
     if most >= 2:
-        return out | {"verdict": "pass", "summary": f"concurrency ran: up to {most} of {len(results)} requests "
-                                                    f"{'batched by the engine' if by == 'engine' else 'in flight together'}"
-                                                    f" (asked: {asked})"}
+        return out | {"verdict": "pass", "summary": f"concurrency ran: up to {most} of {len(results)} requests in "
+                                                    f"flight together (asked: {asked})"
+                                                    + (f"; the engine batched up to {batched}" if batched else "")}
     why = ("the suite has one segment" if sent <= 1
            else f"the results of {len(untold)} requests do not say when they were in flight" if untold
-           else "the engine served each request in a batch of its own" if by == "engine"
            else "each request was answered before the next was sent")
     return out | {"verdict": "error", "summary": (
         f"configuration not exercised: concurrency {asked} was asked, but no two of {sent} requests were "
         f"in flight together ({why}): a cross-request defect cannot show in this run")}
+
+
+def unbatched_warning(finding: dict | None) -> list[str]:
+    """A warning where requests were in flight together but the engine says it batched none."""
+    if not finding or finding.get("engine_most_batched") != 1 or finding["verdict"] != "pass":
+        return []
+    return [f"concurrency: {finding['most_in_flight']} requests were in flight together, but the engine says it "
+            f"ran each in a batch of its own: a defect of batching cannot show in this run"]
 
 
 def codes_judged(verdicts: list) -> dict | None:
