@@ -184,16 +184,24 @@ def test_a_named_wave_waits_for_a_member_that_arrives_after_the_window():
     every member is in (no wait for members held for the other key)."""
     rec = Recorder()
     b = Batcher(rec, max_batch=4, window_s=0.05).start()
-    first = b.submit("w1", "k", wave=2, wave_id="a")
+    def submit(job, key, wave, wave_id):
+        b.arrive(wave_id)
+        return b.submit(job, key, wave=wave, wave_id=wave_id)
+
+    first = submit("w1", "k", 2, "a")
     time.sleep(0.5)  # ten windows
-    second = b.submit("w2", "k", wave=2, wave_id="a")
+    second = submit("w2", "k", 2, "a")
     assert (first.wait(60), second.wait(60)) == ("W1", "W2")
-    mixed = [b.submit(f"m{i}", "k" if i % 2 else "j", wave=4, wave_id="b") for i in range(4)]
     t0 = time.monotonic()
+    mixed = [submit(f"m{i}", "k" if i % 2 else "j", 4, "b") for i in range(4)]
     assert [p.wait(60) for p in mixed] == ["M0", "M1", "M2", "M3"]
+    b.arrive("c")  # a member the server refused before it reached the batcher: the wave is still whole
+    alone = submit("c2", "k", 2, "c")
+    assert alone.wait(60) == "C2"
     b.stop()
-    assert rec.batches[0] == ["w1", "w2"] and sorted(map(sorted, rec.batches[1:])) == [["m0", "m2"], ["m1", "m3"]]
-    assert time.monotonic() - t0 < WAVE_GUARD_S  # the second key's batch did not wait out the guard
+    assert rec.batches[0] == ["w1", "w2"] and sorted(map(sorted, rec.batches[1:3])) == [["m0", "m2"], ["m1", "m3"]]
+    assert rec.batches[3] == ["c2"]
+    assert time.monotonic() - t0 < WAVE_GUARD_S  # no batch waited out the guard
 
 
 def test_a_failing_batch_is_retried_one_by_one():

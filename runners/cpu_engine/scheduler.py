@@ -96,17 +96,22 @@ class Batcher:
             raise EngineStopped("the engine is shutting down")
         wave = wave if wave and wave > 0 else None
         p = Pending(job, key, next(self._seq), wave=wave, wave_id=wave_id if wave else None)
-        if p.wave_id:
-            with self._lock:  # counted before it is queued: the gatherer sees it counted when it gets it
-                now = time.monotonic()
-                for old in [w for w, (_, t) in self._arrived.items() if now - t > 10 * WAVE_GUARD_S]:
-                    del self._arrived[old]
-                self._arrived.setdefault(p.wave_id, [0, now])[0] += 1
         self._queue.put(p)
         return p
 
+    def arrive(self, wave_id: str | None) -> None:
+        """A request of this named wave reached the server (before it is checked: one it refuses still
+        counts, or its wave's batch would wait the guard out for it). Called before `submit`."""
+        if not wave_id:
+            return
+        with self._lock:
+            now = time.monotonic()
+            for old in [w for w, (_, t) in self._arrived.items() if now - t > 10 * WAVE_GUARD_S]:
+                del self._arrived[old]
+            self._arrived.setdefault(wave_id, [0, now])[0] += 1
+
     def _wave_in(self, p: Pending) -> bool:
-        """Every member of `p`'s named wave has been submitted."""
+        """Every member of `p`'s named wave has arrived."""
         with self._lock:
             return bool(p.wave_id) and self._arrived.get(p.wave_id, [0])[0] >= p.wave
 

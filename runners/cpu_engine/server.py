@@ -240,6 +240,8 @@ class _Handler(BaseHTTPRequestHandler):
     def _speech(self, body: bytes) -> None:
         s = self.server_ref
         s.count("requests")
+        wave = _wave(self.headers.get("X-Difftest-Wave"))
+        s.batcher.arrive(wave[1])
         try:
             obj = json.loads(body)
         except (ValueError, UnicodeDecodeError) as e:
@@ -247,8 +249,7 @@ class _Handler(BaseHTTPRequestHandler):
         job = parse_speech(obj, s.models, s.voices)
         t0 = time.perf_counter()
         try:
-            pending = s.batcher.submit(job, job.batch_key(share_sampled=s.defect == "shared-rng"),
-                                       *_wave(self.headers.get("X-Difftest-Wave")))
+            pending = s.batcher.submit(job, job.batch_key(share_sampled=s.defect == "shared-rng"), *wave)
             out = pending.wait(s.request_timeout_s)
         except EngineStopped as e:
             s.count("engine_errors")
