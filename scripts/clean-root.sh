@@ -4,8 +4,9 @@
 # repository inside it, and both commands run there with nothing installed by hand. Root only.
 #
 #   scripts/clean-root.sh build ROOT   make the root (debootstrap + the base list; about 10 min)
-#   scripts/clean-root.sh run ROOT     clone HEAD into ROOT/work/main, run scripts/demo.sh, then
-#                                      CI=true .ci/run, each timed; logs in ROOT/work/*.log
+#   scripts/clean-root.sh run ROOT     a fresh copy of the root (ROOT.run: nothing an earlier run
+#                                      installed), HEAD cloned into it, scripts/demo.sh then
+#                                      CI=true .ci/run there, each timed; logs in ROOT.run/work/*.log
 #
 # The base list is ../shared/machine/debian-base-packages.txt (tests/data/ holds a copy). What a new
 # machine has beside its Debian packages is bound in read-only, as that machine has it: the
@@ -73,6 +74,7 @@ build)
     ;;
 run)
     [ -x "$root/usr/bin/apt-get" ] || { echo "clean-root.sh: no root at $root: run 'build' first" >&2; exit 2; }
+    rm -rf "$root.run"; cp -a "$root" "$root.run"; root=$root.run  # the built root stays as built
     trap unmount EXIT; mounts
     rm -rf "$root/work"; mkdir -p "$root/work"
     git clone -q "$repo" "$root/work/main"
