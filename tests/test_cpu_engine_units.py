@@ -185,7 +185,6 @@ def test_a_named_wave_waits_for_a_member_that_arrives_after_the_window():
     rec = Recorder()
     b = Batcher(rec, max_batch=4, window_s=0.05).start()
     def submit(job, key, wave, wave_id):
-        b.arrive(wave_id)
         return b.submit(job, key, wave=wave, wave_id=wave_id)
 
     first = submit("w1", "k", 2, "a")
@@ -195,7 +194,7 @@ def test_a_named_wave_waits_for_a_member_that_arrives_after_the_window():
     t0 = time.monotonic()
     mixed = [submit(f"m{i}", "k" if i % 2 else "j", 4, "b") for i in range(4)]
     assert [p.wait(60) for p in mixed] == ["M0", "M1", "M2", "M3"]
-    b.arrive("c")  # a member the server refused before it reached the batcher: the wave is still whole
+    b.settled("c")  # a member the server refused before it reached the batcher: the wave is still whole
     alone = submit("c2", "k", 2, "c")
     assert alone.wait(60) == "C2"
     b.stop()

@@ -96,12 +96,13 @@ class Batcher:
             raise EngineStopped("the engine is shutting down")
         wave = wave if wave and wave > 0 else None
         p = Pending(job, key, next(self._seq), wave=wave, wave_id=wave_id if wave else None)
+        self.settled(p.wave_id)  # counted before it is queued: the gatherer sees it counted when it gets it
         self._queue.put(p)
         return p
 
-    def arrive(self, wave_id: str | None) -> None:
-        """A request of this named wave reached the server (before it is checked: one it refuses still
-        counts, or its wave's batch would wait the guard out for it). Called before `submit`."""
+    def settled(self, wave_id: str | None) -> None:
+        """A request of this named wave is submitted, or refused before it could be (the server calls
+        this for one it refuses: its wave's batch would wait the guard out for it otherwise)."""
         if not wave_id:
             return
         with self._lock:
@@ -111,7 +112,7 @@ class Batcher:
             self._arrived.setdefault(wave_id, [0, now])[0] += 1
 
     def _wave_in(self, p: Pending) -> bool:
-        """Every member of `p`'s named wave has arrived."""
+        """Every member of `p`'s named wave is submitted (or refused)."""
         with self._lock:
             return bool(p.wave_id) and self._arrived.get(p.wave_id, [0])[0] >= p.wave
 

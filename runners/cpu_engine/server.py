@@ -241,12 +241,15 @@ class _Handler(BaseHTTPRequestHandler):
         s = self.server_ref
         s.count("requests")
         wave = _wave(self.headers.get("X-Difftest-Wave"))
-        s.batcher.arrive(wave[1])
         try:
-            obj = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise BadRequest(None, f"the body is not valid JSON ({e})") from None
-        job = parse_speech(obj, s.models, s.voices)
+            try:
+                obj = json.loads(body)
+            except (ValueError, UnicodeDecodeError) as e:
+                raise BadRequest(None, f"the body is not valid JSON ({e})") from None
+            job = parse_speech(obj, s.models, s.voices)
+        except BaseException:
+            s.batcher.settled(wave[1])  # refused: its wave-mates' batch does not wait for it
+            raise
         t0 = time.perf_counter()
         try:
             pending = s.batcher.submit(job, job.batch_key(share_sampled=s.defect == "shared-rng"), *wave)
