@@ -27,9 +27,10 @@ py_prefix=$(python3 -c 'import sys; print(sys.base_prefix)')  # the image's inte
 image_paths=("$py_prefix" /opt/wheels /opt/pypi /opt/pypi-more /etc/pip.conf /etc/xdg/pip
              "$HOME/.config/pip" "$HOME/.pip" /etc/ssl/certs/ca-certificates.crt /usr/local/share/ca-certificates)
 
-mounts() {  # bind the kernel's file systems and the image's own paths into the root
+mounts() {  # bind the kernel's file systems into the root, and with `image` the image's own paths
     mount --bind /proc "$root/proc"; mount --bind /sys "$root/sys"
     mount --rbind /dev "$root/dev"; mount --make-rslave "$root/dev"
+    [ "${1:-}" = image ] || return 0  # building: Debian's packages write their own (ca-certificates)
     for p in "${image_paths[@]}"; do
         [ -e "$p" ] || continue
         if [ -d "$p" ]; then mkdir -p "$root$p"; else mkdir -p "$root$(dirname "$p")"; touch "$root$p"; fi
@@ -75,7 +76,7 @@ build)
 run)
     [ -x "$root/usr/bin/apt-get" ] || { echo "clean-root.sh: no root at $root: run 'build' first" >&2; exit 2; }
     rm -rf "$root.run"; cp -a "$root" "$root.run"; root=$root.run  # the built root stays as built
-    trap unmount EXIT; mounts
+    trap unmount EXIT; mounts image
     rm -rf "$root/work"; mkdir -p "$root/work"
     git clone -q "$repo" "$root/work/main"
     [ -d ../shared ] && cp -r ../shared "$root/work/shared" && chmod -R a-w "$root/work/shared"
