@@ -77,3 +77,22 @@ def test_nan_candidate_is_an_error_verdict(tmp_path):
     code, out, _ = run("compare", ref, cand, "--out", tmp_path / "o")
     assert code == 1  # a candidate that returns NaN fails the gate
     assert "NaN" in out
+
+
+def test_an_audio_only_candidate_set_that_diverges_is_no_pass(tmp_path):
+    """Candidate results without codes (a URL server without capture) whose audio is not the
+    reference's: `audio_divergence`, which fails nothing by itself; no PASS rests on it (issue 56)."""
+    ref, cand = tmp_path / "ref", tmp_path / "cand"
+    empty = np.zeros((0, 16), np.int64)
+    for i in range(2):
+        sid, codes, own = f"s{i}", toy_codes(30, i), toy_codes(10 + i, 50 + i)
+        write_result(ref / sid, toy_result(sid, codes, own, meta={"runner": "reference", "concurrency": 1}))
+        silence = np.zeros_like(toy_decode(codes, own))  # as long as the right answer
+        write_result(cand / sid, toy_result(sid, empty, empty, wav=silence, has_codes=False,
+                                            meta={"runner": "url", "concurrency": 2}))
+    code, out, _ = run("compare", ref, cand, "--out", tmp_path / "o")
+    assert code == 3, out
+    rep = json.loads((tmp_path / "o" / "report.json").read_text())
+    assert {s["verdict"] for s in rep["segments"]} == {"audio_divergence"}
+    codes = rep["configuration_exercised"]["checks"]["codes"]
+    assert codes["verdict"] == "error" and codes["segments"] == ["s0", "s1"] and "nothing judged on codes" in out

@@ -9,6 +9,7 @@ from pathlib import Path
 from ..errors import BadInput
 from ..records.report import build_report
 from ..results import load_result_set
+from ..verdicts import exercised
 from ..verdicts.classify import Evidence, classify, talker_stage
 from ..verdicts.policy import Policy
 from ..verdicts.talker_input import inputs_of
@@ -58,7 +59,9 @@ def compare_result_sets(reference_dir, candidate_dir, policy: Policy, *, control
                                   "message": f"segment {sid} has no {name} result"})
         verdicts.append(classify(ev, policy))
     return build_report(verdicts, policy, reference=_label(refs), candidate=_label(cands),
-                        concurrency=next(iter(cands.values())).meta.get("concurrency"), warnings=warnings)
+                        concurrency=next(iter(cands.values())).meta.get("concurrency"),
+                        warnings=policy.warnings() + warnings,
+                        configuration=exercised.finding({}, {}, {"codes": exercised.codes_judged(verdicts)}))
 
 
 def _chunks(text: str) -> tuple[int, int]:
