@@ -261,18 +261,33 @@ class Finding:
     where: str  # the process that mapped it, or the code that calls it
 
 
+def read_uses(path: Path) -> dict[str, str]:
+    """The project's list: package -> what it is for (`run`: every command's, `test`, ...)."""
+    uses = {}
+    for line in path.read_text().splitlines():
+        words = line.split("#", 1)[0].split()
+        if words:
+            uses[words[0]] = words[1] if len(words) > 1 else "run"
+    return uses
+
+
 def hidden_packages(processes: dict[str, set[str]], executables: dict[str, str], *, base: set[str],
-                    project: set[str], exes: dict[str, str] | None = None, owners: dict[str, str] | None = None,
+                    project: dict[str, str], exes: dict[str, str] | None = None,
+                    owners: dict[str, str] | None = None,
                     status: dict[str, dict[str, str]] | None = None) -> list[Finding]:
     """One finding per package that a process mapped a file of, or whose executable the code calls,
-    and that neither list accounts for. A listed package's dependencies count as installed only in a
-    process of that package: one that loads its files, or whose executable (`exes`: label -> path) is
-    one of what it pulls in (chromium's crashpad handler, from chromium-common). Chromium pulls in
-    libsndfile1 (through libpulse0), but the demo, which installs no chromium, still needs
-    libsndfile1 listed for the reference."""
+    and that neither list accounts for (`project`: package -> its use, scripts/system-packages.txt).
+    What apt installs with a package counts as installed: with a `run` package (every command
+    installs it) in every process; with any other only in that package's own processes, whose
+    executable it pulled in (chromium's, its crashpad handler from chromium-common). Chromium pulls
+    in libsndfile1 (through libpulse0), but the demo installs no chromium: a reference runner loading
+    libsndfile still needs libsndfile1 listed. A process's executable is read when it is first seen,
+    its mapped files while it lives (a dependency seen without the library that pulled it in, in a
+    snapshot taken while the library loads, is still judged by the rule above)."""
     owners = file_owners() if owners is None else owners
     status = _dpkg_status() if status is None else status
     pulled = {p: with_dependencies({p}, status) for p in project}
+    everywhere = base.union(project, *(pulled[p] for p, use in project.items() if use == "run"))
     out: dict[str, Finding] = {}
 
     def judge(files, allowed, where):
@@ -282,13 +297,11 @@ def hidden_packages(processes: dict[str, set[str]], executables: dict[str, str],
                 out[pkg] = Finding(pkg, path, where)
 
     for label, files in sorted(processes.items()):
-        pkgs = {owner(f, owners) for f in files}
         exe = owner(exes[label], owners) if label in (exes or {}) else None
-        ours = {p for p in project if p in pkgs or exe in pulled[p]}
-        judge(files, base.union(project, *(pulled[p] for p in ours)), label)
+        judge(files, everywhere.union(*(pulled[p] for p in project if exe in pulled[p])), label)
     for name, where in sorted(executables.items()):
         if exe := shutil.which(name):
-            judge([exe], base | project, f"called by {where}")
+            judge([exe], base | set(project), f"called by {where}")
     return sorted(out.values(), key=lambda f: f.package)
 
 
@@ -325,7 +338,7 @@ def pytest_sessionfinish(session, exitstatus):
     sampler.stop()
     started = time.monotonic()
     findings = hidden_packages(sampler.maps, called_executables(), base=read_list(base_list()),
-                               project=read_list(PROJECT_LIST), exes=sampler.exes)
+                               project=read_uses(PROJECT_LIST), exes=sampler.exes)
     problems = explain(findings) if findings else ""
     if sampler.errors:
         problems += "\nthe sampler stopped: " + "; ".join(sampler.errors)
