@@ -4,6 +4,10 @@ memory while the run goes, and fold report.json and the samples into one JSON su
     python -m difftest.gpucheck gpus                       the GPUs, or exit 3 naming why there are none
     python -m difftest.gpucheck sample FILE [--interval S] one JSON line per process and sample, until killed
     python -m difftest.gpucheck summary RUN_DIR --samples FILE [--installs FILE] [--wall S]
+                                                           exit 3 naming why when the run gave no
+                                                           verdict or, on a GPU or under model runner
+                                                           v2, its capture files lack the talker's
+                                                           input, prompt rows or top-k
 
 Every nvidia-smi call has a timeout: a host with a wedged driver answers "no GPU", it never hangs.
 """
@@ -98,21 +102,82 @@ def memory_peaks(samples: Path) -> dict[str, float]:
     return dict(sorted(peaks.items()))
 
 
-def capture_fields(run_dir: Path) -> dict:
-    """Which capture fields the engine wrote, over the run's capture files: on a GPU the talker's
-    hooks may not be reached (model runner v2 batches its preprocess and has its own sampler)."""
+# The talker's capture a run must hold in every capture file, by what it is (docs/verdicts.md):
+# its input (the reference codes and token ids its prompt was built from), its prompt rows, and
+# its own top-k per sampled token (an empty array means "could not be lined up": not captured).
+TALKER_CAPTURE = {"talker_ref_codes": "the talker's input", "input_text_ids": "the talker's input",
+                  "talker_prompt": "the talker's prompt rows", "talker_topk_ids": "the talker's top-k",
+                  "talker_topk_logprobs": "the talker's top-k"}
+
+
+def model_runner(deploy_file: Path, device: str | None) -> str | None:
+    """The model runner a deploy file selects, as vLLM-Omni 0.30 reads it: the file's own
+    `model_runner`, else its `base_config`'s (and so on), then the device's `platforms:` section
+    over it. None when no file in the chain names one."""
+    import yaml
+
+    top = platform = None
+    path, seen = Path(deploy_file), set()
+    while path is not None and path not in seen and len(seen) < 8:
+        seen.add(path)
+        try:
+            cfg = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        except (OSError, yaml.YAMLError):
+            break
+        if not isinstance(cfg, dict):
+            break
+        if top is None and cfg.get("model_runner") is not None:
+            top = str(cfg["model_runner"])
+        section = (cfg.get("platforms") or {}).get(device or "") if isinstance(cfg.get("platforms"), dict) else None
+        if platform is None and isinstance(section, dict) and section.get("model_runner") is not None:
+            platform = str(section["model_runner"])
+        base = cfg.get("base_config")
+        path = (path.parent / base).resolve() if base else None
+    return platform or top
+
+
+def capture_fields(run_dir: Path, report: dict | None = None) -> dict:
+    """Which capture fields the engine wrote, over the run's capture files, and which of the
+    talker's (TALKER_CAPTURE) each file lacks; `problem` says what is missing. `required`: the
+    candidate ran on a GPU or under model runner v2 (vLLM-Omni 0.30's default on CUDA, which
+    reaches the talker through other functions than v1: difftest_capture/v2.py), where the summary
+    fails on a problem. A CPU run (v1) only records it."""
     import numpy as np
 
+    report = report or {}
+    cand = report.get("candidate") or {}
     files = sorted((run_dir / "capture").glob("*.npz"))
     fields: dict[str, int] = {}
+    missing: dict[str, int] = {}
+    why: dict[str, str] = {}  # the first reason a writer gave (talker_missing, input_missing)
     for f in files:
         try:
             with np.load(f, allow_pickle=False) as z:
                 for k in z.files:
                     fields[k] = fields.get(k, 0) + 1
+                for k in TALKER_CAPTURE:
+                    if k not in z.files or (k.startswith("talker_topk") and z[k].shape[:1] == (0,)):
+                        missing[k] = missing.get(k, 0) + 1
+                for k in ("talker_missing", "input_missing"):
+                    if k in z.files and k not in why:
+                        why[k] = str(z[k])
         except (OSError, ValueError):
             fields["(unreadable)"] = fields.get("(unreadable)", 0) + 1
-    return {"files": len(files), "fields": dict(sorted(fields.items()))}
+    overlay = cand.get("deploy_overlay") or run_dir / "vllm-omni" / "deploy-overlay.yaml"
+    runner = model_runner(Path(overlay), cand.get("device")) if Path(overlay).exists() else None
+    out = {"files": len(files), "fields": dict(sorted(fields.items())), "model_runner": runner,
+           "missing": dict(sorted(missing.items())), "required": cand.get("device") == "cuda" or runner == "v2"}
+    if why:
+        out["why"] = why
+    under = f"model runner {runner}" if runner else "an unnamed model runner"
+    if cand.get("capture") and not files:
+        out["problem"] = f"capture was on ({under}) and no capture file was written"
+    elif missing:
+        named = "; ".join(f"{k} ({TALKER_CAPTURE[k]}) missing from {n} of {len(files)} capture files"
+                          for k, n in sorted(missing.items()))
+        reasons = "".join(f"; {k}: {v}" for k, v in why.items())
+        out["problem"] = f"capture incomplete under {under}: {named}{reasons}"
+    return out
 
 
 def summary(run_dir: Path, samples: Path | None = None, installs: dict | None = None,
@@ -132,7 +197,7 @@ def summary(run_dir: Path, samples: Path | None = None, installs: dict | None = 
     one_counts: dict[str, int] = {}
     for seg in at_one.get("segments") or []:
         one_counts[seg["verdict"]] = one_counts.get(seg["verdict"], 0) + 1
-    return {
+    out = {
         "ok": report.get("exit_code") in (0, 1),
         "gpus": gpu_list if gpu_list is not None else gpus()[0],
         "suite": (report.get("suite") or {}).get("name"),
@@ -151,8 +216,12 @@ def summary(run_dir: Path, samples: Path | None = None, installs: dict | None = 
                       **({"wall_s": round(wall_s, 1)} if wall_s is not None else {})},
         "installs_s": installs or {},
         "gpu_memory_peak_mib": memory_peaks(samples) if samples else {},
-        "capture": capture_fields(run_dir),
+        "capture": capture_fields(run_dir, report),
     }
+    if out["capture"].get("problem") and out["capture"]["required"]:  # judged without the talker's capture: fail
+        out["ok"] = False
+        out["error"] = out["capture"]["problem"]
+    return out
 
 
 def _installs(path: str | None) -> dict:
@@ -198,6 +267,8 @@ def main(argv=None) -> int:
         return 0
     result = summary(args.run_dir, args.samples, _installs(args.installs), args.wall)
     print(json.dumps(result, sort_keys=True))
+    if not result["ok"]:
+        print(f"gpu-check: {result.get('error') or 'the run gave no verdict'}", file=sys.stderr)
     return 0 if result["ok"] else EXIT_INFRA
 
 

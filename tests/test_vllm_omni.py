@@ -148,6 +148,11 @@ def test_capture_file_per_request(runs, server, smoke, n):
         assert (ids[:, 0] == cap["talker_tokens"]).mean() >= 0.8
         assert (np.diff(cap["talker_topk_logprobs"], axis=1) <= 0).all() and (cap["talker_topk_logprobs"] <= 0).all()
         assert np.array_equal(cap["codes"][:, 0], cap["talker_tokens"][:len(cap["codes"])])
+        # the talker's scheduler (schedule.py): each prompt prefilled in one step of its 2048-token budget
+        # (the prompt's tokens, from the step that computed none), and no request preempted (64 MiB of KV)
+        assert cap["talker_prefill"].tolist() == [[0, int(cap["talker_prompt"][0]), 0]]
+        assert cap["talker_preemptions"].shape == (0, 2)
+        assert r.meta["prefill_steps"] == 1 and r.meta["preempted_at"] == []
     handoffs = list((capture / ".difftest-capture" / "handoff").iterdir())
     assert handoffs == []  # every hand-off the talker filed was taken by the vocoder
 

@@ -117,6 +117,7 @@ class Capture:
     inputs: dict | None = None  # the talker's input (v3: INPUT's arrays); None: not captured
     handoff: str | None = None  # "full_payload" or "async_chunk"; None: not said
     chunk_frames: np.ndarray | None = None  # frames per hand-off; None: not said
+    schedule: dict | None = None  # {"prefill": (K, 3), "preemptions": (P, 2)}; None: not said
 
     def stage_arrays(self) -> dict[str, np.ndarray]:
         """The talker stage's arrays, for a result's extra arrays (empty when not captured)."""
@@ -199,7 +200,41 @@ def validate(arrays: dict, where: Path, max_frames: int | None = None) -> Captur
         raise CaptureError(f"{where}: lead_samples {lead} outside [0, {MAX_LEAD_SAMPLES}]")
     handoff, chunks = _handoff(arrays, where)
     return Capture(codes, ref_codes, wav, rate, lead, where, *talker, inputs=read_inputs(arrays, where),
-                   handoff=handoff, chunk_frames=chunks)
+                   handoff=handoff, chunk_frames=chunks, schedule=_schedule(arrays, where))
+
+
+SCHEDULE = {"talker_prefill": 3, "talker_preemptions": 2}  # name -> columns
+
+
+def _schedule(arrays: dict, where) -> dict | None:
+    present = [n for n in SCHEDULE if n in arrays]
+    if not present:
+        return None
+    if len(present) != len(SCHEDULE):
+        raise CaptureError(f"{where}: talker_prefill and talker_preemptions come together")
+    out = {}
+    for name, cols in SCHEDULE.items():
+        a = arrays[name]
+        if a.size == 0:
+            a = np.zeros((0, cols), np.int64)
+        if a.dtype.kind not in "iu" or a.ndim != 2 or a.shape[1] != cols or (a < 0).any():
+            raise CaptureError(f"{where}: {name} must be ({'K' if cols == 3 else 'P'}, {cols}) integers >= 0, got "
+                               f"{a.dtype} of shape {a.shape}")
+        out[name.removeprefix("talker_")] = a.astype(np.int64)
+    return out
+
+
+def schedule_meta(schedule: dict | None) -> dict:
+    """What a result's meta says of the talker's scheduling (exercised.py reads it): its prompt's
+    prefill steps, and the tokens generated at each preemption."""
+    if schedule is None:
+        return {}
+    pre = schedule["prefill"]
+    # a step inside the prompt: computed-before below the first record past it (a resume's replay starts at 0 again)
+    in_prompt = [int(n) for before, n, generated in pre if generated == 0]
+    return {"prefill_steps": len(in_prompt), "prefill_tokens": in_prompt,
+            "preempted_at": [int(g) for g, _ in schedule["preemptions"]],
+            "resume_steps": [[int(b), int(n), int(g)] for b, n, g in pre if g > 0]}
 
 
 HANDOFFS = ("full_payload", "async_chunk")

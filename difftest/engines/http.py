@@ -31,7 +31,7 @@ from ..suites import wavio
 from ..suites.suite import Segment
 from . import capture
 from .base import Outcome
-from .capture import Capture, CaptureError
+from .capture import Capture, CaptureError, schedule_meta
 from .speech_client import RequestTimeout, ServerUnreachable, SpeechClient, SpeechError, speech_request
 
 PATTERNS = ("barrier", "pool", "staggered")
@@ -248,7 +248,8 @@ def _result(seg: Segment, wav, info, cap: Capture | None, ans, label: str, prove
                   meta={"runner": label, **meta, "retries": ans.retries, "capture": cap is not None,
                         "lead_samples": cap.lead_samples if cap is not None else 0, "wave": list(wave),
                         **({"handoff": cap.handoff} if cap is not None and cap.handoff else {}),
-                        **({"chunks": len(cap.chunk_frames)} if cap is not None and cap.chunk_frames is not None else {})},
+                        **({"chunks": len(cap.chunk_frames)} if cap is not None and cap.chunk_frames is not None else {}),
+                        **(schedule_meta(cap.schedule) if cap is not None else {})},
                   extra=extra)
 
 

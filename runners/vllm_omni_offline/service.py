@@ -161,7 +161,8 @@ class OfflineService:
                      **({"engine_start_s": self.pool.start_seconds[ckpt.model_type]}
                         if ckpt.model_type in self.pool.start_seconds else {})},
             meta={"runner": LABEL, "concurrency": concurrency, "batch": batch_ids, "request_id": ans.request_id,
-                  "capture": cap is not None, "identity": self.identity},
+                  "capture": cap is not None, "identity": self.identity,
+                  **(capture.schedule_meta(cap.schedule) if cap is not None else {})},
             extra=extra)
         side = write_result(ResultStore.stem(out_dir, seg["id"], seg["hash"]), result)
         return side, len(ans.wav) / ans.sample_rate

@@ -10,6 +10,7 @@ With `DIFFTEST_CAPTURE_DIR` set it wraps
   `talker2code2wav_async_chunk`): the codes and reference codes handed to the
   vocoder, per request;
 - `Qwen3TTSCode2Wav.forward`: the float32 waveform the vocoder made of them;
+- the talker's scheduler (schedule.py): its prefill steps and preemptions, per request;
 
 and writes `<dir>/<tag>.npz` for each request whose `extra_params` carried a
 `difftest_tag` (or, with `DIFFTEST_CAPTURE_UNTAGGED=request-id`, for every
@@ -55,6 +56,15 @@ def register() -> None:
     try:
         from runners.vllm_omni.difftest_capture.difftest_capture.hooks import install
 
-        install(root)
+        capture = install(root)
     except Exception:  # the server must come up even when capture cannot
         logger.exception("difftest capture: not installed (the server runs without capture)")
+        return
+    try:
+        from runners.vllm_omni.difftest_capture.difftest_capture import schedule
+
+        wrapped = schedule.install(capture)
+        if wrapped:
+            logger.info("difftest capture: recording the talker's scheduling (wrapped %s)", ", ".join(wrapped))
+    except Exception:
+        logger.exception("difftest capture: the talker's scheduling is not recorded")

@@ -190,14 +190,16 @@ class Capture:
         ids = request_ids(request)
         found = self.store.take_talker(ids)
         if found is None:
-            return {"talker_missing": np.array(f"no talker input filed for request {' / '.join(ids) or '?'}")}
+            return {"talker_missing": np.array(f"no talker input filed for request {' / '.join(ids) or '?'}"),
+                    **self.store.schedule(ids, consume=finished)}
         return {**found, **self._talker_output(request, finished)}
 
     def _talker_output(self, request, finished: bool = True) -> dict:
         """The talker's tokens so far and, where its worker filed them, its own top-k per token."""
         tokens = np.array(list(_get(request, "output_token_ids") or []), np.int64)
         steps = self.store.talker_steps(request_ids(request), consume=finished)
-        return {"talker_tokens": tokens, **align_steps(steps, len(tokens))}
+        return {"talker_tokens": tokens, **align_steps(steps, len(tokens)),
+                **self.store.schedule(request_ids(request), consume=finished)}
 
     # --- the talker's own distribution (its worker) ---
     def logits_rows(self, model, logits) -> None:
@@ -456,6 +458,12 @@ def install(root: str | Path) -> Capture:
         sampler.apply_logits_processors = _observe_method(sampler.apply_logits_processors, _sampled(_capture), "topk",
                                                           "could not capture the talker's top-k log-probabilities")
         wrapped.append("Sampler.apply_logits_processors")
+    try:  # model runner v2's talker path (v2.py): its rows and sampler; the input needs no more than the above
+        from runners.vllm_omni.difftest_capture.difftest_capture import v2
+
+        wrapped += v2.install(_capture)
+    except Exception:
+        _warn_once("v2", "model runner v2's talker sampling is not wrapped (v1's capture is unaffected)")
     if wrapped:
         logger.info("difftest capture: writing to %s (wrapped %s)", root, ", ".join(wrapped))
     return _capture

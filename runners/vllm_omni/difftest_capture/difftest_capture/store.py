@@ -177,6 +177,37 @@ class CaptureStore:
             return np.frombuffer(data[:len(data) - len(data) % dt.itemsize], dt).copy()
         return None
 
+    SCHEDULE_KINDS = ("prefill", "preempt")
+
+    def file_schedule(self, request_id: str, kind: str, values) -> None:
+        """Append one scheduler record for a request (schedule.py): its kind and three integers. One
+        writer per file (the talker's engine core), appends of 32 bytes, as file_steps."""
+        rec = np.array([self.SCHEDULE_KINDS.index(kind), *[int(v) for v in values], 0, 0, 0][:4], "<i8")
+        fd = os.open(str(self._talker_path(str(request_id)).with_suffix(".sched")),
+                     os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        try:
+            os.write(fd, rec.tobytes())
+        finally:
+            os.close(fd)
+
+    def schedule(self, request_ids, consume: bool = False) -> dict[str, np.ndarray]:
+        """The scheduler's records for a request, as capture arrays: `talker_prefill` (K, 3) [computed
+        before, scheduled, generated] and `talker_preemptions` (P, 2) [generated, computed]; empty
+        when the scheduler filed none (a request served in one step, never preempted)."""
+        recs = np.zeros((0, 4), np.int64)
+        for rid in request_ids:
+            path = self._talker_path(str(rid)).with_suffix(".sched")
+            try:
+                data = path.read_bytes()
+            except FileNotFoundError:
+                continue
+            if consume:
+                path.unlink(missing_ok=True)
+            recs = np.frombuffer(data[:len(data) - len(data) % 32], "<i8").reshape(-1, 4).astype(np.int64)
+            break
+        return {"talker_prefill": recs[recs[:, 0] == 0, 1:4].copy(),
+                "talker_preemptions": recs[recs[:, 0] == 1, 1:3].copy()}
+
     def file_handoff(self, flat_codes: np.ndarray, tag: str, request_id: str, chunk: int = 0,
                      last: bool = True) -> str:
         """Remember which request, which of its chunks, and whether its last, a payload of codes is; returns its key."""
