@@ -5,6 +5,7 @@ report is text, never markup; links are relative, so the site opens from file://
 from __future__ import annotations
 
 import datetime as _dt
+import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -354,9 +355,27 @@ def run_page(run, ctx: Context) -> str:
                    run=run, line=run.line, tags=t, stats=st, cards=cards, change=ch,
                    previous=ctx.runs.get(ch.previous) if ch else None,
                    heat=heatmap(run), diverged=diverged_segments(rep), failing=set(run.failing), facts=facts,
-                   nulls=null_tests(rep), sampling=sampling_rows(rep),
+                   nulls=null_tests(rep), sampling=sampling_rows(rep), served=served_configuration(rep),
                    ml=mlflow_url(ctx, run.experiment_id, run.run_id),
                    children={sid: mlflow_url(ctx, run.experiment_id, cid) for sid, cid in run.children.items()})
+
+
+def served_configuration(report: dict) -> dict | None:
+    """report.json's `configuration` (difftest.engines.deploy_diff): each deploy setting the candidate
+    served with another value than the release's deploy file, production's value, the served one, why.
+    None when the report has none (a candidate difftest did not configure, an older report)."""
+    c = report.get("configuration")
+    if not isinstance(c, dict):
+        return None
+
+    def text(v) -> str:
+        return "(not set)" if v is None else json.dumps(v) if not isinstance(v, str) else v
+
+    rows = [{"key": d.get("key"), "production": text(d.get("production")), "served": text(d.get("served")),
+             "why": d.get("why") or "", "given": str(d.get("why") or "").startswith("set by --")}
+            for d in c.get("differences") or [] if isinstance(d, dict)]
+    return {"production": c.get("production"), "device": c.get("device"), "note": c.get("note"),
+            "error": c.get("error"), "rows": rows}
 
 
 # -- the sampling test ----------------------------------------------------------------------------------

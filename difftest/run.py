@@ -24,7 +24,7 @@ import numpy as np
 
 from . import __version__
 from .engines import identity as ident
-from .engines import url_reuse
+from .engines import engine_death, url_reuse
 from .engines.base import Engine
 from .engines.reference import (
     REPO,
@@ -78,6 +78,7 @@ class RunOptions:
     ray: dict | None = None  # {"address": ..., "workers": N}: the reference side on Ray (difftest.scale)
     candidate_dtype: str | None = None  # the candidate talker's dtype, declared (the measured null's numerics)
     reuse_unidentified: bool = False  # reuse a URL candidate's results though it says nothing of itself (url_reuse)
+    require_paths: tuple = ()  # serving paths the run must show it took (verdicts/exercised.PATHS)
 
 
 def _segments_with_codes(results: dict) -> dict:
@@ -532,11 +533,17 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
                 timings[phase] -= took
                 timings["candidate_start_s"] = timings.get("candidate_start_s", 0.0) + took
         cand, ctrl, again = outcomes[opts.concurrency], outcomes[1], outcomes.get(REPEAT)
-        if cand_info.get("prefix_caching_stages"):  # read while the servers still run: did the cache serve?
-            from .engines.vllm_omni import prefix_cache_counters
+        logs = [s["log"] for s in cand_info.get("servers") or [] if s.get("log")]
+        for o in outcomes.values():  # a stage that died: its name and cause, from the server's log
+            engine_death.attribute(o.errors, logs)
+        if cand_info.get("servers") or cand_info.get("prefix_caching_stages"):
+            # read while the servers still run: did the cache serve, was any request preempted?
+            from .engines.vllm_omni import preemption_counters, prefix_cache_counters
 
-            cand_info = {**cand_info, "prefix_cache": prefix_cache_counters(
-                [s["url"] for s in cand_info.get("servers") or [{"url": cand_info["url"]}]])}
+            urls = [s["url"] for s in cand_info.get("servers") or [{"url": cand_info["url"]}]]
+            cand_info = {**cand_info, "preemption_counters": preemption_counters(urls),
+                         **({"prefix_cache": prefix_cache_counters(urls)} if cand_info.get("prefix_caching_stages")
+                            else {})}
         print(f"teacher forcing: {len(_segments_with_codes(cand.results))} segments at c={opts.concurrency} and "
               f"{len(_segments_with_codes(ctrl.results))} at c=1 through qwen-tts's talker", file=sys.stderr, flush=True)
         with timings("score_s"):
@@ -585,7 +592,8 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         suite={"name": suite.name, "path": str(suite.path), "hash": suite.hash, "segments": len(suite.segments)},
         reference={"label": "qwen-tts", "fingerprint": ref_run.fingerprint, "provenance": ref_run.provenance,
                    "cached_segments": len(ref_run.cached)},
-        candidate={**cand_info, "pattern": pattern, "order": opts.order, "voice_mode": opts.voice_mode,
+        candidate={**{k: v for k, v in cand_info.items() if k != "served_configuration"}, "pattern": pattern,
+                   "order": opts.order, "voice_mode": opts.voice_mode,
                    "batches": cand.batches, "identity": engine, "identity_key": folders[opts.concurrency][1]},
         concurrency=opts.concurrency,
         provenance={"difftest": __version__, "timings": {k: round(v, 3) for k, v in timings.items()}},
@@ -598,7 +606,9 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         sampling=sampling.judge(sampling_roles, policy.forced.sampling_max_z, policy.forced.sampling_false_flag_rate),
         null=null, null_n=null_n,
         configuration=exercised.finding(cand_info, {f"c={opts.concurrency}": cand.results, "c=1": ctrl.results,
-                                                    **({"repeat": again.results} if again else {})}, judged),
+                                                    **({"repeat": again.results} if again else {})}, judged,
+                                        opts.require_paths),
+        served_configuration=cand_info.get("served_configuration"),
     )
     one = sampling.judge({k: v for k, v in sampling_roles.items() if k != "candidate"}, policy.forced.sampling_max_z,
                          policy.forced.sampling_false_flag_rate)

@@ -13,6 +13,7 @@ from .engines.start import CandidateSpec
 from .errors import BadInput
 from .records.report import print_summary
 from .run import RunOptions, run
+from .verdicts.exercised import PATHS
 
 
 def vllm_omni_settings(args, engine_args=None) -> dict:
@@ -89,6 +90,7 @@ def cmd_run(args) -> int:
                       vllm_omni=vllm_omni_settings(args),
                       replace=args.replace, repeat=args.repeat, candidate_dtype=args.candidate_dtype,
                       request_timeout=args.request_timeout, reuse_unidentified=args.reuse_unidentified,
+                      require_paths=tuple(dict.fromkeys(args.require_path or ())),
                       ray=None if args.ray is None else {"address": args.ray, "workers": args.ray_workers,
                                                          "candidate": args.ray_candidate,
                                                          "candidate_gpus": args.ray_candidate_gpus})
@@ -154,6 +156,10 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
                    help="send reference audio with each request, or register voices first")
     r.add_argument("--out", required=True, help="run folder: results, report.json, summary.md, logs. Its "
                         "candidate results are reused only by the same candidate and configuration")
+    r.add_argument("--require-path", action="append", choices=PATHS, metavar="PATH",
+                   help=f"a serving path the run must show it took, repeatable ({', '.join(PATHS)}: a prompt "
+                        "prefilled over two or more steps; a request preempted and resumed), from the talker's "
+                        "scheduler as the capture records it; none taken: exit 3, configuration not exercised")
     r.add_argument("--no-repeat", dest="repeat", action="store_false",
                    help="skip the history check: by default every segment is served once more at concurrency 1, "
                         "the suite reversed, and must agree with its first serving (history_defect otherwise)")

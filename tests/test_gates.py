@@ -255,14 +255,16 @@ def test_the_servers_metrics_and_deploy_files_are_read_as_vllm_omni_writes_them(
     import http.server
     import threading
 
-    from difftest.engines.vllm_omni import prefix_cache_counters, prefix_caching_stages
+    from difftest.engines.vllm_omni import preemption_counters, prefix_cache_counters, prefix_caching_stages
 
     text = ("# HELP vllm:prefix_cache_queries_total x\n"
             'vllm:prefix_cache_queries_total{model_name="m",replica="0",stage="0"} 302.0\n'
             'vllm:prefix_cache_queries_total{model_name="m",replica="0",stage="1"} 0.0\n'
             'vllm:prefix_cache_hits_total{model_name="m",replica="0",stage="0"} 16.0\n'
             'vllm:external_prefix_cache_hits_total{model_name="m",replica="0",stage="0"} 99.0\n'
-            'vllm:prefix_cache_hits_created{model_name="m",replica="0",stage="0"} 1.79e+09\n').encode()
+            'vllm:prefix_cache_hits_created{model_name="m",replica="0",stage="0"} 1.79e+09\n'
+            'vllm:num_preemptions_total{engine="0",model_name="m",stage="0"} 3.0\n'
+            'vllm:num_preemptions_created{engine="0",model_name="m",stage="0"} 1.79e+09\n').encode()
 
     class H(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -278,6 +280,7 @@ def test_the_servers_metrics_and_deploy_files_are_read_as_vllm_omni_writes_them(
     try:
         url = f"http://127.0.0.1:{srv.server_port}"
         assert prefix_cache_counters([url, url]) == {"0": {"queries": 604, "hits": 32}, "1": {"queries": 0, "hits": 0}}
+        assert preemption_counters([url]) == {"0": {"preemptions": 3}}
     finally:
         srv.shutdown()
     assert "error" in prefix_cache_counters(["http://127.0.0.1:9"], timeout=5)

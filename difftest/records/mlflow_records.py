@@ -25,6 +25,11 @@ result set's sidecar provenance to `candidate.provenance` / `reference.provenanc
 
 Besides these, every field under provenance, candidate and reference (but the candidate's
 batches) is kept as a tag of its dotted path, e.g. `reference.provenance.versions.qwen-tts`.
+
+report.json's `configuration` (how the served deploy settings differ from the release's deploy
+file, difftest.engines.deploy_diff) becomes the artifact `configuration.json`, the tag and param
+`configuration.differences` (how many), and the tags `configuration.production` (the release's
+file) and `configuration.keys` (the differing keys, comma-separated).
 """
 
 from __future__ import annotations
@@ -169,6 +174,7 @@ def parent_tags(report: dict, report_sha256: str, extra: dict | None = None) -> 
         tags["difftest.report_created"] = str(report["created"])
     if _at(report, "policy.source"):
         tags["policy.source"] = _text(report["policy"]["source"])
+    tags.update(configuration_tags(report))
     tags.update({_key(k): _text(v) for k, v in (extra or {}).items()})
     return tags
 
@@ -180,7 +186,20 @@ def parent_params(report: dict) -> dict[str, str]:
     out.update({f"policy.require.{k}": v for k, v in (pol.get("require") or {}).items()})
     if "fail_on" in pol:
         out["policy.fail_on"] = ",".join(pol["fail_on"])
+    if isinstance(report.get("configuration"), dict):
+        out["configuration.differences"] = len(report["configuration"].get("differences") or [])
     return {k: _text(v) for k, v in out.items()}
+
+
+def configuration_tags(report: dict) -> dict[str, str]:
+    """The served configuration against the release's deploy file: how many settings differ, which."""
+    c = report.get("configuration")
+    if not isinstance(c, dict):
+        return {}
+    diffs = c.get("differences") or []
+    tags = {"configuration.differences": len(diffs), "configuration.production": c.get("production"),
+            "configuration.keys": ",".join(str(d.get("key")) for d in diffs) or None}
+    return {k: _text(v) for k, v in tags.items() if v is not None}
 
 
 def parent_metrics(report: dict) -> dict[str, float]:

@@ -36,12 +36,15 @@ def build_report(verdicts: list[SegmentVerdict], policy: Policy, *, suite: dict 
                  reference: dict | None = None, candidate: dict | None = None,
                  concurrency: int | None = None, provenance: dict | None = None,
                  warnings: list[str] | None = None, sampling: dict | None = None, null: dict | None = None,
-                 null_n: dict | None = None, configuration: dict | None = None) -> dict:
+                 null_n: dict | None = None, configuration: dict | None = None,
+                 served_configuration: dict | None = None) -> dict:
     """`sampling`: the run-level sampling test (difftest/verdicts/sampling.py), None when nothing was
     sampled; `null`: the measured null's test at concurrency 1 (difftest/verdicts/null.py), None when
     nothing was greedy; `null_n`: its test of the run at N (null.judge_at_n), None at concurrency 1;
     `configuration`: whether what the candidate was configured to run ran (verdicts/exercised.py),
-    None when nothing needed showing."""
+    None when nothing needed showing; `served_configuration`: how the candidate's deploy settings differ
+    from the release's deploy file (difftest.engines.deploy_diff), report.json's `configuration`,
+    None for a candidate difftest did not configure."""
     verdict, code = overall(verdicts, policy, [f for f in (sampling, null, null_n, configuration) if f])
     counts = Counter(v.verdict for v in verdicts)
     return {
@@ -63,6 +66,7 @@ def build_report(verdicts: list[SegmentVerdict], policy: Policy, *, suite: dict 
         "measured_null": null,
         "measured_null_at_n": null_n,
         "configuration_exercised": configuration,
+        "configuration": served_configuration,
         "warnings": list(warnings or []),
     }
 
@@ -74,7 +78,9 @@ _SEGMENT_FIELDS = {"id": (str,), "verdict": (str,), "summary": (str,), "first_di
 _TOP_FIELDS = {"verdict": (str,), "segments": (list,), "suite": (dict, type(None)), "candidate": (dict, type(None)),
                "reference": (dict, type(None)), "concurrency": (int, type(None)), "provenance": (dict,),
                "counts": (dict,), "warnings": (list,), "sampling": (dict, type(None)),
-               "measured_null": (dict, type(None)), "measured_null_at_n": (dict, type(None))}
+               "measured_null": (dict, type(None)), "measured_null_at_n": (dict, type(None)),
+               "configuration": (dict, type(None))}
+_DIFFERENCE_FIELDS = ("key", "production", "served", "why")
 
 
 def check_report(report, where: str | Path) -> dict:
@@ -87,6 +93,14 @@ def check_report(report, where: str | Path) -> dict:
     for name, types in _TOP_FIELDS.items():
         if name in report and not isinstance(report[name], types):
             bad(name, f"expected {' or '.join(t.__name__ for t in types)}, got {type(report[name]).__name__}")
+    served = report.get("configuration") or {}
+    if not isinstance(served.get("differences", []), list):
+        bad("configuration.differences", "expected a list")
+    for i, d in enumerate(served.get("differences") or []):
+        if not isinstance(d, dict) or any(k not in d for k in _DIFFERENCE_FIELDS):
+            bad(f"configuration.differences[{i}]", f"expected a mapping with {', '.join(_DIFFERENCE_FIELDS)}")
+        if not isinstance(d["key"], str) or not isinstance(d["why"], str) or not d["why"]:
+            bad(f"configuration.differences[{i}]", "expected a key and a reason (texts)")
     if report.get("verdict") not in (*RUN_VERDICTS, None):
         bad("verdict", f"unknown run verdict {report.get('verdict')!r}")
     for i, seg in enumerate(report.get("segments") or []):

@@ -460,6 +460,8 @@ def _upload(client, out: Path, report: dict, sha: str, experiment: str, extra_ta
                 _log_segments(client, exp_id, parent, report, tags, out, media, pool, threads)
             _stage_files(out, files)
             client.log_artifacts(parent, str(files))
+        if isinstance(report.get("configuration"), dict):  # the served settings against the release's deploy file
+            client.log_dict(parent, report["configuration"], "configuration.json")
         with warnings.catch_warnings():  # pandas' deprecation chatter from inside log_table
             warnings.simplefilter("ignore")
             tables = (("divergences.json", rec.divergence_rows(report)), ("segments.json", rec.segment_rows(report)))

@@ -19,6 +19,8 @@ Or cells named one by one (cases/gates/*.yaml), each with what it covers, run fo
         pattern: barrier                                   # optional: difftest run --pattern, --order, --voices
         config: [async_chunk=true]                         # optional: --engine-arg list
         covers: [a reference handed to the wrong request]  # optional: the bug families, for people
+        production: [async_chunk]                          # optional: keys served as the release's deploy file has them
+        exercises: [preemption]                            # optional: serving paths the run must show it took
 
 Every cell (of the product, or named) is one whole `difftest run`, its own process, into `OUT/cells/<cell>/`
 (its log beside it); `--workers K` runs K cells at once (each starts its own candidate: size K to
@@ -54,11 +56,13 @@ from ..engines import lifeline
 from ..engines.launcher import interrupt_groups, log_tail
 from ..errors import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput
 from ..results import atomic_write
+from ..verdicts.exercised import PATHS
 
 FORMAT = "difftest.gate-matrix/1"
 MAX_CELLS = 64
 KEYS = {"suites", "candidates", "concurrency", "configs", "store", "name", "cells", "description"}
-CELL_KEYS = {"name", "suite", "concurrency", "config", "pattern", "order", "voices", "covers", "note"}
+CELL_KEYS = {"name", "suite", "concurrency", "config", "pattern", "order", "voices", "covers", "note", "production",
+             "exercises"}
 CELL_CHOICES = {"pattern": ("barrier", "pool", "staggered"), "order": ("suite", "permuted", "mixed", "long-first"),
                 "voices": ("inline", "registered")}  # as difftest run takes them
 CANDIDATE_KEYS = {"candidate", "label", "vllm_omni_python", "engine_args"}
@@ -169,7 +173,8 @@ def load_matrix(path: str | Path) -> Matrix:
             m.cells.append({"cell": name, "suite": one["suite"], "candidate": cand.spec, "label": cand.label,
                             "concurrency": one["concurrency"], "config": one["name"],
                             "engine_args": [*cand.engine_args, *one["config"]], "python": cand.python,
-                            **{k: one[k] for k in ("pattern", "order", "voices", "covers", "note")}})
+                            **{k: one[k] for k in ("pattern", "order", "voices", "covers", "note", "production",
+                                                   "exercises")}})
         m.suites = sorted({Path(c["suite"]) for c in m.cells})
         m.concurrency = sorted({c["concurrency"] for c in m.cells})
     for suite, cand, n, (cfg, args) in itertools.product(suites, candidates, m.concurrency if not named else [],
@@ -187,6 +192,7 @@ def load_matrix(path: str | Path) -> Matrix:
                   f"two cells would share the folder {cell['cell']!r} ({_cell_words(other)} and {_cell_words(cell)}); "
                   f"give them names that differ in letters or digits")
     _check_cells(path, m)
+    _check_production(path, m)
     return m
 
 
@@ -227,11 +233,19 @@ def _named_cells(path: Path, raw) -> list[dict]:
         covers = c.get("covers") or []
         if not isinstance(covers, list) or not all(isinstance(x, str) for x in covers):
             _fail(path, f"{where}.covers", "expected a list of texts (the bug families the cell is there for)")
+        production = c.get("production") or []
+        if not isinstance(production, list) or not all(isinstance(x, str) and x.strip() for x in production):
+            _fail(path, f"{where}.production", "expected a list of deploy keys (e.g. talker.max_num_batched_tokens)")
+        exercises = c.get("exercises") or []
+        if not isinstance(exercises, list) or any(x not in PATHS for x in exercises):
+            _fail(path, f"{where}.exercises", f"expected a list of serving paths the cell must show it took "
+                                              f"({', '.join(PATHS)}), got {yamlfile.quote(exercises)}")
         if name in {o["name"] for o in out}:
             _fail(path, f"{where}.name", f"{name!r} is already a cell")
         out.append({"name": name, "suite": str((path.parent / suite).resolve()), "concurrency": n, "config": config,
                     "pattern": c.get("pattern"), "order": c.get("order"), "voices": c.get("voices"),
-                    "covers": covers, "note": str(c.get("note") or "").strip()})
+                    "covers": covers, "note": str(c.get("note") or "").strip(), "production": production,
+                    "exercises": exercises})
     return out
 
 
@@ -264,6 +278,24 @@ def _check_cells(path: Path, m: Matrix) -> None:
                                             f"(known: {', '.join(sorted(DEFECTS))})")
 
 
+def _check_production(path: Path, m: Matrix) -> None:
+    """A cell's `production: [KEY, ...]`: the cell must serve the release's deploy file's value for each
+    key (difftest.engines.deploy_diff); exit 2 before any cell runs when it cannot."""
+    from ..engines.deploy_diff import require_production
+    from ..engines.start import VLLM_OMNI, VLLM_OMNI_OFFLINE, CandidateSpec
+
+    for cell in m.cells:
+        if not cell.get("production"):
+            continue
+        where = f"{path}: cell {cell['cell']}: production"
+        if CandidateSpec.parse(cell["candidate"]).kind not in (VLLM_OMNI, VLLM_OMNI_OFFLINE):
+            raise BadInput(f"{where}: {cell['label']} serves no vLLM-Omni deploy file (only {VLLM_OMNI} and "
+                           f"{VLLM_OMNI_OFFLINE} do)")
+        # a cell's `difftest run` gets no --candidate-device: its vLLM-Omni is on the CPU
+        require_production(cell["production"], suite=cell["suite"], concurrency=cell["concurrency"],
+                           engine_args=cell["engine_args"], python=cell["python"], where=where)
+
+
 def cell_argv(cell: dict, out: Path, store: str | None, ray: str | None, policy: str | None = None) -> list[str]:
     argv = [sys.executable, "-m", "difftest", "run", cell["suite"], "--candidate", cell["candidate"],
             "--concurrency", str(cell["concurrency"]), "--out", str(out), "--no-mlflow"]
@@ -271,6 +303,8 @@ def cell_argv(cell: dict, out: Path, store: str | None, ray: str | None, policy:
     for key in ("pattern", "order", "voices"):
         if cell.get(key):
             argv += [f"--{key}", cell[key]]
+    for path in cell.get("exercises") or ():
+        argv += ["--require-path", path]
     if cell["python"]:
         argv += ["--vllm-omni-python", cell["python"]]
     if store:

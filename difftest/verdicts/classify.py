@@ -39,7 +39,8 @@ def _input_errors(ev: Evidence) -> Finding | None:
     if ev.errors:
         e = ev.errors[0]
         more = f" (+{len(ev.errors) - 1} more)" if len(ev.errors) > 1 else ""
-        return Finding("error", f"{e['source']}: {e['message']}{more}", error_kind=e.get("kind", "infrastructure"))
+        return Finding("error", f"{e['source']}: {e['message']}{more}", error_kind=e.get("kind", "infrastructure"),
+                       stage=e.get("stage"))
     for name in ("reference", "candidate"):
         if getattr(ev, name) is None:
             return Finding("error", f"no {name} result", error_kind="infrastructure")
@@ -124,6 +125,10 @@ def classify(ev: Evidence, policy: Policy) -> SegmentVerdict:
         cand = ev.candidate
         if not cand.has_codes:
             notes.append("candidate returned no codes (no capture): audio-only comparison")
+        if cand.meta.get("preempted_at"):
+            notes.append("the talker preempted this request after " + ", ".join(map(str, cand.meta["preempted_at"]))
+                         + " generated tokens and resumed it (recomputing its prompt and tokens): every frame from "
+                         "then on rests on the resumed KV")
         voc = vocoder_findings(ev, policy, comps, mels) if ev.cross_own is not None and cand.has_codes else []
         if cand.has_codes:
             handoff = handoff_findings(ev, comps, notes, voc)

@@ -21,6 +21,13 @@ whose engine batched none together says so in a warning: a server may queue requ
 together and run them one at a time (the CPU engine does so with sampled requests, each drawing
 from its own generator). vLLM-Omni says nothing of the kind over HTTP (docs/verdicts.md).
 
+Chunked prefill and preemption likewise: production's talker prefills a long prompt over several
+512-token steps and preempts requests when its KV cache fills, then resumes them by recomputing
+their prompt and generated tokens. The capture plugin records each request's prefill steps and
+preemptions from the talker's scheduler; the run reports them (which requests, after how many
+tokens), and a run required to take a path (`--require-path`, a gate cell's `exercises`) where no
+request took it is an `error`.
+
 Chunked means more than one hand-off for every request longer than one frame: vLLM-Omni's first
 chunk is a single frame (its deploy's `initial_chunk`), so any longer request is handed over at
 least twice when chunking runs.
@@ -79,6 +86,50 @@ def prefix_cache(candidate: dict) -> dict | None:
             f"(a suite whose prompts share prefixes longer than a cache block exercises it)")}
     return out | {"verdict": "pass", "summary": "prefix cache hits: " + ", ".join(
         f"stage {st} {counts[str(st)]['hits']} of {counts[str(st)]['queries']} tokens" for st in stages)}
+
+
+PATHS = ("chunked_prefill", "preemption")  # what a run can be required to show (--require-path, a gate cell's `exercises`)
+
+
+def scheduling(passes: dict[str, dict], required: tuple | list = (), counters: dict | None = None) -> dict | None:
+    """What the talker's scheduler did, from the capture (`meta.prefill_steps`, `meta.preempted_at`,
+    difftest.engines.capture.schedule_meta) over the run's passes (name -> segment -> Result):
+    prompts prefilled over several steps, requests preempted and resumed, each named. A path in
+    `required` that no request took is an `error` ("configuration not exercised"); None when the
+    capture says nothing of scheduling and nothing is required. `counters`: the servers' own
+    preemption counters per stage (vllm_omni.preemption_counters), the talker's ("0") held against
+    the preemptions the capture names: fewer named than counted is an error (the capture missed one)."""
+    told = {name: {sid: r for sid, r in results.items() if "prefill_steps" in r.meta} for name, results in passes.items()}
+    if not any(told.values()) and not required:
+        return None
+    chunked = {f"{name}:{sid}": r.meta["prefill_tokens"] for name, res in told.items() for sid, r in res.items()
+               if r.meta["prefill_steps"] > 1}
+    preempted = {f"{name}:{sid}": r.meta["preempted_at"] for name, res in told.items() for sid, r in res.items()
+                 if r.meta.get("preempted_at")}
+    steps = [r.meta["prefill_steps"] for res in told.values() for r in res.values()]
+    out = {"requests": sum(len(r) for r in passes.values()), "said": sum(len(r) for r in told.values()),
+           "most_prefill_steps": max(steps, default=0), "chunked_prefill": chunked, "preempted": preempted,
+           "required": list(required)}
+    ran = {"chunked_prefill": bool(chunked), "preemption": bool(preempted)}
+    said = [f"chunked prefill: {len(chunked)} prompts over 2 or more steps (up to {out['most_prefill_steps']})"
+            if chunked else "every prompt prefilled in one step",
+            f"preemption: {len(preempted)} requests preempted and resumed ("
+            + ", ".join(f"{k} after {', '.join(map(str, v))} tokens" for k, v in list(preempted.items())[:4])
+            + (", ..." if len(preempted) > 4 else "") + ")" if preempted else "no request preempted"]
+    counted = ((counters or {}).get("0") or {}).get("preemptions")
+    if counters is not None:
+        out["server_counted_preemptions"] = counted if counted is not None else counters.get("error", "not reported")
+    named = sum(len(v) for v in preempted.values())
+    if isinstance(counted, int) and counted > named:
+        return out | {"verdict": "error", "summary": (
+            f"the talker's server counted {counted} preemptions, the capture names {named}: a preempted request went "
+            f"unrecorded, so what ran cannot be told per request")}
+    missing = [p for p in required if not ran[p]]
+    if missing:
+        why = ("the capture does not say how the talker scheduled any request" if not out["said"] else "; ".join(said))
+        return out | {"verdict": "error", "summary": f"configuration not exercised: {' and '.join(missing)} required, "
+                                                     f"but no request took that path ({why})"}
+    return out | {"verdict": "pass", "summary": "; ".join(said)}
 
 
 def most_in_flight(results: dict) -> tuple[int, list[str]]:
@@ -149,10 +200,11 @@ def codes_judged(verdicts: list) -> dict | None:
         f"audio tiers of qwen-tts's")}
 
 
-def finding(candidate: dict, passes: dict[str, dict], judged: dict | None = None) -> dict | None:
+def finding(candidate: dict, passes: dict[str, dict], judged: dict | None = None, required: tuple | list = ()) -> dict | None:
     """One run-level finding over what was configured (async chunks over the candidate's passes,
-    name -> segment -> Result; prefix caching over the run) and what the run could judge (`judged`:
-    name -> the `concurrency` and `codes_judged` findings), or None when nothing needs showing."""
+    name -> segment -> Result; prefix caching over the run), what the talker's scheduler did (and
+    the paths `required` of it), and what the run could judge (`judged`: name -> the `concurrency`
+    and `codes_judged` findings), or None when nothing needs showing."""
     checks = {k: v for k, v in (judged or {}).items() if v is not None}
     each = {name: async_chunks(candidate, results) for name, results in passes.items()}
     each = {k: v for k, v in each.items() if v is not None}
@@ -164,6 +216,9 @@ def finding(candidate: dict, passes: dict[str, dict], judged: dict | None = None
     cache = prefix_cache(candidate)
     if cache:
         checks["prefix_caching"] = cache
+    sched = scheduling(passes, required, candidate.get("preemption_counters"))
+    if sched:
+        checks["scheduling"] = sched
     if not checks:
         return None
     bad = [c for c in checks.values() if c["verdict"] != "pass"]

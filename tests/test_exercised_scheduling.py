@@ -1,0 +1,65 @@
+"""The talker's scheduling, as the run reports it: prompts prefilled over several steps and requests
+preempted and resumed are named; a path the run was required to take and did not is an error."""
+
+from toy import toy_codes, toy_result
+
+from difftest.engines.capture import schedule_meta
+from difftest.verdicts import exercised
+
+import numpy as np
+
+
+def result(sid, prefill, preemptions=()):
+    sched = {"prefill": np.array(prefill, np.int64).reshape(-1, 3),
+             "preemptions": np.array(preemptions, np.int64).reshape(-1, 2)}
+    return toy_result(sid, toy_codes(4, 1), toy_codes(2, 2), meta=schedule_meta(sched))
+
+
+def test_schedule_meta_counts_prompt_steps_apart_from_a_resumes_replay():
+    # ab-01 in 0.30.0 with two requests' worth of talker KV: prefilled in one step (49 tokens),
+    # preempted after 84 generated tokens (132 computed), resumed by one 133-token replay.
+    m = schedule_meta({"prefill": np.array([[0, 49, 0], [0, 133, 84]]), "preemptions": np.array([[84, 132]])})
+    assert m == {"prefill_steps": 1, "prefill_tokens": [49], "preempted_at": [84], "resume_steps": [[0, 133, 84]]}
+    chunked = schedule_meta({"prefill": np.array([[0, 32, 0], [32, 17, 0]]), "preemptions": np.zeros((0, 2))})
+    assert (chunked["prefill_steps"], chunked["prefill_tokens"], chunked["preempted_at"]) == (2, [32, 17], [])
+
+
+def test_paths_taken_are_named_per_request():
+    passes = {"c=4": {"a": result("a", [[0, 32, 0], [32, 17, 0]]), "b": result("b", [[0, 49, 0], [0, 133, 84]], [[84, 132]])},
+              "c=1": {"a": result("a", [[0, 49, 0]]), "b": result("b", [[0, 49, 0]])}}
+    f = exercised.scheduling(passes, required=("chunked_prefill", "preemption"))
+    assert f["verdict"] == "pass"
+    assert f["chunked_prefill"] == {"c=4:a": [32, 17]}
+    assert f["preempted"] == {"c=4:b": [84]}
+    assert f["summary"] == ("chunked prefill: 1 prompts over 2 or more steps (up to 2); "
+                            "preemption: 1 requests preempted and resumed (c=4:b after 84 tokens)")
+
+
+def test_a_required_path_no_request_took_is_an_error_naming_it():
+    passes = {"c=4": {"a": result("a", [[0, 49, 0]])}}
+    f = exercised.scheduling(passes, required=("preemption",))
+    assert f["verdict"] == "error"
+    assert f["summary"].startswith("configuration not exercised: preemption required, but no request took that path "
+                                   "(every prompt prefilled in one step; no request preempted)")
+    # and where the capture says nothing of scheduling, the requirement cannot be met either
+    blind = {"c=4": {"a": toy_result("a", toy_codes(4, 1), toy_codes(2, 2))}}
+    f = exercised.scheduling(blind, required=("chunked_prefill",))
+    assert f["verdict"] == "error" and "the capture does not say how the talker scheduled any request" in f["summary"]
+    assert exercised.scheduling(blind) is None  # nothing said, nothing required: nothing to report
+
+
+def test_the_run_level_finding_carries_it():
+    passes = {"c=4": {"a": result("a", [[0, 49, 0]])}}
+    f = exercised.finding({}, passes, {}, required=("chunked_prefill",))
+    assert f["verdict"] == "error" and f["checks"]["scheduling"]["verdict"] == "error"
+
+
+def test_preemptions_the_server_counted_and_the_capture_did_not_name_are_an_error():
+    passes = {"c=4": {"a": result("a", [[0, 49, 0], [0, 133, 84]], [[84, 132]]), "b": result("b", [[0, 49, 0]])}}
+    ok = exercised.scheduling(passes, counters={"0": {"preemptions": 1}, "1": {"preemptions": 0}})
+    assert ok["verdict"] == "pass" and ok["server_counted_preemptions"] == 1
+    f = exercised.scheduling(passes, counters={"0": {"preemptions": 2}})
+    assert f["verdict"] == "error"
+    assert f["summary"].startswith("the talker's server counted 2 preemptions, the capture names 1")
+    unread = exercised.scheduling(passes, counters={"error": "http://127.0.0.1:9/metrics: refused"})
+    assert unread["verdict"] == "pass" and "refused" in unread["server_counted_preemptions"]
