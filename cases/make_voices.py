@@ -20,6 +20,9 @@ byte-identical wavs.
     python3 cases/make_voices.py            # writes cases/voices/<id>.wav and <id>.txt
 
 Needs espeak-ng and sox on PATH (Debian packages espeak-ng, sox) and numpy.
+
+The voices at 16, 22.05, 44.1 and 48 kHz and in stereo (issue 62) are derived from these by
+cases/make_resampled_voices.py, in integer arithmetic, without espeak-ng or sox.
 """
 
 from __future__ import annotations

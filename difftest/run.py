@@ -574,7 +574,12 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
                               noise, support)
 
     ordered = [verdicts[s.id] for s in suite.segments]
-    judged = {"concurrency": exercised.concurrency(opts.concurrency, cand.results, len(suite.segments)), "codes": exercised.codes_judged(ordered)}
+    judged = {"concurrency": exercised.concurrency(opts.concurrency, cand.results, len(suite.segments)),
+              "codes": exercised.codes_judged(ordered),
+              "references": exercised.references(suite.segments, {"reference": ref_run.results,
+                                                                  f"c={opts.concurrency}": cand.results,
+                                                                  "c=1": ctrl.results,
+                                                                  **({"repeat": again.results} if again else {})})}
     # qwen-tts's samples in the candidate's numerics calibrate the sampling test too (not where that
     # is the reference's own: the reference's samples say it already)
     sampling_roles = {**scores[0], **({"null": alone[1]} if alone and not numerics["exact"] else {})}
@@ -607,7 +612,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         null=null, null_n=null_n,
         configuration=exercised.finding(cand_info, {f"c={opts.concurrency}": cand.results, "c=1": ctrl.results,
                                                     **({"repeat": again.results} if again else {})}, judged,
-                                        opts.require_paths),
+                                        opts.require_paths, sum(len(o.errors) for o in outcomes.values())),
         served_configuration=cand_info.get("served_configuration"),
     )
     one = sampling.judge({k: v for k, v in sampling_roles.items() if k != "candidate"}, policy.forced.sampling_max_z,

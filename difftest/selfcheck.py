@@ -25,6 +25,7 @@ from .errors import BadInput
 from .results import atomic_write, load_result_set
 from .run import RunOptions, resolve_models, run, start_reference_runner
 from .suites.suite import Suite, content_hash
+from .suites.voices import reference_frames
 from .verdicts.policy import Policy
 from .verdicts.talker_input import DONOR_KIND
 
@@ -104,7 +105,7 @@ def variant(suite: Suite, kind: str) -> Suite:
         elif kind == "long":
             if len(segs) == 2 or s.voice is None:
                 continue
-            ref_frames = -(-s.voice.n_samples // 1920)
+            ref_frames = reference_frames(s.voice.n_samples, s.voice.sample_rate)  # at 24 kHz, as encoded
             decode = {**s.decode, "max_new_tokens": max(s.decode["max_new_tokens"], 312 - ref_frames)}
         else:
             raise ValueError(kind)

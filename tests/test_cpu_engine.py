@@ -91,6 +91,33 @@ def field_segments():
     ]
 
 
+def resampled_segments():
+    """Voices as users upload them (cases/suites/resampled.yaml): 48 kHz stereo, in-context and
+    x-vector. qwen-tts reads the file itself in both the engine and the reference runner."""
+    return [
+        segment("rs48s", "Good morning, how are you today?", decode=GREEDY, voice=case_voice("greta-48k-stereo")),
+        segment("rs48s_x", "Thank you, see you tomorrow.", decode=GREEDY,
+                voice=case_voice("greta-48k-stereo", "xvector")),
+    ]
+
+
+def bad_voices(tmp_path: Path) -> dict[str, tuple[bytes, str]]:
+    """Voices outside the rule (difftest/suites/voices.py): the bytes and the rule's message."""
+    x = wavio.encode(0.3 * np.sin(np.arange(9600) / 7.0).astype(np.float32), 24000, "pcm16")
+    # the same 19200 bytes as 3 channels: 3200 frames of 6 bytes
+    three = (x[:22] + (3).to_bytes(2, "little") + x[24:28] + (24000 * 6).to_bytes(4, "little")
+             + (6).to_bytes(2, "little") + x[34:])
+    body = bytes(np.arange(4800, dtype=np.int64) % 200 + 28)  # 8-bit PCM is unsigned, one byte a sample
+    eight = x[:28] + (24000).to_bytes(4, "little") + (1).to_bytes(2, "little") + (8).to_bytes(2, "little") \
+        + x[36:40] + len(body).to_bytes(4, "little") + body
+    return {
+        "96k": (write_voice(tmp_path / "96k.wav", 1.0, sr=96000).read_bytes(),
+                "is 96000 Hz; a reference voice is 8000-48000 Hz (the model's is 24000)"),
+        "3ch": (three, "has 3 channels; a reference voice is mono or stereo"),
+        "8bit": (eight, "is 8-bit; use 16-bit PCM or better"),
+    }
+
+
 # -- the processes ---------------------------------------------------------
 @dataclass
 class World:
@@ -126,7 +153,7 @@ def world(tiny, tmp_path_factory):
                           f"http://127.0.0.1:{ports['off-by-one']}", d / "defects.log", env=env, cwd=REPO,
                           health_timeout=300, name="the defect engines")
     runner = None
-    segs = wave_segments() + field_segments()
+    segs = wave_segments() + field_segments() + resampled_segments()
     ref_out = d / "reference"
     started = []
     try:
@@ -313,6 +340,26 @@ def test_registered_voices_serve_what_inline_voices_serve(world):
         assert_matches_reference(s, world.reference[seg.id])
 
 
+def test_a_48_khz_stereo_voice_gets_qwen_tts_s_reference_codes(world):
+    """A voice as users upload it (48 kHz stereo): the engine hands the file to qwen-tts as the
+    reference runner does, which mixes it down (channel mean) and resamples it with librosa's
+    soxr_hq: the same reference codes, generated codes and audio, inline and registered. 115200
+    frames at 48 kHz are 57600 samples at 24 kHz, 30 reference frames (read as 24 kHz: 60)."""
+    icl, xvec = resampled_segments()
+    assert (VOICES / "greta-48k-stereo.wav").read_bytes()[22:28] == (2).to_bytes(2, "little") + (48000).to_bytes(
+        4, "little")
+    ref = world.reference["rs48s"]
+    assert ref.ref_codes.shape == (30, 16)
+    SpeechClient(world.url).register_voice(icl.voice)
+    for mode in ("inline", "registered"):
+        s = send(world.url, world.capture, icl, f"rs48s-{mode}", voice_mode=mode)
+        assert s.cap["ref_codes"].shape == (30, 16)
+        assert_matches_reference(s, ref)
+    x = send(world.url, world.capture, xvec, "rs48s-x")
+    assert x.cap["ref_codes"].shape == (0, 16)
+    assert_matches_reference(x, world.reference["rs48s_x"])
+
+
 def test_bad_uploads_are_refused_with_the_field_named(world, tmp_path):
     boundary = "b0undary"
 
@@ -325,11 +372,9 @@ def test_bad_uploads_are_refused_with_the_field_named(world, tmp_path):
         return b"".join(parts) + f"--{boundary}--\r\n".encode()
 
     good = (VOICES / "alba.wav").read_bytes()
-    low = write_voice(tmp_path / "16k.wav", 1.0, sr=16000).read_bytes()
     cases = [
         (form({"name": "v1", "consent": "true"}, None), "audio_sample"),
         (form({"name": "v1", "consent": "true"}, b"RIFF1234WAVEjunk"), "audio_sample"),
-        (form({"name": "v1", "consent": "true"}, low), "audio_sample"),
         (form({"name": "v1", "consent": "true"}, good[: len(good) // 2] + b"x"), "audio_sample"),
         (form({"consent": "true"}, good), "name"),
         (form({"name": "v1"}, good), "consent"),
@@ -337,6 +382,11 @@ def test_bad_uploads_are_refused_with_the_field_named(world, tmp_path):
     for body, param in cases:
         status, err = post_raw(world.url, "/v1/audio/voices", body, f"multipart/form-data; boundary={boundary}")
         assert (status, err["error"]["param"]) == (400, param), err
+    for data, message in bad_voices(tmp_path).values():  # the voice rule's refusals, its message sent back
+        body = form({"name": "v1", "consent": "true"}, data)
+        status, err = post_raw(world.url, "/v1/audio/voices", body, f"multipart/form-data; boundary={boundary}")
+        assert (status, err["error"]["param"], err["error"]["message"]) == (400, "audio_sample",
+                                                                             f"audio_sample: {message}"), err
     status, err = post_raw(world.url, "/v1/audio/voices", b"{}", "application/json")
     assert status == 415
     assert get_json(world.url, "/health")[0] == 200
@@ -345,9 +395,7 @@ def test_bad_uploads_are_refused_with_the_field_named(world, tmp_path):
 def test_bad_requests_get_a_4xx_naming_the_field(world, tmp_path):
     seg = wave_segments()[0]
     ok = speech_request(seg, "bad-ok")
-    stereo = wavio.encode(np.zeros(4800, np.float32), 24000, "pcm16")
-    stereo = stereo[:22] + (2).to_bytes(2, "little") + stereo[24:]
-    low = write_voice(tmp_path / "low.wav", 1.0, sr=22050).read_bytes()
+    bad = bad_voices(tmp_path)
 
     def url_of(b: bytes) -> str:
         return "data:audio/wav;base64," + base64.b64encode(b).decode()
@@ -358,8 +406,9 @@ def test_bad_requests_get_a_4xx_naming_the_field(world, tmp_path):
         ({**ok, "ref_audio": "data:audio/wav;base64,%%%not-base64%%%"}, "ref_audio"),
         ({**ok, "response_format": "mp3"}, "response_format"),
         ({**ok, "task_type": "Whisper"}, "task_type"),
-        ({**ok, "ref_audio": url_of(low)}, "ref_audio"),
-        ({**ok, "ref_audio": url_of(stereo)}, "ref_audio"),
+        ({**ok, "ref_audio": url_of(bad["96k"][0])}, "ref_audio"),
+        ({**ok, "ref_audio": url_of(bad["3ch"][0])}, "ref_audio"),
+        ({**ok, "ref_audio": url_of(bad["8bit"][0])}, "ref_audio"),
         ({**ok, "language": "Klingon"}, "language"),
         ({**ok, "max_new_tokens": -3}, "max_new_tokens"),
         ({**ok, "extra_params": {"difftest_tag": "../escape"}}, "extra_params.difftest_tag"),
@@ -371,6 +420,10 @@ def test_bad_requests_get_a_4xx_naming_the_field(world, tmp_path):
         status, err = post_raw(world.url, "/v1/audio/speech", json.dumps(body).encode(), "application/json")
         assert (status, err["error"]["param"]) == (400, param), err
         assert err["error"]["message"].startswith(param)
+    for data, message in bad.values():  # the voice rule's own message
+        body = json.dumps({**ok, "ref_audio": url_of(data)}).encode()
+        status, err = post_raw(world.url, "/v1/audio/speech", body, "application/json")
+        assert (status, err["error"]["message"]) == (400, f"ref_audio: {message}"), err
     status, err = post_raw(world.url, "/v1/audio/speech", b"{oops", "application/json")
     assert status == 400 and "JSON" in err["error"]["message"]
     assert not (world.capture / "bad-ok.npz").exists()

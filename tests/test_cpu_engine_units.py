@@ -4,6 +4,7 @@ HTTP surface with a stand-in for the model (tests/test_cpu_engine.py runs the re
 from __future__ import annotations
 
 import base64
+import hashlib
 import http.client
 import json
 import threading
@@ -33,12 +34,17 @@ def codes(n: int, base: int) -> np.ndarray:
     return (np.arange(n * 16, dtype=np.int64).reshape(n, 16) + base) % 2048
 
 
-def wav_bytes(seconds=0.5, sr=SR, channels=1, subtype="pcm16") -> bytes:
+def wav_bytes(seconds=0.5, sr=SR, channels=1, subtype="pcm16", bits=16) -> bytes:
     x = (0.3 * np.sin(np.arange(int(seconds * sr)) / 7.0)).astype(np.float32)
     data = wavio.encode(x, sr, subtype)
-    if channels == 2:  # rewrite the header as stereo (same bytes: half as many frames)
-        data = data[:22] + (2).to_bytes(2, "little") + data[24:28] + (sr * 4).to_bytes(4, "little") \
-            + (4).to_bytes(2, "little") + data[34:]
+    if channels > 1:  # rewrite the header for more channels (same bytes: 1/channels as many frames)
+        data = data[:22] + channels.to_bytes(2, "little") + data[24:28] + (sr * 2 * channels).to_bytes(4, "little") \
+            + (2 * channels).to_bytes(2, "little") + data[34:]
+    if bits == 8:  # 8-bit unsigned PCM: one byte a sample
+        body = bytes(np.clip(np.rint(x * 127 + 128), 0, 255).astype(np.uint8))
+        data = (data[:28] + sr.to_bytes(4, "little") + (1).to_bytes(2, "little") + (8).to_bytes(2, "little")
+                + data[36:40] + len(body).to_bytes(4, "little") + body)
+        data = data[:4] + (len(data) - 8).to_bytes(4, "little") + data[8:]
     return data
 
 
@@ -263,8 +269,9 @@ def test_parses_every_field_difftest_sends(store):
     ({"response_format": "mp3"}, "response_format"),
     ({"ref_audio": "data:audio/wav;base64,@@@not base64"}, "ref_audio"),
     ({"ref_audio": data_url(b"RIFF....WAVEnope")}, "ref_audio"),
-    ({"ref_audio": data_url(wav_bytes(sr=16000))}, "ref_audio"),
-    ({"ref_audio": data_url(wav_bytes(channels=2))}, "ref_audio"),
+    ({"ref_audio": data_url(wav_bytes(sr=96000))}, "ref_audio"),
+    ({"ref_audio": data_url(wav_bytes(channels=3))}, "ref_audio"),
+    ({"ref_audio": data_url(wav_bytes(bits=8))}, "ref_audio"),
     ({"ref_audio": data_url(wav_bytes(subtype="float"))}, "ref_audio"),
     ({"ref_audio": "https://example.com/a.wav"}, "ref_audio"),
     ({"ref_text": None}, "ref_text"),
@@ -282,6 +289,30 @@ def test_bad_fields_are_named(store, change, field):
     with pytest.raises(BadRequest) as e:
         parse_speech(base_body(**change), MODELS, store)
     assert e.value.field == field and e.value.status == 400
+
+
+@pytest.mark.parametrize("data, message", [
+    (wav_bytes(sr=96000), "ref_audio: is 96000 Hz; a reference voice is 8000-48000 Hz (the model's is 24000)"),
+    (wav_bytes(channels=3), "ref_audio: has 3 channels; a reference voice is mono or stereo"),
+    (wav_bytes(bits=8), "ref_audio: is 8-bit; use 16-bit PCM or better"),
+])
+def test_voices_outside_the_rule_are_refused_with_its_message(store, data, message):
+    with pytest.raises(BadRequest) as e:
+        parse_speech(base_body(ref_audio=data_url(data)), MODELS, store)
+    assert (e.value.field, e.value.status, str(e.value)) == ("ref_audio", 400, message)
+
+
+@pytest.mark.parametrize("sr, channels", [(16000, 1), (22050, 1), (44100, 1), (48000, 2), (24000, 2)])
+def test_voices_at_other_rates_and_in_stereo_are_taken_as_uploaded(store, sr, channels):
+    """qwen-tts reads the stored file itself (librosa: channel mean, soxr_hq to 24 kHz), so the
+    engine stores the upload's bytes unchanged, whatever its rate and channels."""
+    data = wav_bytes(sr=sr, channels=channels)
+    job = parse_speech(base_body(ref_audio=data_url(data)), MODELS, store)
+    assert job.voice_wav.read_bytes() == data
+    assert job.voice_sha256 == hashlib.sha256(data).hexdigest()
+    v = store.register("up", data, "Hello.")
+    assert (v.sample_rate, v.channels, v.n_samples) == (sr, channels, int(0.5 * sr) // channels)
+    assert v.seconds == pytest.approx(0.5 / channels, abs=1e-4)
 
 
 def test_bad_voices_and_tasks_are_named(store):
@@ -322,13 +353,26 @@ def test_voice_upload_parsing():
         (({"name": "amy"}, {"audio_sample": ("a.wav", wav_bytes())}), "consent"),
         (({"name": "amy", "consent": "false"}, {"audio_sample": ("a.wav", wav_bytes())}), "consent"),
         (({"name": "a b/c", "consent": "true"}, {"audio_sample": ("a.wav", wav_bytes())}), "name"),
-        (({"name": "amy", "consent": "true"}, {"audio_sample": ("a.wav", wav_bytes(sr=22050))}), "audio_sample"),
         (({"name": "amy", "consent": "true"}, {"audio_sample": ("a.wav", b"not a wav")}), "audio_sample"),
     ]
     for (fields, files), field in bad:
         with pytest.raises(BadRequest) as e:
             parse_voice_upload(*multipart(fields, files))
         assert e.value.field == field, (fields, e.value)
+    # the voice rule (difftest/suites/voices.py), its message named by the field
+    refused = [
+        (wav_bytes(sr=96000), "is 96000 Hz; a reference voice is 8000-48000 Hz (the model's is 24000)"),
+        (wav_bytes(channels=3), "has 3 channels; a reference voice is mono or stereo"),
+        (wav_bytes(bits=8), "is 8-bit; use 16-bit PCM or better"),
+    ]
+    for data, message in refused:
+        with pytest.raises(BadRequest) as e:
+            parse_voice_upload(*multipart({"name": "amy", "consent": "true"}, {"audio_sample": ("a.wav", data)}))
+        assert (e.value.field, str(e.value)) == ("audio_sample", f"audio_sample: {message}")
+    # what users upload: another rate, stereo; kept byte for byte
+    for data in (wav_bytes(sr=22050), wav_bytes(sr=48000, channels=2)):
+        form = parse_voice_upload(*multipart({"name": "amy", "consent": "true"}, {"audio_sample": ("a.wav", data)}))
+        assert form["audio"] == data
     with pytest.raises(BadRequest) as e:
         parse_voice_upload("application/json", b"{}")
     assert e.value.status == 415

@@ -63,3 +63,7 @@ def test_preemptions_the_server_counted_and_the_capture_did_not_name_are_an_erro
     assert f["summary"].startswith("the talker's server counted 2 preemptions, the capture names 1")
     unread = exercised.scheduling(passes, counters={"error": "http://127.0.0.1:9/metrics: refused"})
     assert unread["verdict"] == "pass" and "refused" in unread["server_counted_preemptions"]
+    # a stage that died mid-request leaves its preemption unnamed: said, not an error
+    died = exercised.scheduling(passes, counters={"0": {"preemptions": 2}}, unanswered=3)
+    assert died["verdict"] == "pass" and died["summary"].endswith(
+        "1 of the server's 2 preemptions in the 3 requests that got no answer")

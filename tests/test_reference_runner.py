@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import wave
 
 import numpy as np
 import pytest
@@ -24,8 +25,25 @@ from reference_support import (
 from difftest.compare import align
 from difftest.engines.runner_client import RunnerDied
 from difftest.results import read_result
+from difftest.suites import wavio
+from difftest.suites.voices import reference_frames
 
 VOICE_SECONDS = 1.3  # 31200 samples: 16.25 frames, so the reference encodes to 17 frames
+
+
+def write_pcm(path, x, sr: int, sampwidth: int = 2):
+    """x (n, channels) in [-1, 1) as 16-bit or 8-bit (unsigned) PCM, by the stdlib's wave module."""
+    x = np.asarray(x, np.float64).reshape(len(x), -1)
+    if sampwidth == 1:
+        data = np.clip(np.rint(x * 127 + 128), 0, 255).astype(np.uint8)
+    else:
+        data = np.clip(np.rint(x * 32767), -32768, 32767).astype("<i2")
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(x.shape[1])
+        w.setsampwidth(sampwidth)
+        w.setframerate(sr)
+        w.writeframes(data.tobytes())
+    return path
 
 
 @pytest.fixture(scope="module")
@@ -35,8 +53,18 @@ def voices(tmp_path_factory):
     other = write_voice(d / "other.wav", 1.0, 330.0, seed=1)
     truncated = d / "truncated.wav"
     truncated.write_bytes(good.read_bytes()[:-1001])
-    low_rate = write_voice(d / "16k.wav", 1.0, 220.0, sr=16000)
-    return {"good": good, "other": other, "truncated": truncated, "16k": low_rate, "missing": d / "missing.wav"}
+    # what users upload: another rate, stereo (qwen-tts mixes down and resamples to 24 kHz itself)
+    low_rate = write_voice(d / "16k.wav", 1.0, 220.0, sr=16000)  # 16000 frames -> 24000 samples: 13 frames
+    mono48, _ = wavio.read(write_voice(d / "48k.wav", VOICE_SECONDS, 220.0, sr=48000, seed=2))
+    right = np.concatenate([np.zeros(3, np.float32), 0.875 * mono48[:-3]])
+    stereo48 = write_pcm(d / "48k-stereo.wav", np.stack([mono48, right], 1), 48000)  # 62400 -> 31200: 17 frames
+    # outside the voice rule (difftest/suites/voices.py)
+    tone = 0.3 * np.sin(np.arange(24000) / 7.0)
+    rate96k = write_voice(d / "96k.wav", 1.0, 220.0, sr=96000)
+    three = write_pcm(d / "3ch.wav", np.stack([tone, tone, tone], 1), 24000)
+    eight = write_pcm(d / "8bit.wav", tone, 24000, sampwidth=1)
+    return {"good": good, "other": other, "truncated": truncated, "16k": low_rate, "48k-stereo": stereo48,
+            "96k": rate96k, "3ch": three, "8bit": eight, "missing": d / "missing.wav"}
 
 
 @pytest.fixture(scope="module")
@@ -55,23 +83,38 @@ def segments(voices):
 
 
 @pytest.fixture(scope="module")
+def resampled_segments(voices):
+    """Voices at another rate and in stereo: accepted, resampled and mixed down by qwen-tts."""
+    return {
+        "icl16k": segment("icl16k", "Hello from sixteen kilohertz.", voice=voice(voices["16k"], vid="v16k")),
+        "icl48s": segment("icl48s", "Hello in stereo.", voice=voice(voices["48k-stereo"], vid="v48s")),
+        "xvec48s": segment("xvec48s", "Stereo, speaker only.",
+                           voice=voice(voices["48k-stereo"], mode="xvector", vid="v48sx")),
+    }
+
+
+@pytest.fixture(scope="module")
 def bad_segments(voices):
     good = voice(voices["good"])
     return {
         "no_wav": segment("no_wav", "Hello.", voice=voice(voices["missing"])),
         "truncated": segment("truncated", "Hello.", voice=voice(voices["truncated"])),
-        "rate16k": segment("rate16k", "Hello.", voice=voice(voices["16k"])),
+        "rate96k": segment("rate96k", "Hello.", voice=voice(voices["96k"])),
+        "three_ch": segment("three_ch", "Hello.", voice=voice(voices["3ch"])),
+        "eight_bit": segment("eight_bit", "Hello.", voice=voice(voices["8bit"])),
         "empty": segment("empty", "   ", voice=good),
         "klingon": segment("klingon", "Hello.", language="Klingon", voice=good),
     }
 
 
 @pytest.fixture(scope="module")
-def first_run(tiny, segments, bad_segments, tmp_path_factory):
+def first_run(tiny, segments, resampled_segments, bad_segments, tmp_path_factory):
     """One runner, all three models: good and bad segments interleaved in one job."""
     out = tmp_path_factory.mktemp("first")
+    rs = resampled_segments
     order = [segments["icl"], bad_segments["no_wav"], segments["xvec"], bad_segments["truncated"],
-             bad_segments["rate16k"], segments["custom"], bad_segments["empty"], segments["design"],
+             bad_segments["rate96k"], rs["icl16k"], bad_segments["three_ch"], rs["icl48s"], bad_segments["eight_bit"],
+             rs["xvec48s"], segments["custom"], bad_segments["empty"], segments["design"],
              bad_segments["klingon"], segments["icl2"]]
     runner = start_runner(all_models(tiny), log_path=out / "runner.log")
     try:
@@ -109,10 +152,23 @@ def test_announces_fingerprint_without_loading(first_run, tiny):
     assert hello["provenance"]["models"]["base"]["path"] == str(tiny / "base")
 
 
-def test_generate_writes_codes_ref_codes_and_wav(first_run, segments):
+def test_generate_writes_codes_ref_codes_and_wav(first_run, segments, resampled_segments):
     results = by_segment(first_run["events"], "result")
-    assert set(results) == {"icl", "xvec", "icl2", "custom", "design"}
+    assert set(results) == {"icl", "xvec", "icl2", "custom", "design", "icl16k", "icl48s", "xvec48s"}
     assert not any(e["cached"] for e in results.values())
+    # a voice at another rate or in stereo: qwen-tts's reference codes are its length at 24 kHz
+    # (ceil(n * 24000 / rate)) in 1920-sample frames, not its frames read as if 24 kHz
+    for sid, (rate, channels, n, want) in {"icl16k": (16000, 1, 16000, 13), "icl48s": (48000, 2, 62400, 17),
+                                           "xvec48s": (48000, 2, 62400, 0)}.items():
+        seg, r = resampled_segments[sid], _result(first_run, resampled_segments[sid])
+        wi = wavio.info(seg.voice.wav)
+        assert (wi.sample_rate, wi.channels, wi.n_frames) == (rate, channels, n)
+        assert want in (0, reference_frames(n, rate)) and want != -(-n // 1920)
+        assert r.ref_codes.shape == (want, 16), sid
+        frames = seg.decode["max_new_tokens"] - 1
+        assert r.codes.shape == (frames, 16) and len(r.grid_wav) == frames * 1920
+        assert r.meta["lead_samples"] == (align.lead_samples(want, frames) if want else 0)
+        assert r.provenance["voice"]["wav_sha256"] == seg.voice.wav_sha256  # sent as uploaded
     for sid, seg in segments.items():
         r = _result(first_run, seg)
         frames = seg.decode["max_new_tokens"] - 1  # the residual groups come one step late: N tokens, N-1 frames
@@ -163,7 +219,10 @@ def test_bad_inputs_are_named_and_the_job_goes_on(first_run, bad_segments, voice
     msg = {k: e["message"] for k, e in errors.items()}
     assert "not found" in msg["no_wav"] and str(voices["missing"]) in msg["no_wav"]
     assert "truncated" in msg["truncated"] and "truncated.wav" in msg["truncated"]
-    assert "16000 Hz" in msg["rate16k"] and "24000" in msg["rate16k"]
+    assert msg["rate96k"] == (f"voice wav {voices['96k']}: is 96000 Hz; a reference voice is 8000-48000 Hz "
+                              f"(the model's is 24000)")
+    assert msg["three_ch"] == f"voice wav {voices['3ch']}: has 3 channels; a reference voice is mono or stereo"
+    assert msg["eight_bit"] == f"voice wav {voices['8bit']}: is 8-bit; use 16-bit PCM or better"
     assert msg["empty"] == "empty text"
     assert "Klingon" in msg["klingon"] and "english" in msg["klingon"]
     assert not list(first_run["out"].glob("no_wav.*")) and not list(first_run["out"].glob("klingon.*"))

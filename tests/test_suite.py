@@ -1,5 +1,6 @@
 """Suites: the shipped ones load; every kind of bad input names file, field and problem."""
 
+import hashlib
 import shutil
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import yaml
 from difftest.errors import SuiteError
 from difftest.suites import wavio
 from difftest.suites.suite import load_suite
+from difftest.suites.voices import reference_frames, samples_at_model_rate
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITES = ROOT / "cases" / "suites"
@@ -32,9 +34,11 @@ def test_shipped_suites_meet_their_brief():
 def _write_suite(tmp_path, doc, voices=("v1",), sr=24000, channels=1):
     for vid in voices:
         x = np.sin(np.arange(24000) / 10.0).astype(np.float32) * 0.3
-        if channels == 2:
-            data = bytearray(wavio.encode(np.repeat(x, 2), sr, "pcm16"))
-            data[22:24] = (2).to_bytes(2, "little")
+        if channels > 1:  # the same signal on every channel, interleaved, under a header that says so
+            data = bytearray(wavio.encode(np.repeat(x, channels), sr, "pcm16"))
+            data[22:24] = channels.to_bytes(2, "little")
+            data[28:32] = (sr * 2 * channels).to_bytes(4, "little")
+            data[32:34] = (2 * channels).to_bytes(2, "little")
             (tmp_path / f"{vid}.wav").write_bytes(bytes(data))
         else:
             wavio.write(tmp_path / f"{vid}.wav", x, sr, "pcm16")
@@ -111,9 +115,16 @@ def test_invalid_suites_name_field_and_problem(tmp_path, over, field, problem):
 
 
 def test_non_mono_wav(tmp_path):
-    p = _write_suite(tmp_path, _doc(), channels=2)
-    with pytest.raises(SuiteError, match=r"voices\[v1\]\.wav: v1.wav has 2 channels, must be mono"):
+    # stereo is what users upload: loaded, its rate and channels kept, its bytes sent as they are
+    v = load_suite(_write_suite(tmp_path, _doc(), channels=2)).voices["v1"]
+    assert (v.sample_rate, v.channels, v.n_samples) == (24000, 2, 24000)
+    assert v.wav_sha256 == hashlib.sha256((tmp_path / "v1.wav").read_bytes()).hexdigest()
+    # more than two channels is nothing a user uploads as a voice
+    p = _write_suite(tmp_path, _doc(), channels=3)
+    with pytest.raises(SuiteError) as e:
         load_suite(p)
+    assert e.value.field == "voices[v1].wav"
+    assert e.value.problem == "v1.wav has 3 channels; a reference voice is mono or stereo"
 
 
 def test_non_pcm_wav(tmp_path):
@@ -123,10 +134,29 @@ def test_non_pcm_wav(tmp_path):
         load_suite(p)
 
 
-def test_other_sample_rate(tmp_path):
-    p = _write_suite(tmp_path, _doc(), sr=16000)
-    with pytest.raises(SuiteError, match="16000 Hz; resample it to 24000 Hz"):
+@pytest.mark.parametrize("sr", [8000, 16000, 22050, 44100, 48000])
+def test_other_sample_rates_within_8_to_48_khz_load_as_uploaded(tmp_path, sr):
+    v = load_suite(_write_suite(tmp_path, _doc(), sr=sr)).voices["v1"]
+    assert (v.sample_rate, v.channels, v.n_samples) == (sr, 1, 24000)  # frames at its own rate
+
+
+def test_a_voice_s_length_and_reference_frames_are_counted_at_24_khz():
+    """ceil(n * 24000 / rate) samples once resampled, ceil(that / 1920) reference frames (the
+    resampled suite's table, cases/suites/resampled.yaml)."""
+    table = [(40960, 16000, 61440, 32), (57230, 22050, 62292, 33), (137592, 44100, 74880, 39),
+             (142000, 44100, 77279, 41), (93001, 48000, 46501, 25), (115200, 48000, 57600, 30),
+             (58000, 24000, 58000, 31), (61440, 24000, 61440, 32)]
+    for n, rate, at_24k, frames in table:
+        assert (samples_at_model_rate(n, rate), reference_frames(n, rate)) == (at_24k, frames), (n, rate)
+
+
+@pytest.mark.parametrize("sr", [7999, 96000])
+def test_other_sample_rate(tmp_path, sr):
+    p = _write_suite(tmp_path, _doc(), sr=sr)
+    with pytest.raises(SuiteError) as e:
         load_suite(p)
+    assert e.value.field == "voices[v1].wav"
+    assert e.value.problem == f"v1.wav is {sr} Hz; a reference voice is 8000-48000 Hz (the model's is 24000)"
 
 
 def test_truncated_wav(tmp_path):

@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import numpy as np
 
-SAMPLES_PER_FRAME = 1920
+from ..suites.voices import SAMPLES_PER_FRAME
+
 TRAILING_SAMPLES = 1  # extra samples past the last whole frame that count as that frame's
 
 

@@ -41,7 +41,8 @@ def subject_of(origin: Origin, finding: Finding) -> Subject:
     segs = {s.id: s for s in origin.suite.segments}
     return Subject(finding.segment, finding.donor, {k: s.text for k, s in segs.items()},
                    {k: s.decode["max_new_tokens"] for k, s in segs.items()},
-                   {k: (s.voice.id, s.voice.n_samples) for k, s in segs.items() if s.voice is not None})
+                   {k: (s.voice.id, s.voice.n_samples, s.voice.sample_rate) for k, s in segs.items()
+                    if s.voice is not None})
 
 
 def starts(origin: Origin, finding: Finding, opts) -> list[Case]:

@@ -13,8 +13,8 @@ smaller cases in a fixed order and keeps each one that still reproduces:
 4. settings: each candidate setting dropped, one at a time;
 5. frames: max_new_tokens halved while it still shows;
 6. text: the target's text halved by words, then its last words dropped one at a time;
-7. reference: each voice's reference halved by whole frames (the remainder mod 1920 samples kept:
-   hand-off bugs turn on it).
+7. reference: each voice's reference halved by whole 80 ms frames at its own rate (its remainder
+   mod 1920 samples once resampled to 24 kHz kept: hand-off bugs turn on it).
 
 `probe(case) -> bool` is the whole interface to the candidate (difftest.repro.probe runs it; the
 tests give it a double), so this module runs without one. Deterministic: the same probe answers
@@ -25,10 +25,11 @@ far is returned, marked incomplete.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
-from ..suites.suite import SAMPLES_PER_FRAME, content_hash
+from ..suites.suite import SAMPLE_RATE, SAMPLES_PER_FRAME, content_hash
 
 STEPS = ("requests", "concurrency", "arrival", "settings", "frames", "text", "reference")
 MIN_REF_FRAMES = 13  # 1.04 s: vLLM-Omni refuses a reference under 1 s (HTTP 400, "Reference audio too short")
@@ -74,7 +75,8 @@ class Subject:
     donor: str | None = None
     words: dict = field(default_factory=dict)  # segment id -> its text
     max_new_tokens: dict = field(default_factory=dict)  # segment id -> the suite's value
-    voices: dict = field(default_factory=dict)  # segment id -> (voice id, reference samples)
+    # segment id -> (voice id, reference frames at its own rate[, that rate: 24000 when left out])
+    voices: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -229,24 +231,31 @@ def _text(case: Case, subject: Subject, attempt) -> Case:
     return case
 
 
-def cut_reference(samples: int) -> int | None:
-    """A reference about half as long, cut by whole 80 ms frames so its remainder mod 1920 stays;
-    None when it is already at the floor."""
-    frames = samples // SAMPLES_PER_FRAME
+def cut_reference(samples: int, sample_rate: int = SAMPLE_RATE) -> int | None:
+    """A reference about half as long, cut by whole 80 ms frames (sample_rate * 0.08 samples at
+    the file's rate; 1920 at 24 kHz) so that its remainder mod 1920 once resampled to 24 kHz stays
+    (ceil(n * 24000 / rate) loses exactly 1920 a frame cut); None when it is already at the floor.
+    At a rate whose 80 ms is no whole number of samples (one not a multiple of 25 Hz), frames are
+    cut only in groups that are: fewer, never a fraction."""
+    step_num, step_den = sample_rate * SAMPLES_PER_FRAME, SAMPLE_RATE  # one frame: step_num / step_den samples
+    frames = samples * step_den // step_num  # whole 24 kHz frames: (ceil(n * 24000 / rate)) // 1920
     keep = max(frames - frames // 2, MIN_REF_FRAMES)
-    if keep >= frames:
+    group = step_den // math.gcd(step_num, step_den)  # frames whose length is a whole number of samples
+    cut = (frames - keep) // group * group
+    if cut <= 0:
         return None
-    return keep * SAMPLES_PER_FRAME + samples % SAMPLES_PER_FRAME
+    return samples - cut * step_num // step_den
 
 
 def _reference(case: Case, subject: Subject, attempt) -> Case:
     voices = {}
     for s in case.segments:  # each voice of the case once, the target's first
         if s in subject.voices:
-            voices.setdefault(subject.voices[s][0], subject.voices[s][1])
+            v = subject.voices[s]
+            voices.setdefault(v[0], (v[1], v[2] if len(v) > 2 else SAMPLE_RATE))
     for vid in sorted(voices, key=lambda v: v != subject.voices.get(subject.target, ("",))[0]):
-        now = case.edit(vid, "ref_samples") or voices[vid]
-        while (shorter := cut_reference(now)) is not None:
+        now, rate = case.edit(vid, "ref_samples") or voices[vid][0], voices[vid][1]
+        while (shorter := cut_reference(now, rate)) is not None:
             trial = case.with_edit(vid, "ref_samples", shorter)
             if not attempt(trial):
                 break

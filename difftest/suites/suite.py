@@ -34,11 +34,10 @@ import yaml
 
 from .. import yamlfile
 from ..errors import SuiteError
-from .voices import VoiceError, check_voice
+from .voices import SAMPLES_PER_FRAME, VoiceError, check_voice
 
 SAMPLE_RATE = 24000
 CODEBOOKS = 16
-SAMPLES_PER_FRAME = 1920
 
 # qwen-tts 0.1.1 accepts "auto" plus every non-dialect codec_language_id key.
 LANGUAGES = (
@@ -90,7 +89,9 @@ class Voice:
     transcript: str
     mode: str  # "icl" (reference codes as context) or "xvector" (speaker embedding only)
     wav_sha256: str
-    n_samples: int
+    n_samples: int  # frames in the wav, at its own rate (sample_rate): not 24 kHz samples unless it is 24 kHz
+    sample_rate: int = SAMPLE_RATE  # as uploaded: difftest sends the bytes unchanged, each engine resamples
+    channels: int = 1  # as uploaded: each engine mixes a stereo voice down itself
 
     def fingerprint(self) -> dict:
         return {"wav_sha256": self.wav_sha256, "transcript": self.transcript, "mode": self.mode}
@@ -303,7 +304,8 @@ def _voice(chk: _Checker, raw, i: int, base_dir: Path) -> Voice:
         chk.fail(f"{where}.mode", f"{yamlfile.quote(mode)} is not one of {', '.join(CLONE_MODES)}")
     if mode == "icl" and not transcript:
         chk.fail(f"{where}.transcript", "in-context cloning (mode icl) needs the reference transcript")
-    return Voice(vid, wav, transcript, mode, hashlib.sha256(data).hexdigest(), wi.n_frames)
+    return Voice(vid, wav, transcript, mode, hashlib.sha256(data).hexdigest(), wi.n_frames, wi.sample_rate,
+                 wi.channels)
 
 
 def _segment(chk: _Checker, raw, i: int, voices: dict, decode: dict) -> Segment:

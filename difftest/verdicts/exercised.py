@@ -35,6 +35,8 @@ least twice when chunking runs.
 
 from __future__ import annotations
 
+from ..suites.voices import SAMPLE_RATE, SAMPLES_PER_FRAME, reference_frames, samples_at_model_rate
+
 
 def async_chunks(candidate: dict, results: dict) -> dict | None:
     """The finding for async chunking over the candidate's results (segment -> Result), or None
@@ -91,14 +93,16 @@ def prefix_cache(candidate: dict) -> dict | None:
 PATHS = ("chunked_prefill", "preemption")  # what a run can be required to show (--require-path, a gate cell's `exercises`)
 
 
-def scheduling(passes: dict[str, dict], required: tuple | list = (), counters: dict | None = None) -> dict | None:
+def scheduling(passes: dict[str, dict], required: tuple | list = (), counters: dict | None = None,
+               unanswered: int = 0) -> dict | None:
     """What the talker's scheduler did, from the capture (`meta.prefill_steps`, `meta.preempted_at`,
     difftest.engines.capture.schedule_meta) over the run's passes (name -> segment -> Result):
     prompts prefilled over several steps, requests preempted and resumed, each named. A path in
     `required` that no request took is an `error` ("configuration not exercised"); None when the
     capture says nothing of scheduling and nothing is required. `counters`: the servers' own
     preemption counters per stage (vllm_omni.preemption_counters), the talker's ("0") held against
-    the preemptions the capture names: fewer named than counted is an error (the capture missed one)."""
+    the preemptions the capture names: fewer named than counted is an error (the capture missed one),
+    unless `unanswered` requests got no result to name them in (a stage that died mid-request)."""
     told = {name: {sid: r for sid, r in results.items() if "prefill_steps" in r.meta} for name, results in passes.items()}
     if not any(told.values()) and not required:
         return None
@@ -120,7 +124,10 @@ def scheduling(passes: dict[str, dict], required: tuple | list = (), counters: d
     if counters is not None:
         out["server_counted_preemptions"] = counted if counted is not None else counters.get("error", "not reported")
     named = sum(len(v) for v in preempted.values())
-    if isinstance(counted, int) and counted > named:
+    if isinstance(counted, int) and counted > named and unanswered:
+        said.append(f"{counted - named} of the server's {counted} preemptions in the {unanswered} requests that got no "
+                    f"answer")
+    elif isinstance(counted, int) and counted > named:
         return out | {"verdict": "error", "summary": (
             f"the talker's server counted {counted} preemptions, the capture names {named}: a preempted request went "
             f"unrecorded, so what ran cannot be told per request")}
@@ -200,7 +207,8 @@ def codes_judged(verdicts: list) -> dict | None:
         f"audio tiers of qwen-tts's")}
 
 
-def finding(candidate: dict, passes: dict[str, dict], judged: dict | None = None, required: tuple | list = ()) -> dict | None:
+def finding(candidate: dict, passes: dict[str, dict], judged: dict | None = None, required: tuple | list = (),
+            unanswered: int = 0) -> dict | None:
     """One run-level finding over what was configured (async chunks over the candidate's passes,
     name -> segment -> Result; prefix caching over the run), what the talker's scheduler did (and
     the paths `required` of it), and what the run could judge (`judged`: name -> the `concurrency`
@@ -216,7 +224,7 @@ def finding(candidate: dict, passes: dict[str, dict], judged: dict | None = None
     cache = prefix_cache(candidate)
     if cache:
         checks["prefix_caching"] = cache
-    sched = scheduling(passes, required, candidate.get("preemption_counters"))
+    sched = scheduling(passes, required, candidate.get("preemption_counters"), unanswered)
     if sched:
         checks["scheduling"] = sched
     if not checks:
@@ -224,3 +232,63 @@ def finding(candidate: dict, passes: dict[str, dict], judged: dict | None = None
     bad = [c for c in checks.values() if c["verdict"] != "pass"]
     return {"verdict": "error" if bad else "pass", "summary": "; ".join(c["summary"] for c in (bad or checks.values())),
             "checks": checks}
+
+
+def references(segments, passes: dict | None = None) -> dict | None:
+    """The references the suite sent (its segments' voices) at their own rate and channels, as
+    uploaded (difftest read the header and sent the bytes unchanged), and whether the engines' own
+    resampling or mixing down ran: a voice that is not 24 kHz mono must come back, in every pass
+    that captured its reference codes (name -> segment -> Result; the encoder's, as the talker's
+    prompt got them, where the capture says), as ceil(24 kHz samples / 1920) frames. Frames as if
+    its bytes were read at 24 kHz (not resampled, or stereo not mixed down) are an `error`, as is a
+    run in which no pass captured the codes of any such voice (nothing shows the path ran). Another
+    frame count is left to the segment's verdict (a resampler's length, a reference_encoder
+    finding). None when every voice is 24 kHz mono (every suite but cases/suites/resampled.yaml)."""
+    voices = {s.voice.id: s.voice for s in segments if getattr(s, "voice", None) is not None}
+    listed = {}
+    for vid, v in voices.items():
+        rate, ch = int(getattr(v, "sample_rate", 24000)), int(getattr(v, "channels", 1))
+        listed[vid] = {"sample_rate": rate, "channels": ch, "frames": v.n_samples, "mode": v.mode,
+                       "samples_24k": samples_at_model_rate(v.n_samples, rate),
+                       "ref_frames": reference_frames(v.n_samples, rate), "converted": (rate, ch) != (SAMPLE_RATE, 1)}
+    if not any(x["converted"] for x in listed.values()):
+        return None
+    seen, wrong, other = {}, [], []
+    for name, results in (passes or {}).items():
+        for s in segments:
+            r, x = results.get(s.id), listed.get(getattr(s.voice, "id", None))
+            if r is None or x is None or not x["converted"]:
+                continue
+            # the encoder's codes, as the talker's prompt got them (the capture's input, its talker
+            # stage), else those handed to the vocoder (a hand-off may have cut or extended them)
+            extra = getattr(r, "extra", None) or {}
+            codes = next((extra[k] for k in ("input_ref_codes", "talker_ref_codes") if k in extra), r.ref_codes)
+            if not len(codes):
+                continue
+            got = len(codes)
+            seen.setdefault(s.voice.id, {})[f"{name}:{s.id}"] = got
+            raw = {-(-x["frames"] // SAMPLES_PER_FRAME), -(-x["frames"] * x["channels"] // SAMPLES_PER_FRAME)}
+            if got != x["ref_frames"]:
+                (wrong if got in raw else other).append(
+                    f"{name}:{s.id} ({s.voice.id}, {x['sample_rate']} Hz x{x['channels']}: {got} frames, "
+                    f"{x['ref_frames']} once at 24 kHz mono)")
+    for vid, got in seen.items():
+        listed[vid]["ref_frames_captured"] = got
+    conv = [f"{vid} {x['sample_rate']} Hz {'mono' if x['channels'] == 1 else 'stereo'}"
+            for vid, x in listed.items() if x["converted"]]
+    out = {"voices": listed, "converted": [vid for vid, x in listed.items() if x["converted"]]}
+    if wrong:
+        return out | {"verdict": "error", "summary": (
+            f"configuration not exercised: references not resampled or mixed down: {', '.join(wrong[:4])}"
+            f"{', ...' if len(wrong) > 4 else ''}")}
+    if not seen:
+        return out | {"verdict": "error", "summary": (
+            f"configuration not exercised: {len(conv)} references are not 24 kHz mono ({', '.join(conv[:4])}), but no "
+            f"pass captured the reference codes of one (in-context voices, a candidate whose codes are captured): "
+            f"nothing shows the resampling ran")}
+    return out | {"verdict": "pass", "summary": (
+        f"references resampled or mixed down by the engines: {len(conv)} of {len(listed)} voices not 24 kHz mono "
+        f"({', '.join(conv[:4])}"
+        f"{', ...' if len(conv) > 4 else ''}), sent as uploaded; the reference codes of {len(seen)} captured, "
+        + (f"{len(other)} of another length than their 24 kHz mono audio's ({', '.join(other[:3])})" if other else
+           "each as many frames as their 24 kHz mono audio gives"))}

@@ -106,8 +106,14 @@ class StoredVoice:
     path: Path
     sha256: str
     ref_text: str | None
-    n_samples: int
+    n_samples: int  # frames at the file's own rate
     created: float
+    sample_rate: int = SAMPLE_RATE  # as uploaded: qwen-tts resamples it to 24 kHz when it reads the file
+    channels: int = 1  # as uploaded: qwen-tts mixes it down (channel mean) when it reads the file
+
+    @property
+    def seconds(self) -> float:
+        return self.n_samples / self.sample_rate
 
 
 class VoiceStore:
@@ -136,7 +142,8 @@ class VoiceStore:
 
     def register(self, name: str, data: bytes, ref_text: str | None) -> StoredVoice:
         path, sha = self.put_wav(data)
-        v = StoredVoice(name, path, sha, ref_text, wavio.info(data).n_frames, time.time())
+        wi = wavio.info(data)
+        v = StoredVoice(name, path, sha, ref_text, wi.n_frames, time.time(), wi.sample_rate, wi.channels)
         with self._lock:
             self._voices[name] = v  # overwrite policy, like VLLM_OMNI_SPEAKER_REGISTRATION_POLICY=overwrite
         return v
@@ -155,8 +162,10 @@ class VoiceStore:
 
 
 def check_voice_wav(data: bytes, field_name: str) -> wavio.WavInfo:
-    """A reference wav must be 24 kHz mono PCM: anything else would be resampled or mixed
-    differently by the two engines and read as a divergence that is no serving bug."""
+    """A reference wav must pass the voice rule (difftest/suites/voices.py): PCM of 16 bits or
+    more, mono or stereo, 8-48 kHz. It is stored as uploaded; qwen-tts reads the file itself, as the
+    reference runner has it do (librosa: channel mean, then soxr_hq to 24 kHz), so a voice at
+    another rate or in stereo gets exactly qwen-tts's treatment."""
     try:
         return check_voice(data)
     except VoiceError as e:
@@ -197,7 +206,8 @@ def parse_voice_upload(content_type: str, body: bytes) -> dict:
     if "speaker_embedding" in fields and "audio_sample" not in fields:
         raise BadRequest("speaker_embedding", "is not supported by this test engine; upload audio_sample")
     if "audio_sample" not in fields:
-        raise BadRequest("audio_sample", "is required (a 24 kHz mono PCM WAV file)")
+        raise BadRequest("audio_sample", "is required (a PCM WAV file of 16 bits or more, mono or stereo, "
+                                         "8-48 kHz)")
     raw_name = fields.get("name", b"").decode("utf-8", "replace").strip().lower()
     if not raw_name:
         raise BadRequest("name", "is required")

@@ -73,8 +73,10 @@ reports what the request asked for, so only teacher forcing can see them:
   clones (custom and designed voices lay the text out alike either way).
   Acts in: engine._generate_kwargs.
 - `ref-audio-rate` (the reference audio's sample rate mistaken before the
-  encoder: 24 kHz samples read as 22.05 kHz, so qwen-tts resamples them and the
-  encoder sees the voice 9% slower). The talker, the capture and the hand-off
+  encoder: 24 kHz samples read as 22.05 kHz, a voice at another rate read at
+  22050/24000 of it (48 kHz as 44.1 kHz), a stereo one mixed down first as
+  qwen-tts does, so qwen-tts resamples them and the encoder sees the voice 9%
+  slower). The talker, the capture and the hand-off
   all carry the encoder's (wrong) codes consistently: only the comparison with
   qwen-tts's encoder of the same voice sees it. In-context voice clones.
   Acts in: engine._prompt.
@@ -200,7 +202,7 @@ DEFECTS: dict[str, dict] = {
     },
     "ref-audio-rate": {
         "family": ["reference audio sample rate mistaken before the encoder"],
-        "summary": "the voice's 24 kHz samples encoded as if 22.05 kHz",
+        "summary": "the voice's 24 kHz samples encoded as if 22.05 kHz (another rate: as if 22050/24000 of it)",
         "concurrency_only": False, "talker": True,
     },
     "temperature-ignored": {
@@ -293,13 +295,18 @@ HOT_TEMPERATURE = 1.5
 NARROW_TOP_K = 5
 TEMPERATURE_STEP = 0.1
 NUCLEUS = 0.8
-WRONG_RATE = 22050
+WRONG_RATE = 22050  # what ref-audio-rate takes a 24 kHz voice for
 PADDED_ROWS = 24
 
 # chunk-boundary: the vocoder's chunked decode, clean and defective.
 DECODE_CHUNK_FRAMES = 300
 DECODE_LEFT_CONTEXT = 25
 DEFECT_LEFT_CONTEXT = 4
+
+
+def wrong_rate(sample_rate: int) -> int:
+    """The rate ref-audio-rate takes a voice of `sample_rate` for: 22050/24000 of it (22050 for 24 kHz)."""
+    return round(sample_rate * WRONG_RATE / 24000)
 
 
 def check(name: str | None) -> str | None:

@@ -144,8 +144,11 @@ class BatchEngine:
             if self.defect == "ref-audio-rate":
                 from difftest.suites import wavio
 
-                samples, _ = wavio.read(job.voice_wav)
-                audio = (np.asarray(samples, np.float32).reshape(-1), defects.WRONG_RATE)
+                samples, wi = wavio.read(job.voice_wav)
+                samples = np.asarray(samples, np.float32)
+                if samples.ndim > 1:
+                    samples = samples.mean(axis=1)  # qwen-tts's (librosa's) channel mean
+                audio = (samples.reshape(-1), defects.wrong_rate(wi.sample_rate))
             item = tts.create_voice_clone_prompt(ref_audio=audio, ref_text=job.ref_text,
                                                  x_vector_only_mode=job.xvector_only)[0]
             self._prompts[key] = item

@@ -192,7 +192,7 @@ class _Handler(BaseHTTPRequestHandler):
         if path == "/v1/audio/voices":
             speakers = sorted({sp for m in s.models.values() for sp in m.speakers})
             uploaded = [{"name": v.name, "sha256": v.sha256, "ref_text": v.ref_text,
-                         "mode": "icl" if v.ref_text else "xvector", "seconds": v.n_samples / 24000,
+                         "mode": "icl" if v.ref_text else "xvector", "seconds": v.seconds,
                          "created_at": int(v.created)} for v in s.voices.list()]
             return self._json(200, {"voices": speakers + [v["name"] for v in uploaded], "uploaded_voices": uploaded})
         if path in ("/v1/audio/speech",):
@@ -232,8 +232,8 @@ class _Handler(BaseHTTPRequestHandler):
         if "voice_clone" not in s.models:
             raise BadRequest(None, "this engine serves no Base checkpoint; voices cannot be used")
         v = s.voices.register(form["name"], form["audio"], form["ref_text"])
-        log(f"registered voice {v.name!r} ({v.n_samples / 24000:.2f} s, sha256 {v.sha256[:12]}, "
-            f"{'icl' if v.ref_text else 'xvector'})")
+        log(f"registered voice {v.name!r} ({v.seconds:.2f} s at {v.sample_rate} Hz, {v.channels} ch, "
+            f"sha256 {v.sha256[:12]}, {'icl' if v.ref_text else 'xvector'})")
         self._json(200, {"success": True, "voice": {"name": v.name, "sha256": v.sha256, "ref_text": v.ref_text,
                                                     "mode": "icl" if v.ref_text else "xvector"}})
 

@@ -3,7 +3,8 @@
 `additional_information` mirrors vLLM-Omni 0.30's `_build_tts_params` for an
 inline request (tts_adapters/qwen3_tts.py): every value a one-element list; the
 reference audio as `[[samples, sample_rate]]` (what the server hands the model
-after resolving a data URL) and its `ref_code_length` (ceil(seconds * 12.5)).
+after resolving a data URL: mono by the channel mean, at the file's own rate, which
+the model resamples to 24 kHz) and its `ref_code_length` (ceil(seconds * 12.5)).
 The placeholder prompt must have the exact length of the talker's prompt
 embeddings, so its length comes from vLLM-Omni's own estimator (passed in).
 
@@ -32,10 +33,16 @@ def ref_code_length(samples: int, sample_rate: int) -> int:
 
 
 def read_voice(path: Path) -> tuple[np.ndarray, int]:
+    """The voice as the speech API hands it to the model: decoded at the file's own rate (vLLM's
+    `load_audio_soundfile` with sr=None), a stereo one mixed down by the channel mean as there
+    (and again in `_finalize_fetched_ref_audio`), float32, and the file's rate passed along: the
+    model resamples to 24 kHz itself (torchaudio), offline as served."""
     wav, info = wavio.read(Path(path).read_bytes())
-    if wav.ndim != 1:
-        raise ValueError(f"{path}: {info.channels} channels, expected mono")
-    return np.asarray(wav, np.float32), int(info.sample_rate)
+    wav = np.asarray(wav, np.float32)
+    if wav.ndim > 1:
+        wav = wav.T  # (channels, n), as soundfile's read(...).T
+        wav = np.mean(wav, axis=tuple(range(wav.ndim - 1)))
+    return wav, int(info.sample_rate)
 
 
 def additional_information(utt, voice: tuple[np.ndarray, int] | None = None) -> dict:
