@@ -37,6 +37,14 @@ def test_the_shipped_gates_load_and_say_what_each_cell_covers(name):
         assert by["registered-c4"]["voices"] == "registered" and by["many-voices-c4"]["pattern"] == "staggered"
         assert {Path(c["suite"]).stem for c in m.cells} >= {"smoke", "handoff-mix", "voice-clone-concurrency", "sampled"}
         assert "talker.enable_prefix_caching=true" in by["prefix-cache-c4"]["engine_args"]
+        # production's paths (issue 62), each cell required to show it ran
+        assert by["chunked-prefill-c4"]["exercises"] == ["chunked_prefill"]
+        assert by["preempt-resume-c4"]["exercises"] == ["chunked_prefill", "preemption"]
+        assert "talker.kv_cache_memory_bytes=524288" in by["preempt-resume-c4"]["engine_args"]
+        assert by["async-long-c4"]["production"] == ["async_chunk", "connectors"]
+        assert Path(by["resampled-c4"]["suite"]).stem == "resampled"
+        argv = cell_argv(by["preempt-resume-c4"], Path("o"), None, None)
+        assert argv.count("--require-path") == 2 and argv[argv.index("--require-path") + 1] == "chunked_prefill"
 
 
 def test_a_named_cell_runs_with_its_arrivals_voices_and_engine_arguments(tmp_path):
@@ -55,6 +63,7 @@ def test_a_named_cell_runs_with_its_arrivals_voices_and_engine_arguments(tmp_pat
 
 @pytest.mark.parametrize("cells, where", [
     ("  - {{name: a, suite: {s}, concurrency: 2, colour: red}}", "cells[0].colour"),
+    ("  - {{name: a, suite: {s}, concurrency: 2, exercises: [warp_drive]}}", "cells[0].exercises"),
     ("  - {{name: 'a b', suite: {s}, concurrency: 2}}", "cells[0].name"),
     ("  - {{name: a, suite: nope.yaml, concurrency: 2}}", "cells[0].suite"),
     ("  - {{name: a, suite: {s}, concurrency: 0}}", "cells[0].concurrency"),

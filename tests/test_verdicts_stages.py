@@ -74,6 +74,57 @@ def test_a_lost_frame_is_found_between_talker_and_vocoder(policy):
     assert v.summary.startswith("the vocoder got 39 frames where the talker generated 40: they part at frame 12")
 
 
+def preempted(handed_codes, at, tokens=None, control_tokens=None):
+    """Segment a preempted after `at` generated tokens (the scheduler's record), handed `handed_codes`."""
+    cand = toy_result("a", handed_codes, OWN, extra=talker(OWN, tokens=tokens), meta={"preempted_at": [at]})
+    control = (toy_result("a", CODES, OWN, extra=talker(OWN, tokens=control_tokens))
+               if control_tokens is not None else None)
+    return Evidence("a", toy_result("a", CODES, OWN), cand, control, toy_result("a", handed_codes, OWN), {},
+                    {"b": OTHER}, {}, {})
+
+
+def test_the_frame_lost_at_a_resume_is_the_talkers_not_the_handoffs(policy):
+    # vLLM-Omni 0.30.0 under a full talker KV cache: a request preempted after 13 tokens resumes by
+    # replaying them; frame 12's codebooks 1-15 are never made and that frame never reaches the vocoder.
+    tokens = np.append(CODES[:, 0], EOS)
+    v = classify(ev_pre := preempted(np.delete(CODES, 12, axis=0), 13, tokens, control_tokens=tokens), policy)
+    assert (v.verdict, v.stage, v.first_divergent_frame) == ("talker_defect", "talker", 12)
+    assert v.summary.startswith("the talker was preempted after 13 generated tokens and resumed; at the frame of the "
+                                "last token before the preemption, frame 12 of 40 never reached the vocoder")
+    assert any("preempted this request after 13" in n for n in v.notes)
+    # a frame lost anywhere else is not explained by the preemption: the hand-off's, as before
+    ev_pre.candidate.meta["preempted_at"] = [20]
+    assert classify(ev_pre, policy).verdict == "handoff_defect"
+    # a replay whose last chunk is one token runs the code predictor for that frame, on the state it had
+    # before the preemption: the frame arrives, with codes the talker did not make (ab-04 in 0.30.0)
+    altered = CODES.copy()
+    altered[12, 0] = (altered[12, 0] + 5) % 2048
+    v = classify(preempted(altered, 13, tokens, control_tokens=tokens), policy)
+    assert (v.verdict, v.stage, v.first_divergent_frame) == ("talker_defect", "talker", 12)
+    assert "frame 12 reached it with codes the talker did not make" in v.summary
+
+
+def test_tokens_that_leave_their_own_from_the_resume_on_name_the_resumed_history(policy):
+    # #6179's family: the resumed KV rebuilt from codebook-0 embeddings; the talker's tokens part from
+    # its own at concurrency 1 at the first token sampled after the resume, and not before.
+    own = np.append(CODES[:, 0], EOS)
+    after = own.copy()
+    after[13:40] = (after[13:40] + 7) % 2048
+    codes = CODES.copy()
+    codes[13:, 0] = after[13:40]
+    v = classify(preempted(codes, 13, after, control_tokens=own), policy)
+    assert (v.verdict, v.stage, v.first_divergent_frame) == ("talker_defect", "talker", 13)
+    assert "from token 13, the first it sampled after resuming, its tokens leave its own at concurrency 1 (27 of the 28" \
+        in v.summary
+    # parting before the preemption is not the resume's doing
+    early = own.copy()
+    early[5] = (early[5] + 1) % 2048
+    codes_early = CODES.copy()
+    codes_early[5, 0] = early[5]
+    v = classify(preempted(codes_early, 13, early, control_tokens=own), policy)
+    assert "resum" not in v.summary
+
+
 def test_the_last_frame_cut_at_a_length_stop(policy):
     v = classify(ev(OWN, handed_codes=CODES[:-1]), policy)
     assert (v.verdict, v.first_divergent_frame) == ("handoff_defect", 39)

@@ -128,6 +128,48 @@ def _first_diff(a: np.ndarray, b: np.ndarray) -> int:
     return int(bad[0]) if len(bad) else n
 
 
+def resume_frames(made: np.ndarray, got: np.ndarray, preempted_at: list[int]) -> tuple[list[int], list[int]] | None:
+    """(frames lost, frames altered) where every difference between the talker's tokens and the
+    vocoder's codes is the frame of the last token generated before a preemption (k tokens: frame
+    k - 1), missing or not the talker's; None when anything else differs."""
+    at = sorted({int(k) - 1 for k in preempted_at if 0 < int(k) <= len(made)})[:8]
+    for mask in range(1 << len(at)):
+        lost = [f for i, f in enumerate(at) if mask >> i & 1]
+        kept = np.delete(np.arange(len(made)), lost)
+        if len(kept) != len(got):
+            continue
+        altered = [int(kept[i]) for i in np.flatnonzero(made[kept] != got)]
+        if set(altered) <= set(at) - set(lost) and (lost or altered):
+            return lost, altered
+    return None
+
+
+def resume_summary(lost: list[int], altered: list[int], preempted_at: list[int], talker_frames: int) -> str:
+    at = ", ".join(str(k) for k in preempted_at)
+    what = "; ".join(x for x in (
+        f"frame {', '.join(map(str, lost))} of {talker_frames} never reached the vocoder" if lost else "",
+        f"frame {', '.join(map(str, altered))} reached it with codes the talker did not make" if altered else "") if x)
+    return (f"the talker was preempted after {at} generated tokens and resumed; at the frame of the last token before "
+            f"the preemption, {what}: the resume recomputes that token as part of a replay, not as a decode step "
+            f"whose code predictor makes its codebooks 1-15 (the scheduler's record, capture `talker_preemptions`)")
+
+
+def resume_history(tokens: np.ndarray, control: dict | None, preempted_at: list[int]) -> str:
+    """Where a preempted request's talker tokens leave its own at concurrency 1 (greedy, served
+    alone, never preempted): "" unless every token before the first preemption is the same and they
+    part at or after it, the first token sampled from the resumed KV."""
+    if control is None or not preempted_at:
+        return ""
+    k, own = min(int(x) for x in preempted_at), control["tokens"]
+    n = min(len(own), len(tokens))
+    diff = np.flatnonzero(own[:n] != tokens[:n])
+    if not len(diff) or diff[0] < k:
+        return ""
+    return (f"; from token {int(diff[0])}, the first it sampled after resuming, its tokens leave its own at concurrency "
+            f"1 ({len(diff)} of the {n - k} after the preemption differ, none before): the KV it resumed from is not "
+            f"the one it built before the preemption")
+
+
 def stage_findings(ev: Evidence, comps: dict) -> list[Finding]:
     """The talker's side of the capture against what the hand-off delivered (frames) and against
     what the engine reserved (prompt). Nothing without capture schema v2."""
@@ -135,7 +177,7 @@ def stage_findings(ev: Evidence, comps: dict) -> list[Finding]:
     talker = talker_stage(cand)
     if talker is None:
         return []
-    out = []
+    out, resumed = [], False
     tokens = talker["tokens"]
     made = tokens[:-1] if len(tokens) else tokens  # the last sampled token (EOS, or the cap's) never becomes a frame
     got = cand.codes[:, 0]
@@ -154,6 +196,11 @@ def stage_findings(ev: Evidence, comps: dict) -> list[Finding]:
                                 f"the vocoder got {donors[0]}'s generated codes ({len(got)} frames) instead of "
                                 f"the {len(made)} this request's talker generated",
                                 frame=0, chunk=0, stage="handoff", donor=donors[0], donor_kind="generated"))
+        elif (resume := resume_frames(made, got, cand.meta.get("preempted_at") or [])):
+            resumed, first = True, min(resume[0] + resume[1])
+            out.append(Finding("talker_defect", resume_summary(*resume, cand.meta["preempted_at"], len(made))
+                                + resume_history(tokens, talker_stage(ev.control), cand.meta["preempted_at"]),
+                                frame=first, chunk=chunk_of(first, len(made), ev), stage="talker"))
         else:
             what = (f"{len(got)} frames where the talker generated {len(made)}" if len(got) != len(made)
                     else f"{len(got)} frames as the talker generated, but not the same ones")
@@ -162,6 +209,10 @@ def stage_findings(ev: Evidence, comps: dict) -> list[Finding]:
                                 f"(codebook-0 {int(got[f]) if f < len(got) else '-'} against "
                                 f"{int(made[f]) if f < len(made) else '-'})",
                                 frame=f, chunk=chunk, stage="handoff"))
+    if not resumed and (history := resume_history(tokens, talker_stage(ev.control), cand.meta.get("preempted_at") or [])):
+        k = min(int(x) for x in cand.meta["preempted_at"])
+        out.append(Finding("talker_defect", f"the talker was preempted after {k} generated tokens and resumed"
+                            + history, frame=k, chunk=chunk_of(k, len(made), ev), stage="talker"))
     if talker["reserved"] and talker["reserved"] != talker["built"]:
         r, b = talker["reserved"], talker["built"]
         how = (f"{r - b} positions filled with padding" if r > b else f"{b - r} prompt rows cut off")
