@@ -522,6 +522,8 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         if spec.kind == URL and spec.declared is None:  # whatever answers at the URL now: re-checked before reuse
             url_reuse.check(candidate, suite.segments, {n: folders[n] for n in sorted(folders, key=_pass_order)},
                             engine, spec.url, opts.reuse_unidentified)
+        # a server serves several runs (difftest repro's probes): its counters are read before and after this one
+        counted_before = _server_counters(cand_info)
         outcomes = {}
         started: dict = {}
         for n, (folder, key) in folders.items():
@@ -536,14 +538,11 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         logs = [s["log"] for s in cand_info.get("servers") or [] if s.get("log")]
         for o in outcomes.values():  # a stage that died: its name and cause, from the server's log
             engine_death.attribute(o.errors, logs)
-        if cand_info.get("servers") or cand_info.get("prefix_caching_stages"):
-            # read while the servers still run: did the cache serve, was any request preempted?
-            from .engines.vllm_omni import preemption_counters, prefix_cache_counters
+        # read while the servers still run: did the cache serve, was any request preempted? (this run's share)
+        from .engines.vllm_omni import counters_since
 
-            urls = [s["url"] for s in cand_info.get("servers") or [{"url": cand_info["url"]}]]
-            cand_info = {**cand_info, "preemption_counters": preemption_counters(urls),
-                         **({"prefix_cache": prefix_cache_counters(urls)} if cand_info.get("prefix_caching_stages")
-                            else {})}
+        cand_info = {**cand_info, **{k: counters_since(v, counted_before.get(k))
+                                     for k, v in _server_counters(cand_info).items()}}
         print(f"teacher forcing: {len(_segments_with_codes(cand.results))} segments at c={opts.concurrency} and "
               f"{len(_segments_with_codes(ctrl.results))} at c=1 through qwen-tts's talker", file=sys.stderr, flush=True)
         with timings("score_s"):
@@ -624,6 +623,18 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
     }
     write_report(out, report)
     return report
+
+
+def _server_counters(cand_info: dict) -> dict:
+    """The candidate's servers' counters now: preemptions, and prefix-cache hits where a stage has the
+    cache on; {} for a candidate without servers difftest started."""
+    if not (cand_info.get("servers") or cand_info.get("prefix_caching_stages")):
+        return {}
+    from .engines.vllm_omni import preemption_counters, prefix_cache_counters
+
+    urls = [s["url"] for s in cand_info.get("servers") or [{"url": cand_info["url"]}]]
+    return {"preemption_counters": preemption_counters(urls),
+            **({"prefix_cache": prefix_cache_counters(urls)} if cand_info.get("prefix_caching_stages") else {})}
 
 
 def replay_record(spec: CandidateSpec, opts: RunOptions) -> dict:

@@ -67,3 +67,43 @@ def test_preemptions_the_server_counted_and_the_capture_did_not_name_are_an_erro
     died = exercised.scheduling(passes, counters={"0": {"preemptions": 2}}, unanswered=3)
     assert died["verdict"] == "pass" and died["summary"].endswith(
         "1 of the server's 2 preemptions in the 3 requests that got no answer")
+
+
+def test_the_plugin_files_scheduler_records_per_request_and_hands_them_over_once(tmp_path):
+    from runners.vllm_omni.difftest_capture.difftest_capture.store import CaptureStore
+
+    store = CaptureStore(tmp_path)
+    store.file_schedule("r1", "prefill", (0, 49, 0))
+    store.file_schedule("r1", "preempt", (84, 132))
+    store.file_schedule("r1", "prefill", (0, 133, 84))
+    store.file_schedule("r2", "prefill", (0, 32, 0))
+    got = store.schedule(["engine-id-unknown", "r1"])  # the first id that has records
+    assert got["talker_prefill"].tolist() == [[0, 49, 0], [0, 133, 84]]
+    assert got["talker_preemptions"].tolist() == [[84, 132]]
+    assert store.schedule(["r1"], consume=True)["talker_preemptions"].tolist() == [[84, 132]]
+    empty = store.schedule(["r1"])  # used up: a request served in one step, never preempted, reads so
+    assert empty["talker_prefill"].shape == (0, 3) and empty["talker_preemptions"].shape == (0, 2)
+    assert store.schedule(["r2"])["talker_prefill"].tolist() == [[0, 32, 0]]
+    # a half-written last record (a crash mid-append) is dropped, the whole ones kept
+    with open(store._talker_path("r2").with_suffix(".sched"), "ab") as f:
+        f.write(b"\x01\x00\x00")
+    assert store.schedule(["r2"])["talker_prefill"].tolist() == [[0, 32, 0]]
+
+
+def test_a_capture_files_schedule_arrays_are_checked():
+    from pathlib import Path
+
+    import pytest
+
+    from difftest.engines.capture import CaptureError, validate
+
+    base = {"codes": np.zeros((3, 16), np.int64)}
+    ok = validate({**base, "talker_prefill": np.array([[0, 49, 0]]), "talker_preemptions": np.zeros((0, 2), np.int64)},
+                  Path("x.npz"))
+    assert ok.schedule["prefill"].tolist() == [[0, 49, 0]] and ok.schedule["preemptions"].shape == (0, 2)
+    assert validate(base, Path("x.npz")).schedule is None  # not said: a writer without the scheduler wrapper
+    with pytest.raises(CaptureError, match="come together"):
+        validate({**base, "talker_prefill": np.array([[0, 49, 0]])}, Path("x.npz"))
+    with pytest.raises(CaptureError, match=r"talker_preemptions must be \(P, 2\) integers >= 0"):
+        validate({**base, "talker_prefill": np.array([[0, 49, 0]]), "talker_preemptions": np.array([[-1, 3]])},
+                 Path("x.npz"))

@@ -264,7 +264,7 @@ def test_the_servers_metrics_and_deploy_files_are_read_as_vllm_omni_writes_them(
     import http.server
     import threading
 
-    from difftest.engines.vllm_omni import preemption_counters, prefix_cache_counters, prefix_caching_stages
+    from difftest.engines.vllm_omni import counters_since, preemption_counters, prefix_cache_counters, prefix_caching_stages
 
     text = ("# HELP vllm:prefix_cache_queries_total x\n"
             'vllm:prefix_cache_queries_total{model_name="m",replica="0",stage="0"} 302.0\n'
@@ -290,6 +290,9 @@ def test_the_servers_metrics_and_deploy_files_are_read_as_vllm_omni_writes_them(
         url = f"http://127.0.0.1:{srv.server_port}"
         assert prefix_cache_counters([url, url]) == {"0": {"queries": 604, "hits": 32}, "1": {"queries": 0, "hits": 0}}
         assert preemption_counters([url]) == {"0": {"preemptions": 3}}
+        # a server that served earlier runs (difftest repro's probes): this run's share only
+        assert counters_since(preemption_counters([url]), {"0": {"preemptions": 2}}) == {"0": {"preemptions": 1}}
+        assert counters_since({"error": "x"}, {"0": {"preemptions": 2}}) == {"error": "x"}
     finally:
         srv.shutdown()
     assert "error" in prefix_cache_counters(["http://127.0.0.1:9"], timeout=5)

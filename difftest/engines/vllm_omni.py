@@ -578,6 +578,14 @@ def preemption_counters(urls: list[str], timeout: float = 30.0) -> dict:
     return stage_counters(urls, {"vllm:num_preemptions_total": "preemptions"}, timeout)
 
 
+def counters_since(now: dict, before: dict | None) -> dict:
+    """stage_counters `now` less `before` (the same servers, read earlier): what one run added. Either
+    unread: `now` as it is, the error kept."""
+    if not before or "error" in before or "error" in now:
+        return now
+    return {st: {k: n - before.get(st, {}).get(k, 0) for k, n in c.items()} for st, c in now.items()}
+
+
 OFFLINE_CANDIDATE = "vllm-omni-offline"
 
 

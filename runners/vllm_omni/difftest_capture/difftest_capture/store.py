@@ -163,11 +163,11 @@ class CaptureStore:
             finally:
                 os.close(fd)
 
-    def talker_steps(self, request_ids, consume: bool = False) -> np.ndarray | None:
-        """The step records filed under the first of these ids that has any; None when none has."""
-        dt = step_dtype()
+    def _records(self, request_ids, suffix: str, dt: np.dtype, consume: bool) -> np.ndarray | None:
+        """The whole fixed-size records in the `suffix` side file of the first of these ids that has
+        one (a partial last record dropped); None when none has. `consume`: the file is used up."""
         for rid in request_ids:
-            path = self._steps_path(str(rid))
+            path = self._talker_path(str(rid)).with_suffix(suffix)
             try:
                 data = path.read_bytes()
             except FileNotFoundError:
@@ -176,6 +176,10 @@ class CaptureStore:
                 path.unlink(missing_ok=True)
             return np.frombuffer(data[:len(data) - len(data) % dt.itemsize], dt).copy()
         return None
+
+    def talker_steps(self, request_ids, consume: bool = False) -> np.ndarray | None:
+        """The step records filed under the first of these ids that has any; None when none has."""
+        return self._records(request_ids, ".steps", step_dtype(), consume)
 
     SCHEDULE_KINDS = ("prefill", "preempt")
 
@@ -194,17 +198,8 @@ class CaptureStore:
         """The scheduler's records for a request, as capture arrays: `talker_prefill` (K, 3) [computed
         before, scheduled, generated] and `talker_preemptions` (P, 2) [generated, computed]; empty
         when the scheduler filed none (a request served in one step, never preempted)."""
-        recs = np.zeros((0, 4), np.int64)
-        for rid in request_ids:
-            path = self._talker_path(str(rid)).with_suffix(".sched")
-            try:
-                data = path.read_bytes()
-            except FileNotFoundError:
-                continue
-            if consume:
-                path.unlink(missing_ok=True)
-            recs = np.frombuffer(data[:len(data) - len(data) % 32], "<i8").reshape(-1, 4).astype(np.int64)
-            break
+        found = self._records(request_ids, ".sched", np.dtype(("<i8", (4,))), consume)
+        recs = np.zeros((0, 4), np.int64) if found is None else found.reshape(-1, 4).astype(np.int64)
         return {"talker_prefill": recs[recs[:, 0] == 0, 1:4].copy(),
                 "talker_preemptions": recs[recs[:, 0] == 1, 1:3].copy()}
 
