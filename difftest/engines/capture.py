@@ -101,6 +101,14 @@ class CaptureMissing(CaptureError):
     """A capture that was asked for and never written."""
 
 
+class OverLength(CaptureError):
+    """More generated than the request's max_new_tokens allows: the engine did not apply a field of
+    the request, a defect judged where the request is mapped to the talker (`talker_input`), not an
+    error. The file is still refused (its arrays are not kept: a runaway engine's are unbounded)."""
+
+    verdict, stage = "talker_defect", "talker_input"
+
+
 @dataclass(frozen=True)
 class Capture:
     codes: np.ndarray  # (T, 16) int64
@@ -178,8 +186,8 @@ def validate(arrays: dict, where: Path, max_frames: int | None = None) -> Captur
                      len(talker[0]) if talker[0] is not None else 0)
         if len(codes) > max_frames + prefix:
             plus = f" plus its {prefix}-frame reference" if prefix else ""
-            raise CaptureError(f"{where}: {len(codes)} frames, more than the request's max_new_tokens "
-                               f"({max_frames}){plus} allows")
+            raise OverLength(f"{where}: {len(codes)} frames, more than the request's max_new_tokens "
+                               f"({max_frames}){plus} allows: the engine did not apply the request's max_new_tokens")
     wav = None
     if "wav" in arrays:
         w = arrays["wav"]
@@ -235,6 +243,11 @@ def schedule_meta(schedule: dict | None) -> dict:
     return {"prefill_steps": len(in_prompt), "prefill_tokens": in_prompt,
             "preempted_at": [int(g) for g, _ in schedule["preemptions"]],
             "resume_steps": [[int(b), int(n), int(g)] for b, n, g in pre if g > 0]}
+
+
+def defect_of(e: CaptureError) -> dict:
+    """The fields that make a refused capture a segment's defect verdict (OverLength), else {}."""
+    return {"defect": e.verdict, "stage": e.stage} if isinstance(e, OverLength) else {}
 
 
 HANDOFFS = ("full_payload", "async_chunk")
@@ -315,8 +328,8 @@ def _talker(arrays: dict, where: Path, max_frames: int | None) -> tuple:
     if (tokens < 0).any() or (prompt[:2] < 0).any():
         raise CaptureError(f"{where}: talker_tokens / talker_prompt hold negative numbers")
     if max_frames is not None and len(tokens) > max_frames + 1:  # + the final token that never becomes a frame
-        raise CaptureError(f"{where}: {len(tokens)} talker tokens, more than the request's max_new_tokens "
-                           f"({max_frames}) allows")
+        raise OverLength(f"{where}: {len(tokens)} talker tokens, more than the request's max_new_tokens "
+                           f"({max_frames}) allows: the engine did not apply the request's max_new_tokens")
     return (ref, prompt.astype(np.int64), tokens.astype(np.int64), *_topk(arrays, where, len(tokens)))
 
 

@@ -184,7 +184,8 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
             cap = read_capture(capture_dir, tag, max_frames=seg.decode.get("max_new_tokens"))
         except CaptureError as e:
             # missing: the capture machinery failed us; unusable: the engine wrote nonsense about itself
-            return error(seg, "infrastructure" if isinstance(e, capture.CaptureMissing) else "candidate", str(e))
+            return error(seg, "infrastructure" if isinstance(e, capture.CaptureMissing) else "candidate", str(e),
+                         **capture.defect_of(e))
         r = _result(seg, wav, info, cap, ans, label, provenance, wave,
                     {"concurrency": concurrency, "pattern": pattern, "order": order, "tag": tag,
                      "identity": identity_key, "in_flight": in_flight,

@@ -14,6 +14,7 @@ from pathlib import Path
 from ..results import CorruptResult, ResultStore, read_result
 from ..suites.suite import Segment
 from .base import Outcome
+from .capture import OverLength
 from .http import _waves
 from .runner_client import RunnerDied, RunnerProcess
 
@@ -54,10 +55,7 @@ def run_candidate_runner(segments: list[Segment], runner: RunnerProcess, out_dir
                 if on_result:
                     on_result(seg, r)
             else:
-                kind_of = {"bad_input": "bad_input", "engine": "candidate",
-                           "capture": "infrastructure"}.get(ev.get("kind"), "candidate")
-                outcome.errors[sid] = {"source": "candidate", "kind": kind_of,
-                                       "message": ev.get("message", "error without a message")}
+                outcome.errors[sid] = error_of(ev)
     except RunnerDied as e:
         # what the runner wrote before it died is on disk: keep it, and say what was lost
         store = ResultStore(out_dir)
@@ -121,3 +119,12 @@ class RunnerCandidate:
                                     timeout=self.timeout, identity_key=identity_key, on_result=note,
                                     on_progress=progress.note if progress is not None else None)
 
+
+def error_of(ev: dict) -> dict:
+    """A runner's error event as a segment's error. The runner runs beside the engine under test, so
+    its word is checked: the one defect it may report is a capture refused as over-length
+    (capture.defect_of), anything else it claims is dropped."""
+    kind = {"bad_input": "bad_input", "engine": "candidate", "capture": "infrastructure"}.get(ev.get("kind"), "candidate")
+    defect = (ev.get("defect"), ev.get("stage"))
+    return {"source": "candidate", "kind": kind, "message": ev.get("message", "error without a message"),
+            **({"defect": defect[0], "stage": defect[1]} if defect == (OverLength.verdict, OverLength.stage) else {})}

@@ -39,6 +39,8 @@ def _input_errors(ev: Evidence) -> Finding | None:
     if ev.errors:
         e = ev.errors[0]
         more = f" (+{len(ev.errors) - 1} more)" if len(ev.errors) > 1 else ""
+        if e.get("defect"):  # judged, not an error: the engine did something the request forbade (OverLength)
+            return Finding(e["defect"], f"{e['source']}: {e['message']}{more}", frame=0, chunk=0, stage=e.get("stage"))
         return Finding("error", f"{e['source']}: {e['message']}{more}", error_kind=e.get("kind", "infrastructure"),
                        stage=e.get("stage"))
     for name in ("reference", "candidate"):

@@ -118,7 +118,7 @@ class OfflineService:
                 path, audio_s = self._write(seg, utt, voice, ans, ids, seconds, out_dir, concurrency, task)
             except (CorruptResult, CaptureError, ValueError, OSError) as e:
                 emit("error", segment=seg["id"], kind="capture" if isinstance(e, capture.CaptureMissing) else "engine",
-                     message=str(e))
+                     message=str(e), **(capture.defect_of(e) if isinstance(e, CaptureError) else {}))
                 continue
             emit("result", segment=seg["id"], path=str(path), cached=False, seconds=seconds, audio_seconds=audio_s)
 
