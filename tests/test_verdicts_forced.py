@@ -398,7 +398,15 @@ def test_reference_codes_far_from_qwen_tts_encoder_are_a_reference_encoder_defec
     assert (v.verdict, v.stage) == ("reference_encoder_defect", "reference_encoder") and policy.fails(v.verdict)
     assert "of their entries agree with qwen-tts's (policy: 50%)" in v.summary
     assert "the reference codes the vocoder got (no talker stage captured" in v.summary
-    v = judged(np.concatenate([REF, REF[:3]]))
+    longer = np.concatenate([REF, REF[:3]])
+    v = judged(longer)  # the codes are qwen-tts's exactly: the talker had qwen-tts's reference (issue 57)
+    assert (v.verdict, v.stage) == ("handoff_defect", "handoff")
+    assert "the reference the vocoder got is qwen-tts's 3 frames too many at its end (15 frames for 12)" in v.summary
+    e = evidence()  # codes of its own: nothing says what the talker had; the encoder or the hand-off
+    other = CODES.copy()
+    other[:, 3] = (other[:, 3] + 1) % 2048
+    e.candidate, e.cross_own = toy_result("a", other, longer), toy_result("a", other, longer)
+    v = classify(e, policy)
     assert v.verdict == "reference_encoder_defect" and "15 frames where qwen-tts's encoder makes 12" in v.summary
 
 

@@ -201,3 +201,29 @@ def test_a_shorter_donors_whole_reference_then_padding_names_it(policy):
     # a whole reference too short to tell from a silent onset by chance is not a donor either
     v = classify(ev(np.concatenate([OTHER[:3], OWN[3:]]), peers={"b": OTHER[:3]}), policy)
     assert v.donor is None
+
+
+def test_exact_codes_with_a_cut_reference_at_the_vocoder_are_the_handoffs_not_the_talkers(policy):
+    # issue 57: no talker stage captured, the talker's codes qwen-tts's exactly, the vocoder handed the
+    # reference one frame short (at every concurrency, so the control agrees): before, teacher forcing in
+    # that cut reference blamed the talker.
+    from difftest.verdicts.classify import talker_cleared
+    from difftest.verdicts.evidence import Finding
+
+    cut = OWN[:19]
+    cand = toy_result("a", CODES, cut)
+    control = toy_result("a", CODES, cut)
+    e = Evidence("a", toy_result("a", CODES, OWN), cand, control, toy_result("a", CODES, cut), {}, {}, {}, {})
+    v = classify(e, policy)
+    assert (v.verdict, v.stage) == ("handoff_defect", "handoff")
+    assert v.summary == ("the candidate's codes are qwen-tts's exactly, but the reference the vocoder got is qwen-tts's "
+                         "1 frames short at its end (19 frames for 20): the hand-off's, not the talker's")
+    forced = Finding("talker_defect", "teacher-forced ...", frame=0, chunk=0, stage="talker")
+    notes = []
+    kept = talker_cleared(e, [forced], notes)
+    assert [f.kind for f in kept] == ["handoff_defect"] and "not the talker's context" in notes[0]
+    # with the talker's side captured, or codes that are not qwen-tts's, the talker finding stands
+    other = CODES.copy()
+    other[5, 0] = (other[5, 0] + 1) % 2048
+    e2 = Evidence("a", toy_result("a", CODES, OWN), toy_result("a", other, cut), None, None, {}, {}, {}, {})
+    assert talker_cleared(e2, [forced], []) == [forced]

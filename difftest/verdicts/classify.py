@@ -117,6 +117,34 @@ def headline_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> 
     return out
 
 
+def talker_cleared(ev: Evidence, findings: list[Finding], notes: list[str]) -> list[Finding]:
+    """Without the talker's side in the capture, teacher forcing conditions the talker on the
+    reference codes found at the vocoder. Where the candidate's codes are qwen-tts's exactly, its
+    talker decoded as qwen-tts's did, from qwen-tts's reference: a forcing finding against the
+    vocoder's reference is that reference's, not the talker's (issue 57). The talker finding goes;
+    a vocoder reference that is qwen-tts's cut or extended at either end is the hand-off's."""
+    ref, cand = ev.reference, ev.candidate
+    if (talker_stage(cand) is not None or not ref.has_codes or not cand.has_codes or not len(cand.codes)
+            or not same(ref.codes, cand.codes) or same(ref.ref_codes, cand.ref_codes)):
+        return findings
+    kept = [f for f in findings if not (f.kind == "talker_defect" and f.stage == "talker")]
+    if len(kept) < len(findings):
+        notes.append("the candidate's codes are qwen-tts's exactly: its talker was not at fault; teacher forcing "
+                     "in the reference the vocoder got (no talker stage captured) is not the talker's context")
+    theirs, mine = ref.ref_codes, cand.ref_codes
+    short, long_ = (mine, theirs) if len(mine) < len(theirs) else (theirs, mine)
+    n = len(short)
+    if len(mine) != len(theirs) and n and (same(long_[:n], short) or same(long_[-n:], short)):
+        end = "end" if same(long_[:n], short) else "start"
+        how = (f"{len(theirs) - len(mine)} frames short at its {end}" if len(mine) < len(theirs)
+               else f"{len(mine) - len(theirs)} frames too many at its {end}")
+        kept.append(Finding("handoff_defect", f"the candidate's codes are qwen-tts's exactly, but the reference the "
+                                              f"vocoder got is qwen-tts's {how} ({len(mine)} frames for "
+                                              f"{len(theirs)}): the hand-off's, not the talker's",
+                            frame=0, chunk=0, stage="handoff"))
+    return kept
+
+
 def classify(ev: Evidence, policy: Policy) -> SegmentVerdict:
     comps: dict = {}
     notes: list[str] = []
@@ -160,6 +188,7 @@ def classify(ev: Evidence, policy: Policy) -> SegmentVerdict:
             elif "forced" not in comps:
                 notes.append("no teacher-forced scores: the talker stage not judged")
         findings += headline_findings(ev, policy, comps, mels)
+        findings = talker_cleared(ev, findings, notes)
         if abs(len(ev.reference.grid_wav) - len(cand.grid_wav)) == align.TRAILING_SAMPLES:
             notes.append("one trailing sample of difference in length")
     top = min(findings, key=lambda f: RANK.index(f.kind))
