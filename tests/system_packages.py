@@ -133,7 +133,7 @@ class Sampler:
     root_pid: int = field(default_factory=os.getpid)
     mark: str = ""
     maps: dict[str, set[str]] = field(default_factory=dict)  # "pid N: argv" -> every file it mapped
-    exes: dict[str, str] = field(default_factory=dict)  # "pid N: argv" -> its executable
+    exes: dict[str, set[str]] = field(default_factory=dict)  # "pid N: argv" -> its executables (exec replaces them)
     errors: list[str] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _thread: threading.Thread | None = None
@@ -166,8 +166,7 @@ class Sampler:
         for pid in sorted(pids - self._procs.keys()):  # parents before their children
             label = self._procs[pid] = _label(pid) if self._is_ours(pid) else None
             if label:
-                with contextlib.suppress(OSError):
-                    self.exes[label] = os.readlink(f"/proc/{pid}/exe")
+                self._exe(pid, label)
         now = time.monotonic()
         for pid, label in list(self._procs.items()):
             if label and now - self._read_at.get(pid, -REREAD) >= REREAD:
@@ -176,8 +175,13 @@ class Sampler:
                     mapped = _MAPPED.findall(Path(f"/proc/{pid}/maps").read_text())
                 except OSError:
                     continue
+                self._exe(pid, label)  # after the maps: a wrapper script that exec'd (chromium's) is now its program
                 self.maps.setdefault(label, set()).update(
                     m for m in mapped if not m.startswith(("/dev/", "/memfd:", "/SYSV")))
+
+    def _exe(self, pid: int, label: str) -> None:
+        with contextlib.suppress(OSError):
+            self.exes.setdefault(label, set()).add(os.readlink(f"/proc/{pid}/exe"))
 
     def _is_ours(self, pid: int) -> bool:
         if pid == self.root_pid:
@@ -272,7 +276,7 @@ def read_uses(path: Path) -> dict[str, str]:
 
 
 def hidden_packages(processes: dict[str, set[str]], executables: dict[str, str], *, base: set[str],
-                    project: dict[str, str], exes: dict[str, str] | None = None,
+                    project: dict[str, str], exes: dict[str, set[str] | str] | None = None,
                     owners: dict[str, str] | None = None,
                     status: dict[str, dict[str, str]] | None = None) -> list[Finding]:
     """One finding per package that a process mapped a file of, or whose executable the code calls,
@@ -283,7 +287,8 @@ def hidden_packages(processes: dict[str, set[str]], executables: dict[str, str],
     in libsndfile1 (through libpulse0), but the demo installs no chromium: a reference runner loading
     libsndfile still needs libsndfile1 listed. A process's executable is read when it is first seen,
     its mapped files while it lives (a dependency seen without the library that pulled it in, in a
-    snapshot taken while the library loads, is still judged by the rule above)."""
+    snapshot taken while the library loads, is still judged by the rule above). A process's executables
+    are every one it was seen running: a wrapper script exec's its program under the same pid."""
     owners = file_owners() if owners is None else owners
     status = _dpkg_status() if status is None else status
     pulled = {p: with_dependencies({p}, status) for p in project}
@@ -297,8 +302,9 @@ def hidden_packages(processes: dict[str, set[str]], executables: dict[str, str],
                 out[pkg] = Finding(pkg, path, where)
 
     for label, files in sorted(processes.items()):
-        exe = owner(exes[label], owners) if label in (exes or {}) else None
-        judge(files, everywhere.union(*(pulled[p] for p in project if exe in pulled[p])), label)
+        ran = (exes or {}).get(label) or set()
+        progs = {owner(e, owners) for e in ([ran] if isinstance(ran, str) else ran)} - {None}
+        judge(files, everywhere.union(*(pulled[p] for p in project if progs & pulled[p])), label)
     for name, where in sorted(executables.items()):
         if exe := shutil.which(name):
             judge([exe], base | set(project), f"called by {where}")

@@ -89,6 +89,20 @@ def test_what_a_listed_package_pulls_in_counts_only_in_that_package_s_processes(
     assert found == []
 
 
+def test_a_wrapper_script_that_execs_its_program_is_judged_by_every_executable_it_ran():
+    """/usr/bin/chromium is a shell script that exec's the browser under the same pid: first seen, the
+    process runs /bin/dash; its maps are chromium's. Judged by dash alone, chromium's libraries were
+    flagged (a fresh-clone run, stop 64); by both executables, they are chromium's."""
+    status = {"chromium": {"Depends": "libpulse0"}, "libpulse0": {}, "dash": {}}
+    owners = {"/usr/bin/dash": "dash", "/usr/lib/chromium/chromium": "chromium",
+              "/usr/lib/x86_64-linux-gnu/libpulse.so.0.24.2": "libpulse0"}
+    label = "pid 872: /bin/sh /usr/bin/chromium --headless"
+    processes = {label: {"/usr/lib/x86_64-linux-gnu/libpulse.so.0.24.2"}}
+    kw = dict(base={"dash"}, project={"chromium": "test"}, owners=owners, status=status)
+    assert [f.package for f in sp.hidden_packages(processes, {}, exes={label: {"/usr/bin/dash"}}, **kw)] == ["libpulse0"]
+    assert sp.hidden_packages(processes, {}, exes={label: {"/usr/bin/dash", "/usr/lib/chromium/chromium"}}, **kw) == []
+
+
 def test_merged_usr_paths_are_one_file():
     owners = {"/lib/x86_64-linux-gnu/libfoo.so.1": "libfoo1", "/usr/lib/x86_64-linux-gnu/libfoo.so.1": "libfoo1"}
     assert sp.owner("/usr/lib/x86_64-linux-gnu/libfoo.so.1", {"/lib/x86_64-linux-gnu/libfoo.so.1": "libfoo1"}) \
