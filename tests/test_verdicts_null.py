@@ -208,3 +208,28 @@ def test_judge_at_n_counts_flips_against_the_nulls_own():
     top1 = {f"s{i}": _sf(0, 0, sid=f"s{i}") for i in range(4)}
     none = null.judge_at_n(top1, None, None, {}, policy, NUMERICS)
     assert none["verdict"] == "pass" and not none["null_decoded"] and "flips" not in none
+
+
+def test_a_run_level_failure_names_the_segments_that_carry_it():
+    """Issue 57: the measured null failed the run, and the segments read 'plausible'; a maintainer was
+    told something was wrong, not where to listen. The segments whose own count exceeds the null's on
+    the same segment are the suspects, most excess first, in the finding and as segment notes."""
+    policy = NullPolicy()
+    null_scores = {f"s{i}": _sf(1, 10, sid=f"s{i}") for i in range(4)}
+    cand = {"s0": _sf(1, 10, sid="s0"), "s1": _sf(1, 60, sid="s1"), "s2": _sf(1, 9, sid="s2"), "s3": _sf(1, 25, sid="s3")}
+    f = null.judge(cand, null_scores, policy, NUMERICS)
+    assert f["verdict"] == "talker_defect" and f["site"] == "code_predictor"
+    assert f["suspects"] == [{"segment": "s1", "count": 60, "null": 10, "tokens": 600},
+                             {"segment": "s3", "count": 25, "null": 10, "tokens": 600}]
+    assert f["summary"].endswith("; carried by s1 (60 against 10), s3 (25 against 10)")
+    notes = null.suspect_notes([f, None])
+    assert set(notes) == {"s1", "s3"}
+    assert notes["s1"] == ["suspect: carries the run's talker_defect at concurrency 1 (code predictor: 60 of 600 tokens "
+                           "off qwen-tts's top-1 where qwen-tts in bfloat16 has 10)"]
+    passing = null.judge({f"s{i}": _sf(1, 11, sid=f"s{i}") for i in range(4)}, null_scores, policy, NUMERICS)
+    assert passing["verdict"] == "pass" and "suspects" not in passing and null.suspect_notes([passing]) == {}
+    at_n = {"verdict": "concurrency_defect", "role": "candidate", "flips": {
+        "candidate_flipped": {"s2": {"frame": 7, "codebook": 0, "gap": 0.5}}}}
+    assert null.suspect_notes([at_n]) == {"s2": ["suspect: carries the run's concurrency_defect (its codes at "
+                                                 "concurrency N part from its codes at 1 at frame 7, codebook 0, "
+                                                 "0.5 nats from qwen-tts's top-1)"]}

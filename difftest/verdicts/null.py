@@ -131,13 +131,14 @@ def judge(candidate: dict[str, ScoreFile], null: dict[str, ScoreFile] | None, po
         sampled = worst.endswith(SAMPLED)
         name = worst.removesuffix(SAMPLED).replace("_", " ")
         how = "fall outside qwen-tts's sampling support" if sampled else "leave qwen-tts's top-1"
-        return {**base, "verdict": "talker_defect", "site": worst,
+        return {**base, "verdict": "talker_defect", "site": worst, "suspects": suspects(segments, worst),
                 "summary": f"the candidate's {'sampled' if sampled else 'greedy'} {name} tokens {where} {how} "
                            f"{e['candidate'][key]} times in {e['candidate']['tokens']} "
                            f"({e['candidate']['rate']:.2%}) where qwen-tts in {numerics['dtype']} does "
                            f"{e['null'][key]} times in {e['null']['tokens']} ({e['null']['rate']:.2%}): "
                            f"p = {e['p_value']:.3g} against a rate up to {policy.rate_margin}x the null's "
-                           f"(alpha {alpha:.3g}); no single token is implausible, the whole run is"}
+                           f"(alpha {alpha:.3g}); no single token is implausible, the whole run is"
+                           + carried(suspects(segments, worst))}
     if missing:  # never a pass on a null that is not there: the run is an infrastructure error (exit 3)
         return {**base, "verdict": "error",
                 "summary": f"the measured null (qwen-tts in {numerics['dtype']}) has no scored stream for "
@@ -154,6 +155,46 @@ def judge(candidate: dict[str, ScoreFile], null: dict[str, ScoreFile] | None, po
                        + ", ".join(f"{s.replace('_', ' ')} {e['candidate'][counted(s)]}/{e['candidate']['tokens']} "
                                    f"against {e['null'][counted(s)]}/{e['null']['tokens']} (p = {e['p_value']:.3g})"
                                    for s, e in out_sites.items())}
+
+
+def suspects(segments: dict, site: str) -> list[dict]:
+    """The segments that carry a run-level excess at `site`: each whose own count exceeds qwen-tts's
+    in the same numerics on the same segment, most excess first (issue 57: a run-level failure names
+    where to listen). `segments`: sid -> site -> [candidate's count, the null's, tokens]."""
+    rows = [{"segment": sid, "count": c[site][0], "null": c[site][1], "tokens": c[site][2]}
+            for sid, c in segments.items() if site in c and c[site][1] is not None and c[site][0] > c[site][1]]
+    return sorted(rows, key=lambda r: (-(r["count"] - r["null"]), r["segment"]))
+
+
+def carried(rows: list[dict]) -> str:
+    """The suspects in a summary: where to listen first."""
+    if not rows:
+        return ""
+    return "; carried by " + ", ".join(f"{r['segment']} ({r['count']} against {r['null']})" for r in rows[:5]) + (
+        f" and {len(rows) - 5} more" if len(rows) > 5 else "")
+
+
+def suspect_notes(findings: list[dict | None]) -> dict[str, list[str]]:
+    """Per segment, a note for each failing run-level null finding it carries (report.json's segment
+    notes; the dashboard shows them)."""
+    out: dict[str, list[str]] = {}
+    for f in findings:
+        if not f or f["verdict"] == "pass":
+            continue
+        if "suspects" not in f:  # failed on flips at N (judge_at_n): each flipped segment carries it
+            for sid, x in sorted(((f.get("flips") or {}).get("candidate_flipped") or {}).items()):
+                out.setdefault(sid, []).append(
+                    f"suspect: carries the run's {f['verdict']} (its codes at concurrency N part from its codes at 1 "
+                    f"at frame {x.get('frame')}, codebook {x.get('codebook')}"
+                    + (f", {x['gap']:.3g} nats from qwen-tts's top-1)" if x.get("gap") is not None else ")"))
+            continue
+        where = {"control": "at concurrency 1", "candidate": "at concurrency N"}.get(f["role"], f["role"])
+        what = "outside qwen-tts's support" if f["site"].endswith(SAMPLED) else "off qwen-tts's top-1"
+        for r in f["suspects"]:
+            out.setdefault(r["segment"], []).append(
+                f"suspect: carries the run's {f['verdict']} {where} ({f['site'].removesuffix(SAMPLED).replace('_', ' ')}: "
+                f"{r['count']} of {r['tokens']} tokens {what} where qwen-tts in {f['numerics']['dtype']} has {r['null']})")
+    return out
 
 
 def support_noise(finding: dict | None) -> dict | None:
