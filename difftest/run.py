@@ -55,6 +55,7 @@ from .suites.checkpoints import check_suite
 from .suites.suite import Suite, content_hash, hf_cached
 from .verdicts import exercised, sampling
 from .verdicts import null as measured_null
+from .verdicts import vocoder_null
 from .verdicts.classify import Evidence, classify, talker_stage
 from .verdicts.policy import Policy
 from .verdicts.talker_input import inputs_of
@@ -77,6 +78,7 @@ class RunOptions:
     repeat: bool = True  # serve every segment once more at concurrency 1, after the others (history check)
     ray: dict | None = None  # {"address": ..., "workers": N}: the reference side on Ray (difftest.scale)
     candidate_dtype: str | None = None  # the candidate talker's dtype, declared (the measured null's numerics)
+    candidate_vocoder_dtype: str | None = None  # the candidate vocoder's dtype, declared (the vocoder's null)
     reuse_unidentified: bool = False  # reuse a URL candidate's results though it says nothing of itself (url_reuse)
     require_paths: tuple = ()  # serving paths the run must show it took (verdicts/exercised.PATHS)
 
@@ -90,11 +92,18 @@ class _Vocoder:
     later run of the same codes through the same reference vocoder loads no model for it) and
     copied into the run's own folder, which the report names."""
 
-    def __init__(self, runner: RunnerProcess, out: Path, timeout: float, store_root: Path):
+    def __init__(self, runner: RunnerProcess, out: Path, timeout: float, store_root: Path, dtype: str | None = None):
         self.runner, self.out, self.timeout = runner, out, timeout
         # A decode is reused only from the same reference vocoder (checkpoint, dtype, device, threads,
-        # runner version: the fingerprint) and the same input codes (the key).
+        # runner version: the fingerprint) and the same input codes (the key). `dtype`: qwen-tts's
+        # vocoder in another dtype than the runner's own (the vocoder's null), under that fingerprint.
         fingerprint = runner.hello.get("fingerprint") or {}
+        self.dtype = dtype if dtype != fingerprint.get("dtype") else None
+        if self.dtype is not None:
+            if self.dtype not in runner.hello.get("decode_dtypes", ()):
+                raise InfraError(f"the reference runner cannot decode in {self.dtype} (an older runner?): restart it "
+                                 f"from this checkout")
+            fingerprint = {**fingerprint, "dtype": self.dtype}
         self.salt = content_hash(fingerprint)
         self.kept = ResultStore(store_root).config_dir("cross", fingerprint)
         self.out.mkdir(parents=True, exist_ok=True)
@@ -128,7 +137,8 @@ class _Vocoder:
             buf = io.BytesIO()
             np.savez(buf, codes=codes, ref_codes=ref)
             atomic_write(src, buf.getvalue())
-            todo.append({"name": name, "input": str(src), "out": str(stem), "segment_id": sid})
+            todo.append({"name": name, "input": str(src), "out": str(stem), "segment_id": sid,
+                         **({"dtype": self.dtype} if self.dtype else {})})
         if not todo:
             return done
         answers = item_answers(self.runner, "decode", todo, self.timeout, read_result, "during cross-decode")
@@ -401,9 +411,11 @@ def null_at_n_finding(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine,
 
 def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy, again=None,
            scores: tuple[dict, dict] | None = None, noise: dict | None = None,
-           support: dict | None = None) -> dict:
+           support: dict | None = None, null_vocoder: _Vocoder | None = None) -> tuple[dict, dict]:
     """Every segment's verdict: cross-decodes through the reference vocoder, the classifier, and
-    where the vocoder check fails, the donor search with each co-batched request's reference."""
+    where the vocoder check fails, the donor search with each co-batched request's reference.
+    `null_vocoder`: qwen-tts's vocoder in the candidate's vocoder dtype, where that is not the
+    reference's (difftest/verdicts/vocoder_null.py). Returns (verdicts, segment -> the null's decode)."""
 
     # Each segment's own reference codes: what the candidate's talker was prompted with (the capture's
     # talker stage), else what the candidate makes of its voice alone (c=1), else what qwen-tts makes of it.
@@ -420,6 +432,9 @@ def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy,
     score_ok, score_errors = scores or ({}, {})
     with_codes = _segments_with_codes(cand.results)
     cross = vocoder.decode({f"{sid}.own": (sid, r.codes, own_ref(sid)) for sid, r in with_codes.items()})
+    nulls = (null_vocoder.decode({f"{sid}.own-{null_vocoder.dtype}": (sid, r.codes, own_ref(sid))
+                                  for sid, r in with_codes.items()}) if null_vocoder is not None else {})
+    nulls = {k.rsplit(".own-", 1)[0]: v for k, v in nulls.items()}
     peers_of = {}
     for wave in cand.batches:
         for sid in wave:
@@ -438,6 +453,11 @@ def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy,
         if isinstance(x, str):
             errors.append({"source": "cross-decode", "kind": "infrastructure", "message": x})
             x = None
+        null = nulls.get(sid)
+        if isinstance(null, str):  # never judged without the null it needs
+            errors.append({"source": f"vocoder null ({null_vocoder.dtype}) cross-decode", "kind": "infrastructure",
+                           "message": null})
+            null = None
         peers = peers_of.get(sid, [])
         return Evidence(sid, ref_run.results.get(sid), cand.results.get(sid), ctrl.results.get(sid), x,
                         donors or {}, {p: own_ref(p) for p in peers},
@@ -446,7 +466,8 @@ def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy,
                         errors, suite.chunks["initial_frames"], suite.chunks["frames"],
                         again.results.get(sid) if again is not None else None,
                         {role: got[sid] for role, got in score_ok.items() if sid in got},
-                        {p: i for p, i in ref_inputs.items() if p != sid}, noise, support)
+                        {p: i for p, i in ref_inputs.items() if p != sid}, noise, support,
+                        vocoder_null=null, vocoder_dtype=null_vocoder.dtype if null_vocoder is not None else None)
 
     ref_inputs = {sid: i for sid, r in ref_run.results.items() if (i := inputs_of(r)) is not None}
     verdicts = {s.id: classify(evidence(s.id), policy) for s in suite.segments}
@@ -463,7 +484,7 @@ def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy,
             found = {k.split(".donor-")[1]: r for k, r in donors.items()
                      if k.startswith(f"{sid}.donor-") and isinstance(r, Result)}
             verdicts[sid] = classify(evidence(sid, found), policy)
-    return verdicts
+    return verdicts, {sid: r for sid, r in nulls.items() if isinstance(r, Result)}
 
 
 def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunOptions,
@@ -500,6 +521,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         setup = Setup(out, models, python, suite, opts, runner.hello.get("fingerprint") or {})
         engine = engine_identity(spec, setup)
         folders = _result_folders(out, engine, opts, pattern)
+        vocoder_numerics, null_vocoder = _vocoder_numerics(engine, opts, runner, out, store.root)
         atomic_write(out / "run.json", json.dumps({
             "suite": str(suite.path), "suite_hash": suite.hash, "candidate": spec.label, "engine": engine,
             "concurrency": opts.concurrency, "pattern": pattern, "order": opts.order,
@@ -568,11 +590,13 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         print(f"cross-decodes: {len(_segments_with_codes(cand.results))} segments through the reference vocoder",
               file=sys.stderr, flush=True)
         with timings("cross_decode_s"):
-            verdicts = _judge(suite, ref_run, cand, ctrl, _Vocoder(runner, out / "results" / "cross",
-                                                                    opts.reference.timeout, store.root), policy, again, scores,
-                              noise, support)
+            verdicts, vocoder_nulls = _judge(suite, ref_run, cand, ctrl,
+                                             _Vocoder(runner, out / "results" / "cross", opts.reference.timeout,
+                                                      store.root), policy, again, scores, noise, support, null_vocoder)
 
     ordered = [verdicts[s.id] for s in suite.segments]
+    for sid, notes in measured_null.suspect_notes([null, null_n]).items():  # a run-level failure names its segments
+        verdicts[sid].notes.extend(notes)
     judged = {"concurrency": exercised.concurrency(opts.concurrency, cand.results, len(suite.segments)),
               "codes": exercised.codes_judged(ordered),
               "references": exercised.references(suite.segments, {"reference": ref_run.results,
@@ -588,7 +612,8 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
                                 errors=[{**ctrl.errors[s.id], "source": "control"}] if s.id in ctrl.errors else [],
                                 initial_frames=suite.chunks["initial_frames"], chunk_frames=suite.chunks["frames"],
                                 scores={"candidate": scores[0]["control"][s.id]}
-                                if s.id in scores[0]["control"] else {}, support_noise=support),
+                                if s.id in scores[0]["control"] else {}, support_noise=support,
+                                **_null_for(vocoder_nulls.get(s.id), ctrl.results.get(s.id), vocoder_numerics)),
                        policy) for s in suite.segments]
     timings["total_s"] = time.perf_counter() - t_start
     report = build_report(
@@ -616,6 +641,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
     )
     one = sampling.judge({k: v for k, v in sampling_roles.items() if k != "candidate"}, policy.forced.sampling_max_z,
                          policy.forced.sampling_false_flag_rate)
+    report["vocoder_numerics"] = vocoder_numerics
     report["at_concurrency_1"] = {
         "verdict": overall(at_one, policy, [f for f in (one, null) if f])[0],
         "segments": [{"id": v.id, "verdict": v.verdict, "first_divergent_chunk": v.first_divergent_chunk,
@@ -623,6 +649,31 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
     }
     write_report(out, report)
     return report
+
+
+def _vocoder_numerics(engine: dict, opts: RunOptions, runner, out: Path,
+                      store_root: Path) -> tuple[dict, _Vocoder | None]:
+    """The candidate vocoder's dtype (report.json `vocoder_numerics`), and qwen-tts's vocoder in it
+    where that is not the reference's: the vocoder's measured null (difftest/verdicts/vocoder_null.py)."""
+    ref_dtype = (runner.hello.get("fingerprint") or {}).get("dtype")
+    dtype, source = vocoder_null.vocoder_dtype(engine, opts.candidate_vocoder_dtype, ref_dtype)
+    info = {"dtype": dtype, "from": source, "reference_dtype": ref_dtype, "null": None}
+    if dtype == ref_dtype:
+        return info, None
+    if dtype not in runner.hello.get("decode_dtypes", ()):
+        raise BadInput(f"the candidate's vocoder runs in {dtype} ({source}): qwen-tts's vocoder cannot decode in it, "
+                       f"so no measured allowance exists; serve the vocoder in {ref_dtype} or bfloat16")
+    info["null"] = f"qwen-tts's vocoder in {dtype} on the candidate's codes"
+    return info, _Vocoder(runner, out / "results" / "cross", opts.reference.timeout, store_root, dtype=dtype)
+
+
+def _null_for(null: Result | None, ctrl: Result | None, numerics: dict) -> dict:
+    """The vocoder's null for the candidate at 1 judged alone: the decode of the candidate's codes at
+    N, where the codes at 1 are the same."""
+    if null is None or ctrl is None or not ctrl.has_codes or not (np.array_equal(null.codes, ctrl.codes)
+                                                                  and np.array_equal(null.ref_codes, ctrl.ref_codes)):
+        return {}
+    return {"vocoder_null": null, "vocoder_dtype": numerics["dtype"]}
 
 
 def _server_counters(cand_info: dict) -> dict:
@@ -645,6 +696,7 @@ def replay_record(spec: CandidateSpec, opts: RunOptions) -> dict:
                      "declared": spec.declared, "python": spec.python, "engine_args": [str(a) for a in spec.engine_args],
                      "options": spec.options},
             "vllm_omni": opts.vllm_omni, "voice_mode": opts.voice_mode, "candidate_dtype": opts.candidate_dtype,
+            "candidate_vocoder_dtype": opts.candidate_vocoder_dtype,
             "repeat": opts.repeat, "reference": {"dtype": opts.reference.dtype, "device": opts.reference.device,
                                                  "python": opts.reference.python}}
 

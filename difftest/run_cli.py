@@ -89,6 +89,7 @@ def cmd_run(args) -> int:
                                                  device=args.device, dtype=args.dtype),
                       vllm_omni=vllm_omni_settings(args),
                       replace=args.replace, repeat=args.repeat, candidate_dtype=args.candidate_dtype,
+                      candidate_vocoder_dtype=args.candidate_vocoder_dtype,
                       request_timeout=args.request_timeout, reuse_unidentified=args.reuse_unidentified,
                       require_paths=tuple(dict.fromkeys(args.require_path or ())),
                       ray=None if args.ray is None else {"address": args.ray, "workers": args.ray_workers,
@@ -138,6 +139,11 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
                    help="the candidate talker's dtype, for the measured null (default: the deploy overlay's stage 0 "
                         "for engines difftest starts, else the dtype of the speaker embedding its capture reports, "
                         "else float32: judged as exact)")
+    r.add_argument("--candidate-vocoder-dtype", choices=("float32", "bfloat16"),
+                   help="the candidate vocoder's dtype: where not the reference's, qwen-tts's vocoder decodes the "
+                        "candidate's codes in it too and the candidate may lie as far from qwen-tts's as that does, "
+                        "times the policy's vocoder_null.margin (default: the deploy overlay's stage 1 for engines "
+                        "difftest starts, else the reference's: judged as exact)")
     r.add_argument("--concurrency", "-n", type=int, default=4,
                    help="requests in flight at once for the candidate under test (default 4); it also runs at 1")
     r.add_argument("--reuse-unidentified", action="store_true",

@@ -43,6 +43,9 @@ def test_the_shipped_gates_load_and_say_what_each_cell_covers(name):
         assert "talker.kv_cache_memory_bytes=524288" in by["preempt-resume-c4"]["engine_args"]
         assert by["async-long-c4"]["production"] == ["async_chunk", "connectors"]
         assert Path(by["resampled-c4"]["suite"]).stem == "resampled"
+        # production's bf16 vocoder, judged against qwen-tts's bf16 vocoder as its measured null
+        assert by["bf16-vocoder-c4"]["engine_args"] == ["vocoder.dtype=bfloat16"]
+        assert by["bf16-vocoder-c4"]["production"] == ["vocoder.dtype"]
         argv = cell_argv(by["preempt-resume-c4"], Path("o"), None, None)
         assert argv.count("--require-path") == 2 and argv[argv.index("--require-path") + 1] == "chunked_prefill"
 

@@ -130,7 +130,8 @@ class Origin:
                           reference=ReferenceOptions(models=list(self.run["models"]), python=ref["python"],
                                                      device=ref["device"], dtype=ref["dtype"]),
                           vllm_omni=dict(rp["vllm_omni"] or {}), repeat=rp["repeat"],
-                          candidate_dtype=rp["candidate_dtype"], replace=True)
+                          candidate_dtype=rp["candidate_dtype"],
+                          candidate_vocoder_dtype=rp.get("candidate_vocoder_dtype"), replace=True)
 
 
 def write_suite(origin: Suite, case: Case, folder: Path, name: str, copy_voices: bool = False) -> Path:

@@ -44,6 +44,10 @@ class Evidence:
     batch_noise: dict | None = None
     # how often qwen-tts in the candidate's numerics samples outside the support (null.support_noise); None: unknown
     support_noise: dict | None = None
+    # qwen-tts's vocoder in the candidate's vocoder dtype on the candidate's codes (vocoder_null.py); None:
+    # the candidate's vocoder runs in the reference's dtype (or no null was decoded)
+    vocoder_null: Result | None = None
+    vocoder_dtype: str | None = None
 
 
 @dataclass
@@ -100,12 +104,15 @@ class Audio:
     def worst(self) -> int:
         return int(self.tiers.max()) if len(self.tiers) else 0
 
-    def bad_chunks(self, allowed_tier: int) -> np.ndarray:
-        return np.flatnonzero(self.tiers > allowed_tier)
+    def bad_chunks(self, allowed_tier: int, excused: np.ndarray | None = None) -> np.ndarray:
+        """Chunks above the allowed tier; `excused` (bool per chunk): those a measured null allows."""
+        over = self.tiers > allowed_tier
+        return np.flatnonzero(over & ~excused if excused is not None else over)
 
-    def first_bad(self, allowed_tier: int, policy: Policy) -> tuple[int | None, int | None]:
+    def first_bad(self, allowed_tier: int, policy: Policy,
+                  excused: np.ndarray | None = None) -> tuple[int | None, int | None]:
         """(frame, chunk) where the comparison first leaves the allowed tier."""
-        bad = self.bad_chunks(allowed_tier)
+        bad = self.bad_chunks(allowed_tier, excused)
         if not len(bad):
             return None, None
         c = int(bad[0])

@@ -3,8 +3,23 @@ and where it parts, against the same with each co-batched request's reference co
 
 from __future__ import annotations
 
+import numpy as np
+
+from . import vocoder_null
 from .evidence import Audio, Evidence, Finding, ranges
 from .policy import Policy
+
+
+def null_excused(ev: Evidence, audio: Audio, a, policy: Policy, comps: dict, mels: dict) -> np.ndarray | None:
+    """Per chunk, whether `audio` (`a` against the candidate) stays within the vocoder's measured
+    null (`a` against qwen-tts's vocoder in the candidate's dtype); None where no null was decoded."""
+    if ev.vocoder_null is None:
+        return None
+    null = Audio(a, ev.vocoder_null, ev, policy, mels)
+    ok = vocoder_null.excused(audio, null, policy.vocoder_null_margin)
+    comps.setdefault("vocoder_null", vocoder_null.to_json(audio, null, ev.vocoder_dtype, policy.vocoder_null_margin,
+                                                          ok))
+    return ok
 
 
 def vocoder_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> list[Finding]:
@@ -12,7 +27,8 @@ def vocoder_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> l
     audio = Audio(cross, cand, ev, policy, mels)
     comps["vocoder"] = audio.to_json()
     allowed = policy.tier_index("vocoder")
-    frame, chunk = audio.first_bad(allowed, policy)
+    excused = null_excused(ev, audio, cross, policy, comps, mels)
+    frame, chunk = audio.first_bad(allowed, policy, excused)
     if audio.length_gap:
         frames = audio.length_gap / 1920
         extra = (f"; the extra {frames:.0f} frames equal the reference codes' length: reference audio left in the output?"
@@ -24,7 +40,7 @@ def vocoder_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> l
                          frame=frame, chunk=chunk, stage="vocoder")]
     if chunk is None:
         return []
-    bad = audio.bad_chunks(allowed)
+    bad = audio.bad_chunks(allowed, excused)
     own = float(audio.chunks.logmel[bad].mean())
     scores = {}
     for peer, x in sorted(ev.cross_donors.items()):
@@ -42,7 +58,13 @@ def vocoder_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> l
                              f"chunks {ranges(bad)} decode as if with {donor}'s reference codes "
                              f"(log-mel distance {scores[donor]:.3g} against {own:.3g} with its own){same}",
                              frame=frame, chunk=chunk, stage="handoff", donor=donor, donor_kind="codes")]
+    beyond = ""
+    if excused is not None and "ratio" in comps.get("vocoder_null", {}):
+        r = comps["vocoder_null"]["ratio"]
+        worst = {m: max((r[m][i] if r[m][i] is not None else float("inf")) for i in bad) for m in r}
+        beyond = (f", beyond {policy.vocoder_null_margin:g}x what qwen-tts's own {ev.vocoder_dtype} vocoder moves from "
+                  "the reference's decode: " + ", ".join(f"{m} {v:.3g}x" for m, v in worst.items()))
     return [Finding("vocoder_defect",
                      f"candidate audio leaves the reference vocoder's output on its own codes from chunk {chunk} "
-                     f"(chunks {ranges(bad)}, worst log-mel distance {audio.chunks.logmel[bad].max():.3g})",
+                     f"(chunks {ranges(bad)}, worst log-mel distance {audio.chunks.logmel[bad].max():.3g}{beyond})",
                      frame=frame, chunk=chunk, stage="vocoder")]

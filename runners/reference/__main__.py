@@ -93,7 +93,8 @@ def main(argv: list[str] | None = None) -> int:
         + f" on {args.device} in {args.dtype}")
     return serve({"generate": service.generate, "decode": service.decode, "score": service.score},
                  {"label": LABEL, "fingerprint": fingerprint, "provenance": provenance, "score_version": SCORE_VERSION,
-                  "generate_dtypes": list(DTYPES), "generate_waves": True, "generate_codes_only": True})
+                  "generate_dtypes": list(DTYPES), "generate_waves": True, "generate_codes_only": True,
+                  "decode_dtypes": list(DTYPES)})
 
 
 if __name__ == "__main__":

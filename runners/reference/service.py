@@ -26,8 +26,9 @@ from runners.reference.environment import log
 
 LABEL = "qwen-tts"
 REQUIRED_DECODE = ("seed", "max_new_tokens")
-# A generate job's `dtype`: qwen-tts in another dtype than the runner's own (the measured null,
-# difftest/verdicts/null.py), a second copy of the models loaded on first use.
+# A generate job's or decode item's `dtype`: qwen-tts in another dtype than the runner's own (the
+# measured nulls, difftest/verdicts/null.py and vocoder_null.py), a second copy of the models loaded
+# on first use.
 DTYPES = ("float32", "bfloat16")
 
 
@@ -203,16 +204,20 @@ class ReferenceService:
         name, src, out = item.get("name"), item.get("input"), item.get("out")
         if not name or not src or not out:
             raise BadInput("a decode item needs name, input and out")
+        dtype = item.get("dtype")  # qwen-tts's vocoder in another dtype (a candidate's: the vocoder's null)
+        if dtype is not None and dtype not in DTYPES:
+            raise BadInput(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
         codes, ref_codes = _load_codes(Path(src))
-        if not self.engine.is_loaded(task):
+        engine = self._engine(dtype)
+        if not engine.is_loaded(task):
             emit("progress", item=name, segment=name, stage="load",
-                 message=f"loading the {MODEL_TYPE_OF_TASK[task]} model")
-        self.engine.model(task)
+                 message=f"loading the {MODEL_TYPE_OF_TASK[task]} model in {engine.dtype}")
+        engine.model(task)
         t0 = time.perf_counter()
-        wav, sr = self.engine.vocode(codes, ref_codes, task)
+        wav, sr = engine.vocode(codes, ref_codes, task)
         seconds = time.perf_counter() - t0
         ckpt = self.checkpoints[task]
-        provenance = {**self.provenance, "op": "decode", "input": str(src),
+        provenance = {**self.provenance, "op": "decode", "input": str(src), "dtype": engine.dtype,
                       "checkpoint": {"path": str(ckpt.path), "model": ckpt.spec, "sha256": ckpt.sha256,
                                      "tts_model_type": ckpt.model_type}}
         result = Result(segment_id=str(item.get("segment_id", name)), segment_hash=str(item.get("segment_hash", "")),
