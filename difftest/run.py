@@ -411,7 +411,8 @@ def null_at_n_finding(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine,
 
 def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy, again=None,
            scores: tuple[dict, dict] | None = None, noise: dict | None = None,
-           support: dict | None = None, null_vocoder: _Vocoder | None = None) -> tuple[dict, dict]:
+           support: dict | None = None, null_vocoder: _Vocoder | None = None,
+           numerics: dict | None = None) -> tuple[dict, dict]:
     """Every segment's verdict: cross-decodes through the reference vocoder, the classifier, and
     where the vocoder check fails, the donor search with each co-batched request's reference.
     `null_vocoder`: qwen-tts's vocoder in the candidate's vocoder dtype, where that is not the
@@ -467,7 +468,8 @@ def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy,
                         again.results.get(sid) if again is not None else None,
                         {role: got[sid] for role, got in score_ok.items() if sid in got},
                         {p: i for p, i in ref_inputs.items() if p != sid}, noise, support,
-                        vocoder_null=null, vocoder_dtype=null_vocoder.dtype if null_vocoder is not None else None)
+                        vocoder_null=null, vocoder_dtype=null_vocoder.dtype if null_vocoder is not None else None,
+                        numerics=numerics)
 
     ref_inputs = {sid: i for sid, r in ref_run.results.items() if (i := inputs_of(r)) is not None}
     verdicts = {s.id: classify(evidence(s.id), policy) for s in suite.segments}
@@ -592,7 +594,8 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         with timings("cross_decode_s"):
             verdicts, vocoder_nulls = _judge(suite, ref_run, cand, ctrl,
                                              _Vocoder(runner, out / "results" / "cross", opts.reference.timeout,
-                                                      store.root), policy, again, scores, noise, support, null_vocoder)
+                                                      store.root), policy, again, scores, noise, support, null_vocoder,
+                                             numerics)
 
     ordered = [verdicts[s.id] for s in suite.segments]
     for sid, notes in measured_null.suspect_notes([null, null_n]).items():  # a run-level failure names its segments
@@ -612,7 +615,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
                                 errors=[{**ctrl.errors[s.id], "source": "control"}] if s.id in ctrl.errors else [],
                                 initial_frames=suite.chunks["initial_frames"], chunk_frames=suite.chunks["frames"],
                                 scores={"candidate": scores[0]["control"][s.id]}
-                                if s.id in scores[0]["control"] else {}, support_noise=support,
+                                if s.id in scores[0]["control"] else {}, support_noise=support, numerics=numerics,
                                 **_null_for(vocoder_nulls.get(s.id), ctrl.results.get(s.id), vocoder_numerics)),
                        policy) for s in suite.segments]
     timings["total_s"] = time.perf_counter() - t_start

@@ -581,3 +581,17 @@ def test_sampler_bank_defects_change_only_their_parameter(defect, changed, store
              "subtalker_dosample": True, "subtalker_temperature": 0.9, "subtalker_top_k": 50, "subtalker_top_p": 1.0}
     got = engine._generate_kwargs(job)
     assert {k: got[k] for k in clean} == pytest.approx({**clean, **changed})
+
+
+def test_the_talker_capture_keeps_what_its_mode_says():
+    """--talker-capture: full keeps the talker's input and output, no-input drops every input_* array
+    (the ingredient comparison then has nothing to compare), none keeps no talker array at all."""
+    from runners.cpu_engine import held
+
+    side = {"input_text_ids": np.arange(3), "input_speaker_embedding": np.ones(4), "talker_tokens": np.arange(5),
+            "talker_ref_codes": np.zeros((0, 16)), "talker_prompt": np.array([0, 0, -1])}
+    assert held("full", side) == side
+    assert sorted(held("no-input", side)) == ["talker_prompt", "talker_ref_codes", "talker_tokens"]
+    assert held("none", side) == {}
+    with pytest.raises(ValueError, match="'partial'"):
+        held("partial", side)

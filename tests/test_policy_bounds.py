@@ -29,6 +29,7 @@ ABSURD = {
     "tiers.quantisation_max_abs": "1", "tiers.close_max_abs": "1e9", "tiers.close_snr_db": "-1e9",
     "tiers.close_logmel": "1e9", "donor.max_ratio": "1", "forced.max_rank": "4096", "forced.near_tie_top_k": "4096",
     "forced.max_gap": "1e9", "forced.near_tie_max_gap": "1e3", "forced.near_tie_gross_gap": "100",
+    "forced.exact_tie_gap": "0.01",
     "forced.support_max_gap": "50", "forced.support_gross_gap": "1e9", "forced.min_top1_share": "0",
     "forced.min_sub_top1_share": "0.01", "forced.sampling_max_z": "1e9", "forced.sampling_false_flag_rate": "1e-300",
     "reference_encoder.min_agreement": "0", "measured_null.false_flag_rate": "1e-12",

@@ -488,3 +488,62 @@ def test_an_older_runner_without_the_score_job_is_an_infrastructure_error(tmp_pa
     runner.hello = {"fingerprint": {}}
     with pytest.raises(InfraError, match="no score job"):
         Scorer(runner, tmp_path / "store", timeout=10)
+
+
+EXACT = {"dtype": "float32", "from": "the engine's identity", "exact": True}
+BF16 = {"dtype": "bfloat16", "from": "declared (--candidate-dtype)", "exact": False}
+
+
+def test_in_qwen_tts_own_numerics_one_token_off_its_top1_fails_its_segment(policy):
+    """Issue 57, item 1: a float32 candidate's null is qwen-tts itself, which never leaves its own top-1:
+    one token off it by more than a float32 tie is a defect at concurrency 1, no count over the run."""
+    other = CODES.copy()
+    other[22:, 0] += 1  # a scaled speaker embedding: plausible, one flip at frame 22
+    sf = scores({(22, 0): 1}, {(22, 0): 0.02})
+    ev = replace(evidence(other, cand_scores=sf), control=None, numerics=EXACT)
+    v = classify(ev, policy)
+    assert (v.verdict, v.stage, v.first_divergent_frame) == ("talker_defect", "talker", 22), v.summary
+    assert "1 greedy tokens off qwen-tts's top-1 by more than a float32 tie (5e-05 nats)" in v.summary
+    assert "frame 22 codebook 0 (rank 1, 0.02 nats below its top-1)" in v.summary
+    assert "qwen-tts's own numerics (float32: the engine's identity)" in v.summary
+    assert v.comparisons["forced"]["exact_tie_gap"] == 5e-5
+    # the same stream in bf16 numerics is the measured null's to judge (run level): plausible here
+    assert classify(replace(ev, numerics=BF16), policy).verdict == "code_divergence"
+    # a code predictor token counts the same way
+    sf = scores({(7, 9): 1}, {(7, 9): 0.3})
+    assert classify(replace(ev, scores={"candidate": sf}), policy).stage == "talker"
+
+
+def test_a_float32_tie_is_excused_and_only_that(policy):
+    """The line is the measured tie width (2.5e-5 nats of float32 reordering, twice that allowed): a
+    token on a tie passes, one just past the line fails; sampled sites are the support's to judge."""
+    other = CODES.copy()
+    other[3:, 0] += 1
+    ev = replace(evidence(other), control=None, numerics=EXACT)
+    tie = classify(replace(ev, scores={"candidate": scores({(3, 0): 1}, {(3, 0): 2e-5})}), policy)
+    assert tie.verdict == "code_divergence", tie.summary
+    past = classify(replace(ev, scores={"candidate": scores({(3, 0): 1}, {(3, 0): 1e-4})}), policy)
+    assert past.verdict == "talker_defect", past.summary
+    sampled = {"do_sample": True, "subtalker_dosample": False}
+    s = classify(replace(ev, scores={"candidate": scores({(3, 0): 1}, {(3, 0): 0.3}, settings=sampled)}), policy)
+    assert s.verdict != "talker_defect", s.summary
+
+
+def test_in_exact_numerics_a_departure_only_at_n_stays_the_concurrency_checks(policy):
+    """At N the rule holds only where the stream at 1 leaves qwen-tts's top-1 too: a flip at N alone is a
+    concurrency defect (cobatch-blend's class), not the talker's."""
+    other = CODES.copy()
+    other[9:, 0] += 1
+    clean, off = scores(), scores({(9, 0): 1}, {(9, 0): 0.05})
+    ev = replace(evidence(other, ctrl_codes=CODES, cand_scores=off, ctrl_scores=clean), numerics=EXACT)
+    v = classify(ev, policy)
+    assert v.verdict == "concurrency_defect" and "talker_defect" not in " ".join(v.notes), (v.summary, v.notes)
+    both = classify(replace(ev, control=toy_result("a", other, REF), scores={"candidate": off, "control": off}), policy)
+    assert (both.verdict, both.stage) == ("talker_defect", "talker"), both.summary
+
+
+def test_in_exact_numerics_a_stop_off_the_top1_fails(policy):
+    eos = {"rank": 1, "logprob": -2.5, "top1_logprob": -2.0, "in_support": True}
+    ev = replace(evidence(CODES[:-1], cand_scores=scores(eos=eos, codes=CODES[:-1])), control=None, numerics=EXACT)
+    v = classify(ev, policy)
+    assert v.verdict in ("talker_defect",) and "stops after 29 frames" in v.summary, v.summary

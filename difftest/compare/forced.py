@@ -34,6 +34,8 @@ class ForcedPolicy:
     min_sub_top1_share: float = 0.9
     max_rank: int = 10
     max_gap: float = 1.5
+    # qwen-tts's own numerics (float32): a greedy token off its top-1 by more than this is no tie
+    exact_tie_gap: float = 5e-5
 
 
 def sampled(sf: ScoreFile) -> bool:
@@ -68,6 +70,7 @@ class Implausible:
     frame: int
     codebook: int
     reason: str
+    why: str = ""  # what makes it implausible beyond the policy's lines (the numerics it was judged in)
 
 
 def implausible(sf: ScoreFile, p: ForcedPolicy) -> Implausible | None:
@@ -106,6 +109,33 @@ def implausible(sf: ScoreFile, p: ForcedPolicy) -> Implausible | None:
             return Implausible(sf.frames, 0, f"the stream stops after {sf.frames} frames where qwen-tts ranks the "
                                              f"stop {int(sf.eos['rank'])} ({eos_gap:.3g} nats below its top-1)")
     return None
+
+
+def off_exact(sf: ScoreFile, tie: float) -> Implausible | None:
+    """In qwen-tts's own numerics, the first greedy token (or stop) off its top-1 by more than a float32
+    tie: no implementation in those numerics decodes it (issue 57). None where there is none."""
+    rank, gap = sf.arrays["rank"], sf.gap
+    greedy_cols = np.array([not sf.settings.get("do_sample")] + [not sf.settings.get("subtalker_dosample")]
+                           * (rank.shape[1] - 1))
+    off = np.argwhere((rank > 0) & (gap > tie) & greedy_cols)
+    if len(off):
+        f, c = (int(x) for x in off[0])
+        return Implausible(f, c, f"{len(off)} greedy tokens off qwen-tts's top-1 by more than a float32 tie "
+                                 f"({tie:g} nats), the first at frame {f} codebook {c} (rank {int(rank[f, c])}, "
+                                 f"{float(gap[f, c]):.3g} nats below its top-1)")
+    if sf.eos is not None and greedy_cols[0] and sf.eos["rank"] > 0 and sf.eos["top1_logprob"] - sf.eos["logprob"] > tie:
+        return Implausible(sf.frames, 0, f"the stream stops after {sf.frames} frames where qwen-tts's top-1 is "
+                                         f"another token, {sf.eos['top1_logprob'] - sf.eos['logprob']:.3g} nats "
+                                         f"above the stop (a float32 tie: {tie:g})")
+    return None
+
+
+def on_ties(sf: ScoreFile) -> list[tuple[int, int, float]]:
+    """The greedy positions off qwen-tts's top-1 (frame, codebook, gap), first first: in its own
+    numerics, where `off_exact` found none past the line, each lies on a float32 tie."""
+    greedy_cols = np.array([not sf.settings.get("do_sample")] + [not sf.settings.get("subtalker_dosample")]
+                           * (sf.arrays["rank"].shape[1] - 1))
+    return [(int(f), int(c), float(sf.gap[f, c])) for f, c in np.argwhere((sf.arrays["rank"] > 0) & greedy_cols)]
 
 
 def first_difference(a: np.ndarray, b: np.ndarray) -> tuple[int, int] | None:

@@ -189,7 +189,12 @@ def classify(ev: Evidence, policy: Policy) -> SegmentVerdict:
                 notes.append(f"teacher-forced under qwen-tts the candidate's codes are plausible ({f['decoding']}: "
                              f"top-1 at {f['top1_share']:.0%} of frames, worst rank {f['worst_rank']}, "
                              f"worst gap {f['worst_gap']:.2g} nats)")
-            elif "forced" not in comps:
+            if (t := comps.get("forced", {}).get("float32_ties")) and not tf:
+                notes.append(f"suspect: its codes leave qwen-tts's top-1 only on float32 ties ({t['count']}, the first at "
+                             f"frame {t['first'][0]} codebook {t['first'][1]}, {t['gap']:.2g} nats): float32 reordering "
+                             f"moves qwen-tts's own margins that far (the tie width, {comps['forced']['exact_tie_gap']:g} "
+                             f"nats), so no verdict alone; listen where the run fails")
+            if "forced" not in comps:
                 notes.append("no teacher-forced scores: the talker stage not judged")
         findings += headline_findings(ev, policy, comps, mels)
         findings = talker_cleared(ev, findings, notes)

@@ -70,6 +70,8 @@ def _near_tie(ev: Evidence, policy: Policy, comps: dict) -> str | None:
     fp = policy.forced
     if ev.batch_noise is not None and (ev.batch_noise["flips"] or not ev.batch_noise.get("exact", True)):
         fp = replace(fp, near_tie_max_gap=fp.near_tie_gross_gap)
+    elif (ev.numerics or {}).get("exact"):  # qwen-tts's own numerics: a near-tie is a float32 tie (issue 57)
+        fp = replace(fp, near_tie_max_gap=fp.exact_tie_gap)
     ok, detail = forced.near_tie(a, b, at, fp)
     if ok:
         later = forced.implausible(b, policy.forced)

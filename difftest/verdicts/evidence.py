@@ -48,6 +48,9 @@ class Evidence:
     # the candidate's vocoder runs in the reference's dtype (or no null was decoded)
     vocoder_null: Result | None = None
     vocoder_dtype: str | None = None
+    # the candidate talker's numerics ({"dtype", "from", "exact"}, run.py); exact: qwen-tts's own, where a
+    # greedy token off its top-1 by more than a float32 tie is a defect (talker.forced_findings)
+    numerics: dict | None = None
 
 
 @dataclass

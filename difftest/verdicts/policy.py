@@ -132,6 +132,10 @@ BOUNDS = {
     **{f"forced.{k}": ("[0.5, 1]", "a greedy stream's share of positions on qwen-tts's top-1: 0 passes any "
                                    "stream; below one half a stream mostly off qwen-tts's choices is plausible "
                                    "(defaults 0.8, 0.9)") for k in ("min_top1_share", "min_sub_top1_share")},
+    "forced.exact_tie_gap": ("[0, 1e-3]", "nats between qwen-tts's top-1 and a token a float32 implementation may "
+                             "take instead: float32 reordering moves them by at most 2.5e-5 (another thread count, "
+                             "another shape; default 5e-5); 1e-3 is 40x that, where a scaled embedding's first flip "
+                             "already hides"),
     "forced.sampling_max_z": ("(0, 10]", "|z| of a standard normal: 10 is a false-flag rate of 1e-23; a larger line "
                               "buys no safety and only loses defects (default 4)"),
     "forced.sampling_false_flag_rate": _RATE,

@@ -22,7 +22,7 @@ def forced_findings(ev: Evidence, policy: Policy, comps: dict) -> list[Finding]:
         exact = noise.get("exact", True) and not noise["outside"]
         fp = replace(fp, support_max_gap=0.0 if exact else fp.support_gross_gap)
         comps["forced"]["support_noise"] = {**noise, "allowed_gap": fp.support_max_gap}
-    bad = forced.implausible(sf, fp)
+    bad = forced.implausible(sf, fp) or _off_exact(ev, sf, fp, comps)
     at = forced.first_difference(ev.reference.codes, ev.candidate.codes) if ev.reference is not None else None
     comps["forced"]["trace"] = forced.trace(sf, bad.frame if bad is not None else at[0] if at else None)
     own = own_margins.of(ev.candidate.extra)
@@ -40,5 +40,26 @@ def forced_findings(ev: Evidence, policy: Policy, comps: dict) -> list[Finding]:
     if bad is None:
         return []
     return [Finding("talker_defect", f"teacher-forced under qwen-tts, the candidate's codes are not what its talker "
-                                      f"should decode: {bad.reason}",
+                                      f"should decode: {bad.reason}" + bad.why,
                      frame=bad.frame, chunk=chunk_of(bad.frame, len(ev.candidate.codes), ev), stage="talker")]
+
+
+def _off_exact(ev: Evidence, sf, fp, comps: dict):
+    """In qwen-tts's own numerics (the measured null is the reference itself) a greedy token off its
+    top-1 by more than a float32 tie is decoded by no implementation in them (issue 57): no count
+    over the run, no allowance. At N only where the stream at 1 leaves it too (a departure at N alone
+    is the concurrency check's: batching in these numerics never parts, difftest/verdicts/null.py)."""
+    numerics = ev.numerics or {}
+    if not numerics.get("exact"):
+        return None
+    comps["forced"]["exact_tie_gap"] = fp.exact_tie_gap
+    off = forced.off_exact(sf, fp.exact_tie_gap)
+    if off is None and (ties := forced.on_ties(sf)):  # what float32 reordering can do: said, not failed
+        f, c, g = ties[0]
+        comps["forced"]["float32_ties"] = {"count": len(ties), "first": [f, c], "gap": g}
+    at_one = ev.scores.get("control")
+    if off is None or (ev.control is not None and at_one is not None and at_one is not sf
+                       and forced.off_exact(at_one, fp.exact_tie_gap) is None):
+        return None
+    return replace(off, why=f"; the candidate's talker runs in qwen-tts's own numerics ({numerics.get('dtype')}: "
+                            f"{numerics.get('from')}), where only a float32 tie moves a token")

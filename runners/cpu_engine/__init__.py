@@ -9,6 +9,7 @@ a planted defect proves nothing. See docs/cpu-engine.md.
 
     .venv-reference/bin/python -m runners.cpu_engine --model DIR [--model DIR ...] --port P
         [--host 127.0.0.1] [--defect NAME] [--max-batch 8] [--batch-window-ms 50]
+        [--talker-capture full|no-input|none]
 
 Torch-free modules (importable by the tester's own environment and its tests):
 `defects`, `handoff`, `scheduler`, `api`, `server`. Only `engine` imports torch.
@@ -17,3 +18,15 @@ Torch-free modules (importable by the tester's own environment and its tests):
 ENGINE_NAME = "difftest-cpu-engine"
 LABEL = "difftest CPU test engine (not vLLM-Omni)"
 ENGINE_VERSION = 1
+# What a capture holds of the talker's side (--talker-capture): its input and output, its output only,
+# or nothing (a URL candidate's capture: codes, reference codes and audio)
+TALKER_CAPTURE = ("full", "no-input", "none")
+
+
+def held(mode: str, talker: dict) -> dict:
+    """The part of a request's talker side (capture arrays) that `--talker-capture MODE` keeps."""
+    if mode not in TALKER_CAPTURE:
+        raise ValueError(f"talker capture {mode!r}: expected one of {', '.join(TALKER_CAPTURE)}")
+    if mode == "none":
+        return {}
+    return {k: v for k, v in talker.items() if mode == "full" or not k.startswith("input_")}

@@ -20,7 +20,7 @@ import signal
 import sys
 import time
 
-from runners.cpu_engine import ENGINE_NAME, LABEL, defects
+from runners.cpu_engine import ENGINE_NAME, LABEL, TALKER_CAPTURE, defects
 from runners.cpu_engine.app import CAPTURE_ENV, build_server, subtalker_from_json
 from runners.reference.checkpoint import CheckpointError, open_checkpoints
 
@@ -38,6 +38,10 @@ def parse_args(argv):
                     help="the talker's and the encoders' dtype (the vocoder stays float32, as difftest serves "
                          "vLLM-Omni here): bfloat16 makes a correct engine with bf16 numerics, the measured "
                          "null's calibration (benchmarks/bench_null_false_flags.py)")
+    ap.add_argument("--talker-capture", default="full", choices=TALKER_CAPTURE,
+                    help="what the capture holds of the talker's side: full (its input and output), no-input (its "
+                         "output only), none (codes, reference codes and audio only, as a URL candidate without "
+                         "the talker's side): what difftest can judge with less evidence (issue 57)")
     ap.add_argument("--subtalker-sampling", default='{"do_sample": false}',
                     help='deploy-level sub-talker sampling, JSON: {"do_sample", "temperature", "top_k", "top_p"}')
     return ap.parse_args(argv)
@@ -68,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         server, _ = build_server(checkpoints, defect, host_name=args.host, port=args.port, max_batch=args.max_batch,
                                  batch_window_ms=args.batch_window_ms, subtalker=subtalker, capture_dir=capture_dir,
-                                 talker_dtype=args.talker_dtype)
+                                 talker_dtype=args.talker_dtype, talker_capture=args.talker_capture)
     except OSError as e:
         print(f"runners.cpu_engine: cannot listen on {args.host}:{args.port}: {e}", file=sys.stderr)
         return 2

@@ -34,7 +34,7 @@ def model_infos(checkpoints: dict) -> dict[str, ModelInfo]:
 
 
 def identity(checkpoints: dict, defect: str | None, *, max_batch: int, batch_window_ms: float,
-             subtalker, capture_dir: str | None, talker_dtype: str = "float32") -> dict:
+             subtalker, capture_dir: str | None, talker_dtype: str = "float32", talker_capture: str = "full") -> dict:
     """What this engine is and where it came from (GET /v1/engine)."""
     return {
         "engine": ENGINE_NAME,
@@ -60,6 +60,7 @@ def identity(checkpoints: dict, defect: str | None, *, max_batch: int, batch_win
                     "left_context_frames": defects.DEFECT_LEFT_CONTEXT if defect == "chunk-boundary"
                     else defects.DECODE_LEFT_CONTEXT},
         "capture_dir": capture_dir,
+        "talker_capture": talker_capture,
         "commit": repo_commit(),
         "host": host(),
         "pid": os.getpid(),
@@ -67,16 +68,18 @@ def identity(checkpoints: dict, defect: str | None, *, max_batch: int, batch_win
 
 
 def build_server(checkpoints, defect, *, host_name, port, max_batch, batch_window_ms, subtalker, qwen=None,
-                 capture_dir=None, talker_dtype="float32"):
+                 capture_dir=None, talker_dtype="float32", talker_capture="full"):
     """An EngineServer (not started) for one defect; `qwen` shares already loaded models."""
     from runners.cpu_engine.engine import BatchEngine
     from runners.cpu_engine.server import EngineServer
 
     engine = BatchEngine(checkpoints, defect=defect, subtalker=subtalker, qwen=qwen,
-                         fail_on=os.environ.get(FAIL_ON_ENV) or None, talker_dtype=talker_dtype)
+                         fail_on=os.environ.get(FAIL_ON_ENV) or None, talker_dtype=talker_dtype,
+                         talker_capture=talker_capture)
     engine.load()
     ident = identity(checkpoints, defect, max_batch=max_batch, batch_window_ms=batch_window_ms,
-                     subtalker=subtalker, capture_dir=capture_dir, talker_dtype=talker_dtype)
+                     subtalker=subtalker, capture_dir=capture_dir, talker_dtype=talker_dtype,
+                     talker_capture=talker_capture)
     server = EngineServer(engine.run_batch, model_infos(checkpoints), identity=ident, defect=defect,
                           host=host_name, port=port, max_batch=max_batch, batch_window_ms=batch_window_ms,
                           capture_dir=capture_dir, voices=VoiceStore())

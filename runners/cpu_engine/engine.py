@@ -33,7 +33,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from runners.cpu_engine import defects, handoff
+from runners.cpu_engine import defects, handoff, held
 from runners.cpu_engine.api import SpeechJob
 from runners.reference.checkpoint import Checkpoint
 from runners.reference.engine import QwenTTSEngine
@@ -84,7 +84,7 @@ def talker_side(codes: np.ndarray, ref: np.ndarray | None, inputs: dict) -> dict
 class BatchEngine:
     def __init__(self, checkpoints: dict[str, Checkpoint], *, defect: str | None = None,
                  subtalker: SubtalkerSampling | None = None, qwen: QwenTTSEngine | None = None,
-                 fail_on: str | None = None, talker_dtype: str = "float32"):
+                 fail_on: str | None = None, talker_dtype: str = "float32", talker_capture: str = "full"):
         self.checkpoints = checkpoints
         self.defect = defects.check(defect)
         self.subtalker = subtalker or SubtalkerSampling()
@@ -94,6 +94,8 @@ class BatchEngine:
                      QwenTTSEngine(checkpoints, device="cpu", dtype=talker_dtype, threads=1))
         self.fail_on = fail_on  # test hook: a request whose input contains it raises inside the engine
         self._prompts: OrderedDict = OrderedDict()
+        self.talker_capture = talker_capture
+        held(talker_capture, {})  # refused here, not at the first request
 
     def load(self) -> None:
         with MODEL_LOCK:
@@ -132,8 +134,11 @@ class BatchEngine:
             t2 = time.perf_counter()
         timings = {"talker_s": round(t1 - t0, 4), "vocoder_s": round(t2 - t1, 4), "batch_size": len(jobs)}
         return [Output(codes=s["codes"], ref_codes=s["ref_codes"], wav=w, sample_rate=sr,
-                       generated_frames=int(c.shape[0]), timings=dict(timings), talker=talker_side(c, r, i))
+                       generated_frames=int(c.shape[0]), timings=dict(timings), talker=self._captured(c, r, i))
                 for s, w, c, r, i in zip(stage_inputs, wavs, codes, refs, inputs)]
+
+    def _captured(self, codes, ref, inputs: dict) -> dict:
+        return held(self.talker_capture, talker_side(codes, ref, inputs))
 
     # -- step 1: the talker ---------------------------------------------
     def _prompt(self, tts, job: SpeechJob):
