@@ -1,6 +1,7 @@
 """How far float32 reordering moves qwen-tts's own token scores: the float32 tie width (issue 57, item 1).
 
     python benchmarks/bench_f32_tie.py [--suite smoke --suite voice-clone-concurrency ...] [--out FILE]
+        [--against threads|bfloat16]
 
 A candidate in qwen-tts's own numerics (float32, the measured null the reference itself) can put a
 greedy token off qwen-tts's top-1 only where the top-1 and that token lie closer than the rounding
@@ -13,8 +14,12 @@ its kernels' other reduction order makes. This measures that rounding on qwen-tt
 
 Per token (all 16 codebooks, greedy positions) the change in qwen-tts's top-1/top-2 margin and in
 the forced token's log-probability gap to the top-1 between the two evaluations. The widest is the
-tie width: the policy's `forced.exact_tie_gap` must be no narrower (tests/test_policy.py reads it
-from docs/verdicts.md). Prints one JSON object.
+tie width: the policy's `forced.exact_tie_gap` must be no narrower. Prints one JSON object.
+
+`--against bfloat16`: the second runner is qwen-tts in bf16 (one thread) instead: how far bf16
+numerics move qwen-tts's own margins per token (issue 57, item 2's noise model), on float32
+qwen-tts's streams and on bf16 qwen-tts's own (the measured null's), with the gaps at which the bf16
+streams leave float32's top-1.
 """
 
 from __future__ import annotations
@@ -98,16 +103,19 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--suite", action="append", default=None, help=f"suite name or path (default: {', '.join(SUITES)})")
     ap.add_argument("--out", default=None, help="write the JSON here too")
+    ap.add_argument("--against", default="threads", choices=("threads", "bfloat16"))
     args = ap.parse_args(argv)
     suites = [load_suite(s if s.endswith(".yaml") else REPO / "cases" / "suites" / f"{s}.yaml")
               for s in (args.suite or SUITES)]
     python = reference_python()
     per_suite, threads, cut, batched, smallest = {}, [], [], [], []
+    on_null, flip_gaps, null_tokens = [], [], [0]
     with tempfile.TemporaryDirectory(prefix="bench-f32-tie-") as tmp:
         tmp = Path(tmp)
         models = tiny_checkpoints(REPO / "difftest-store", python)
         one = RunnerProcess(runner_argv(python, models, ReferenceOptions(threads=1)), log_path=tmp / "r1.log", cwd=REPO)
-        two = RunnerProcess(runner_argv(python, models, ReferenceOptions(threads=2)), log_path=tmp / "r2.log", cwd=REPO)
+        other = ReferenceOptions(threads=2) if args.against == "threads" else ReferenceOptions(dtype="bfloat16")
+        two = RunnerProcess(runner_argv(python, models, other), log_path=tmp / "r2.log", cwd=REPO)
         one.start()
         two.start()
         try:
@@ -122,6 +130,15 @@ def main(argv=None) -> int:
                 together = _generate(one, segs, tmp / suite.name / "batched", waves=waves)
                 s1 = _score(one, segs, alone, tmp, f"{suite.name}-t1")
                 s2 = _score(two, segs, alone, tmp, f"{suite.name}-t2")
+                if args.against == "bfloat16":  # the null's own streams, scored both ways, and where they flip
+                    null = _generate(two, segs, tmp / suite.name / "null")
+                    n1 = _score(one, segs, null, tmp, f"{suite.name}-n1")
+                    n2 = _score(two, segs, null, tmp, f"{suite.name}-n2")
+                    for s in segs:
+                        on_null.append(_moved(n1[s.id], n2[s.id]))
+                        r, g = n1[s.id].arrays["rank"], n1[s.id].gap
+                        flip_gaps.extend(float(x) for x in g[r > 0])
+                        null_tokens[0] += int(r.size)
                 half = {s.id: max(1, len(alone[s.id].codes) // 2) for s in segs}
                 sh = _score(one, segs, alone, tmp, f"{suite.name}-half", frames=half)
                 flips = {}
@@ -144,6 +161,16 @@ def main(argv=None) -> int:
     width = max(t["margin"]["max"], t["gap"]["max"], c["margin"]["max"], c["gap"]["max"])
     report = {"suites": per_suite, "threads_1_vs_2": t, "whole_vs_first_half": c, "batched_vs_alone": batched,
               "smallest_own_margin": min(smallest) if smallest else None, "tie_width": width}
+    if args.against == "bfloat16":
+        report = {"suites": per_suite, "float32_streams_bf16_vs_f32": t, "bf16_streams_bf16_vs_f32": _summary(on_null),
+                  "null_flips": {"tokens": null_tokens[0], "off_top1": len(flip_gaps),
+                                 "gaps": sorted(round(g, 5) for g in flip_gaps)},
+                  "float32_streams_whole_vs_first_half": c}
+    if args.against == "bfloat16" and args.out:  # every |delta|, per site, for a tail model's fit
+        cols = {"talker": slice(0, 1), "code_predictor": slice(1, None)}
+        np.savez(Path(args.out).with_suffix(".npz"), **{
+            f"{name}_{site}": np.concatenate([p["margin"][:, c].ravel() for p in parts])
+            for name, parts in (("float32_streams", threads), ("bf16_streams", on_null)) for site, c in cols.items()})
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:

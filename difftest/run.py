@@ -347,9 +347,28 @@ def null_finding(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine, ref_
     own, else decoded (codes only, cached in the store) now; none at all when no greedy token needs
     explaining. `share`: the part of the run's false-flag rate it spends."""
     if not measured_null.needed(control):
-        return measured_null.judge(control, None, policy.null, numerics, share=share), [], None
+        return measured_null.judge(control, None, policy.null, numerics, share=share), [], None, None
     alone = _null_alone(suite, scorer, ref_engine, ref_run, numerics, [s for s in suite.segments if s.id in control])
-    return measured_null.judge(control, alone[1], policy.null, numerics, share=share), alone[2], alone
+    finding = measured_null.judge(control, alone[1], policy.null, numerics, share=share)
+    model, warnings = _noise_model(suite, scorer, alone, numerics, policy, len(control))
+    if finding is not None and model is not None:
+        finding["noise_model"] = model.to_json()
+    return finding, alone[2] + warnings, alone, model
+
+
+def _noise_model(suite: Suite, scorer: Scorer, alone, numerics: dict, policy: Policy, segments: int):
+    """The null's streams scored by qwen-tts in their own numerics too: how far those numerics move each
+    margin (null.NoiseModel), for each segment's own flips. None in the reference's own numerics (the
+    float32 tie rule judges there) or where nothing could be scored."""
+    if numerics["exact"] or not alone[1]:
+        return None, []
+    own = Scorer(scorer.runner, scorer.store_root, scorer.timeout, dtype=numerics["dtype"])
+    got, errors = score_streams(own, suite, {"null": alone[0]}, set(alone[1]))
+    warnings = [f"{sid}: measured null's noise model, scoring in {numerics['dtype']}: {m}"
+                for sid, m in errors["null"].items()]
+    p = policy.null
+    return measured_null.noise_model(alone[1], got["null"], numerics["dtype"], p.noise_scale,
+                                     p.segment_false_flag_rate, segments), warnings
 
 
 def _null_alone(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine, ref_run, numerics: dict, segments: list):
@@ -412,7 +431,7 @@ def null_at_n_finding(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine,
 def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy, again=None,
            scores: tuple[dict, dict] | None = None, noise: dict | None = None,
            support: dict | None = None, null_vocoder: _Vocoder | None = None,
-           numerics: dict | None = None) -> tuple[dict, dict]:
+           numerics: dict | None = None, noise_model=None) -> tuple[dict, dict]:
     """Every segment's verdict: cross-decodes through the reference vocoder, the classifier, and
     where the vocoder check fails, the donor search with each co-batched request's reference.
     `null_vocoder`: qwen-tts's vocoder in the candidate's vocoder dtype, where that is not the
@@ -469,7 +488,7 @@ def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy,
                         {role: got[sid] for role, got in score_ok.items() if sid in got},
                         {p: i for p, i in ref_inputs.items() if p != sid}, noise, support,
                         vocoder_null=null, vocoder_dtype=null_vocoder.dtype if null_vocoder is not None else None,
-                        numerics=numerics)
+                        numerics=numerics, noise_model=noise_model)
 
     ref_inputs = {sid: i for sid, r in ref_run.results.items() if (i := inputs_of(r)) is not None}
     verdicts = {s.id: classify(evidence(s.id), policy) for s in suite.segments}
@@ -581,8 +600,9 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
             numerics = {"dtype": dtype, "from": source, "exact": dtype == ref_run.fingerprint.get("dtype")}
             ref_engine = ReferenceEngine(runner, store.root, opts.reference.timeout)
             at_n = opts.concurrency > 1  # the run at N spends half the false-flag rate (null.judge_at_n)
-            null, null_warnings, alone = null_finding(suite, scorer, ref_engine, ref_run, scores[0]["control"],
-                                                      numerics, policy, share=0.5 if at_n else 1.0)
+            null, null_warnings, alone, noise_model = null_finding(suite, scorer, ref_engine, ref_run,
+                                                                   scores[0]["control"], numerics, policy,
+                                                                   share=0.5 if at_n else 1.0)
             null_n, noise, warnings_n = (null_at_n_finding(suite, scorer, ref_engine, ref_run, cand, ctrl,
                                                            scores[0]["control"], scores[0]["candidate"], numerics,
                                                            policy, null and null["verdict"], alone)
@@ -595,7 +615,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
             verdicts, vocoder_nulls = _judge(suite, ref_run, cand, ctrl,
                                              _Vocoder(runner, out / "results" / "cross", opts.reference.timeout,
                                                       store.root), policy, again, scores, noise, support, null_vocoder,
-                                             numerics)
+                                             numerics, noise_model)
 
     ordered = [verdicts[s.id] for s in suite.segments]
     for sid, notes in measured_null.suspect_notes([null, null_n]).items():  # a run-level failure names its segments
@@ -616,6 +636,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
                                 initial_frames=suite.chunks["initial_frames"], chunk_frames=suite.chunks["frames"],
                                 scores={"candidate": scores[0]["control"][s.id]}
                                 if s.id in scores[0]["control"] else {}, support_noise=support, numerics=numerics,
+                                noise_model=noise_model,
                                 **_null_for(vocoder_nulls.get(s.id), ctrl.results.get(s.id), vocoder_numerics)),
                        policy) for s in suite.segments]
     timings["total_s"] = time.perf_counter() - t_start

@@ -57,10 +57,14 @@ CHECKS = (
     Check("off-by-one", "off-by-one", "greedy", frozenset({"length_mismatch", "handoff_defect"}), False),
     # talker defects: the capture reports what the request asked for; teacher forcing sees the rest
     *(Check(d, d, "greedy", frozenset({"talker_defect"}), False, True)
-      for d in ("prompt-padded", "sampled-greedy", "codebook-shift")),
+      for d in ("sampled-greedy", "codebook-shift")),
     # the talker's input is captured (schema v3): what its prompt is made of, named field by field
     *(Check(d, d, "greedy", frozenset({"talker_defect"}), False, True, "talker_input")
       for d in ("prompt-truncated", "language-dropped", "streaming-layout", "speaker-scaled", "text-word-dropped")),
+    # ...and the prompt as assembled, row by row (issue 57, item 5): every ingredient right, one row moved; or the
+    # rows altered after the builder (padded; scaled, below every per-token line, which the measured null sees too)
+    *(Check(d, d, "greedy", frozenset({"talker_defect"}), False, True, "talker_input")
+      for d in ("prompt-row-moved", "prompt-padded")),
     Check("speaker-leak", "speaker-leak", "greedy", frozenset({"contamination"}), True, stage="talker_input"),
     # sampling tighter or hotter than asked: every token inside the support, only the run-level sampling test sees it
     # (temperature-ignored moved z to about -2.5 only; the likelihood ratio against the sampler bank catches it)
@@ -75,11 +79,14 @@ CHECKS = (
     *(Check(d, d, "power", frozenset({"sampling_defect"}), False, True)
       for d in ("talker-temperature-hot", "talker-temperature-cold", "repetition-penalty-dropped",
                 "repetition-penalty-twice")),
-    # below every per-token line: only the whole run against the measured null shows it (#28)
-    Check("prompt-embeds-scaled", "prompt-embeds-scaled", "greedy", frozenset({"talker_defect"}), False, True),
+    # below every per-token line: the whole run against the measured null shows it (#28); the assembled prompt,
+    # captured in float32 (exact), shows it in every segment
+    Check("prompt-embeds-scaled", "prompt-embeds-scaled", "greedy", frozenset({"talker_defect"}), False, True,
+          "talker_input"),
     # a co-batched request's conditioning altered a little: its codes at N part from those at 1 on near-ties,
-    # which only the null at N (qwen-tts in the engine's float32, batched as its waves, never parts) refuses to excuse
-    Check("cobatch-blend", "cobatch-blend", "greedy", frozenset({"concurrency_defect"}), True),
+    # which only the null at N (qwen-tts in the engine's float32, batched as its waves, never parts) refuses to excuse;
+    # the assembled prompt shows the blend itself at N (talker_defect at talker_input, right at 1)
+    Check("cobatch-blend", "cobatch-blend", "greedy", frozenset({"concurrency_defect", "talker_defect"}), True),
     # a consistently wrong reference encoder: only qwen-tts's encoder of the same voice shows it
     Check("ref-audio-rate", "ref-audio-rate", "greedy", frozenset({"reference_encoder_defect"}), False, True),
 )

@@ -474,7 +474,8 @@ def test_capture_files_are_whole_and_typed(world):
     for p in files:
         with np.load(p, allow_pickle=False) as z:
             assert set(z.files) == {"codes", "ref_codes", "wav", "lead_samples", "schema_version",
-                                    "talker_ref_codes", "talker_prompt", "talker_tokens", *capture.INPUT}
+                                    "talker_ref_codes", "talker_prompt", "talker_tokens", *capture.INPUT,
+                                    *capture.PROMPT}  # the rows' labels are the reference's to give
             codes, ref, wav, lead = z["codes"], z["ref_codes"], z["wav"], int(z["lead_samples"])
             tokens = z["talker_tokens"]
             assert int(z["schema_version"]) == 3 and z["input_text_ids"].dtype == np.int64
@@ -483,6 +484,10 @@ def test_capture_files_are_whole_and_typed(world):
             assert z["input_speaker_embedding"].dtype == np.float32
             if p.name.startswith("typed-"):  # this test's clones (the folder holds other tests' requests too)
                 assert len(z["input_speaker_embedding"]) and str(z["input_speaker_dtype"]) == "float32"
+                # the prompt as its talker got it, batched: qwen-tts's own rows for the request, bit for bit
+                theirs = world.reference[p.name.removeprefix("typed-").removesuffix(".npz")].extra
+                assert str(z["input_prompt_dtype"]) == "float32" and z["input_prompt_embeds"].dtype == np.float32
+                assert np.array_equal(z["input_prompt_embeds"], theirs["input_prompt_embeds"]), p.name
         # the talker's side: every frame's codebook-0 token the vocoder got, then the final token
         assert tokens.tolist() == [*codes[:, 0].tolist(), 2150]
         assert codes.dtype == np.int64 and codes.ndim == 2 and codes.shape[1] == 16
@@ -643,6 +648,34 @@ def test_chunk_boundary_corrupts_audio_past_the_300_frame_chunk(world, baseline,
     short = one_at_a_time(world.defect_urls["chunk-boundary"], world.capture, defect_segments()[:2], "cb-short")
     for sid, s in short.items():
         assert same_as(s, baseline["greedy"][sid])
+
+
+def test_prompt_row_moved_moves_the_speaker_row_and_nothing_else(world, baseline):
+    """Every ingredient the capture records is the clean engine's; the talker's prompt rows are, but for
+    the speaker row (a clone's x-vector, a custom voice's speaker) after the codec pad row; a designed
+    voice has no speaker row and is untouched. At concurrency N as at 1."""
+    segs = defect_segments() + field_segments()[:2]  # clones (in-context, x-vector), a custom voice, a design
+    clean = one_at_a_time(world.url, world.capture, field_segments()[:2], "moved-clean")
+    base = {**baseline["greedy"], **clean}
+    for served in (one_at_a_time(world.defect_urls["prompt-row-moved"], world.capture, segs, "moved1"),
+                   wave(world.defect_urls["prompt-row-moved"], world.capture, segs[:4], "moved4")):
+        for sid, s in served.items():
+            b = base[sid].cap
+            for name in capture.INPUT:
+                np.testing.assert_array_equal(s.cap[name], b[name], err_msg=f"{sid}: {name}")
+            rows, want = s.cap["input_prompt_embeds"], b["input_prompt_embeds"].copy()
+            if sid == "vd":
+                np.testing.assert_array_equal(rows, want)  # no speaker row
+                continue
+            # where qwen-tts's layout puts it: the clones (English, no instruction) at 3 role + 4 prefill rows
+            at = 7
+            if sid in world.reference:
+                labels = [capture.PROMPT_ROWS[i] for i in world.reference[sid].extra["input_prompt_rows"]]
+                at = labels.index("speaker")
+                assert labels[at + 1] == "codec pad", (sid, labels)
+            want[[at, at + 1]] = want[[at + 1, at]]
+            np.testing.assert_array_equal(rows, want, err_msg=sid)
+            assert not np.array_equal(rows, b["input_prompt_embeds"])
 
 
 def test_a_taken_port_stops_the_multi_engine_before_any_listener_serves(tiny, tmp_path):

@@ -119,7 +119,7 @@ def test_defect_names():
                             "prompt-truncated", "prompt-padded", "sampled-greedy", "codebook-shift",
                             "language-dropped", "streaming-layout", "temperature-ignored", "top-k-narrowed",
                             "top-k-ignored", "ref-audio-rate", "speaker-scaled", "speaker-leak", "text-word-dropped",
-                            "prompt-embeds-scaled", "cobatch-blend", "talker-temperature-hot",
+                            "prompt-embeds-scaled", "cobatch-blend", "prompt-row-moved", "talker-temperature-hot",
                             "talker-temperature-cold", "top-k-halved", "top-p-applied", "repetition-penalty-dropped",
                             "repetition-penalty-twice", "unprocessed-logits", "subtalker-temperature-hot"}
     assert check("none") is None and check(None) is None
@@ -589,7 +589,8 @@ def test_the_talker_capture_keeps_what_its_mode_says():
     from runners.cpu_engine import held
 
     side = {"input_text_ids": np.arange(3), "input_speaker_embedding": np.ones(4), "talker_tokens": np.arange(5),
-            "talker_ref_codes": np.zeros((0, 16)), "talker_prompt": np.array([0, 0, -1])}
+            "talker_ref_codes": np.zeros((0, 16)), "talker_prompt": np.array([0, 0, -1]),
+            "input_prompt_embeds": np.ones((9, 4), np.float32), "input_prompt_dtype": np.array("float32")}
     assert held("full", side) == side
     assert sorted(held("no-input", side)) == ["talker_prompt", "talker_ref_codes", "talker_tokens"]
     assert held("none", side) == {}

@@ -34,7 +34,9 @@ ABSURD = {
     "forced.min_sub_top1_share": "0.01", "forced.sampling_max_z": "1e9", "forced.sampling_false_flag_rate": "1e-300",
     "reference_encoder.min_agreement": "0", "measured_null.false_flag_rate": "1e-12",
     "measured_null.rate_margin": "1e9",
+    "measured_null.segment_false_flag_rate": "1", "measured_null.noise_scale": "100",
     "baseline.numerics_false_flag_rate": "0.0", "baseline.numerics_rate_margin": "1000", "vocoder_null.margin": "1e9",
+    "talker_input.prompt_bf16_max_rel": "1e9",
 }
 
 

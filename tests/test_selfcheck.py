@@ -27,8 +27,12 @@ def test_selfcheck_catches_planted_defects_and_passes_the_clean_engine(tmp_path)
     assert rio["at_concurrency_1"] == "fail"  # not a concurrency defect: visible alone too
     blend = rows["cobatch-blend"]  # the co-batched requests' codes part from theirs at 1, each token plausible
     assert blend["ok"] and blend["verdict"] == "fail" and blend["at_concurrency_1"] == "pass", blend
-    assert blend["stage"] == "talker" and "concurrency_defect" in blend["verdicts"], blend
+    # the prompt each blended request's talker got is not qwen-tts's, and was right at 1: placed where it enters
+    assert blend["stage"] == "talker_input" and "talker_defect" in blend["verdicts"], blend
     rep = json.loads((tmp_path / "sc" / "cobatch-blend" / "report.json").read_text())
+    hit = [s for s in rep["segments"] if s["verdict"] == "talker_defect"]
+    assert hit and all(s["stage"] == "talker_input" and s["summary"].endswith("at concurrency N (right at 1)")
+                       for s in hit), hit
     at_n = rep["measured_null_at_n"]  # which requests share a batch depends on arrival: the run decides
     assert at_n["verdict"] == "concurrency_defect" and at_n["null_decoded"], at_n
     assert at_n["numerics"]["dtype"] == "float32" and at_n["flips"]["null"] == 0 and at_n["flips"]["candidate"] >= 1

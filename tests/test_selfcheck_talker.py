@@ -10,12 +10,14 @@ from reference_support import reference_python
 
 
 def test_selfcheck_catches_talker_defects_at_concurrency_1_by_teacher_forcing(tmp_path):
-    """Three talker defects and an encoder defect the capture cannot see (it reports what the request
-    asked for): a padded prompt (greedy: tokens far down qwen-tts's ranking), sampling from the whole
-    codebook (tokens outside the support), sampling from the top 5 of 50 (every token inside the
+    """Talker defects and an encoder defect the capture's ingredients cannot see (it reports what the
+    request asked for): a padded prompt (greedy: tokens far down qwen-tts's ranking; and the assembled
+    prompt the talker got holds 24 rows more than qwen-tts's: placed at talker_input), sampling from the
+    whole codebook (tokens outside the support), sampling from the top 5 of 50 (every token inside the
     support; only the suite's likelihood shows it), a voice encoded at the wrong sample rate, and the
-    prompt's embeddings scaled by 0.97 after the builder (every token plausible: only the run against
-    the measured null shows it). Each must fail at concurrency 1 alone, the clean engines not at all."""
+    prompt's embeddings scaled by 0.97 after the builder (every token plausible: the run against the
+    measured null shows it, and the assembled prompt, captured in float32, in every segment). Each must
+    fail at concurrency 1 alone, the clean engines not at all."""
     reference_python()
     p = subprocess.run([sys.executable, "-m", "difftest", "selfcheck", "--defects",
                         "prompt-padded,top-k-ignored,top-k-narrowed,ref-audio-rate,prompt-embeds-scaled",
@@ -27,11 +29,18 @@ def test_selfcheck_catches_talker_defects_at_concurrency_1_by_teacher_forcing(tm
                           "prompt-embeds-scaled", "ref-audio-rate"]
     for clean in ("clean", "clean, sampled"):
         assert rows[clean]["ok"] and rows[clean]["verdict"] == "pass" and rows[clean]["at_concurrency_1"] == "pass"
-    for name, verdict, chunk in (("prompt-padded", "talker_defect", 0), ("top-k-ignored", "talker_defect", 0),
-                                 ("top-k-narrowed", "sampling_defect", None)):
+    for name, verdict, chunk, stage in (("prompt-padded", "talker_defect", 0, "talker_input"),
+                                        ("top-k-ignored", "talker_defect", 0, "talker"),
+                                        ("top-k-narrowed", "sampling_defect", None, "talker")):
         r = rows[name]
         assert r["ok"] and r["verdict"] == "fail" and r["at_concurrency_1"] == "fail", r
-        assert verdict in r["verdicts"] and r["stage"] == "talker" and r["chunk"] == chunk, r
+        assert verdict in r["verdicts"] and r["stage"] == stage and r["chunk"] == chunk, r
+    padded = json.loads((tmp_path / "sc" / "prompt-padded" / "report.json").read_text())
+    for s in padded["segments"]:  # the pad rows come first: row 0 is not qwen-tts's, 24 rows too many
+        assert (s["verdict"], s["stage"]) == ("talker_defect", "talker_input"), s
+        got = s["comparisons"]["talker_prompt"]
+        assert got["first_differing_row"] == 0 and got["rows"] == got["reference_rows"] + 24, got
+        assert "qwen-tts's whole prompt follows them: 24 rows put in front of it" in s["summary"], s["summary"]
     enc = rows["ref-audio-rate"]  # the encoder consistently wrong: talker, capture and hand-off agree with it
     # (the x-vector from the mis-sampled voice may move the talker too: then it is a talker_defect as well)
     assert enc["ok"] and enc["stage"] == "reference_encoder" and "reference_encoder_defect" in enc["verdicts"]
@@ -39,12 +48,16 @@ def test_selfcheck_catches_talker_defects_at_concurrency_1_by_teacher_forcing(tm
     sampled = json.loads((tmp_path / "sc" / "top-k-narrowed" / "report.json").read_text())["sampling"]
     assert sampled["verdict"] == "sampling_defect" and sampled["statistics"]["candidate"]["parts"]["talker"]["z"] > 4
     assert abs(sampled["statistics"]["reference"]["parts"]["talker"]["z"]) <= 4  # the test itself calibrated
-    # prompt-embeds-scaled: no segment is a talker_defect (each token within the per-token lines); the
-    # run is, against qwen-tts's own float32 stream (the CPU engine's numerics), which never leaves its top-1
+    # prompt-embeds-scaled: each token within the per-token lines; the run is a talker_defect against qwen-tts's
+    # own float32 stream (the CPU engine's numerics), which never leaves its top-1; and every segment is one at
+    # talker_input, from the assembled prompt (float32 against float32: exact; a bf16 candidate's 0.97 lies
+    # inside the bf16 allowance, where only the null sees it)
     r = rows["prompt-embeds-scaled"]
-    assert r["ok"] and r["verdict"] == "fail" and r["at_concurrency_1"] == "fail" and r["stage"] == "talker", r
+    assert r["ok"] and r["verdict"] == "fail" and r["at_concurrency_1"] == "fail" and r["stage"] == "talker_input", r
     rep = json.loads((tmp_path / "sc" / "prompt-embeds-scaled" / "report.json").read_text())
-    assert {s["verdict"] for s in rep["segments"]} == {"code_divergence"}
+    assert {(s["verdict"], s["stage"]) for s in rep["segments"]} == {("talker_defect", "talker_input")}
+    assert all(s["comparisons"]["talker_prompt"]["first_differing_row"] == 0
+               and abs(s["comparisons"]["talker_prompt"]["worst_rel"] - 0.03) < 1e-3 for s in rep["segments"])
     null = rep["measured_null"]
     assert null["verdict"] == "talker_defect" and null["numerics"]["dtype"] == "float32"
     assert null["numerics"]["null"] == "the reference itself"

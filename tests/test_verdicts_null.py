@@ -117,7 +117,8 @@ def test_the_candidates_numerics():
 def test_the_policy_holds_the_rate_and_the_margin(tmp_path):
     p = load_policy()
     assert (p.null.false_flag_rate, p.null.rate_margin) == (0.01, 1.5)
-    assert p.as_dict()["measured_null"] == {"false_flag_rate": 0.01, "rate_margin": 1.5}
+    assert p.as_dict()["measured_null"] == {"false_flag_rate": 0.01, "rate_margin": 1.5,
+                                            "segment_false_flag_rate": 0.01, "noise_scale": 1.5}
     text = (load_policy.__globals__["DEFAULT_POLICY"]).read_text()
     for bad, msg in (("rate_margin: 0.5", r"measured_null.rate_margin: out of range: 0.5, allowed \[1, 10\]"),
                      ("false_flag_rate: 0", r"measured_null.false_flag_rate: out of range: 0, allowed \[1e-6, 0.5\]"),
@@ -233,3 +234,77 @@ def test_a_run_level_failure_names_the_segments_that_carry_it():
     assert null.suspect_notes([at_n]) == {"s2": ["suspect: carries the run's concurrency_defect (its codes at "
                                                  "concurrency N part from its codes at 1 at frame 7, codebook 0, "
                                                  "0.5 nats from qwen-tts's top-1)"]}
+
+
+# -- the noise model per token (issue 57, item 2) --
+
+
+def _scored(margin: np.ndarray, flips: dict | None = None, sid="s") -> ScoreFile:
+    """A greedy stream with these top-1/top-2 margins; `flips` {(frame, codebook): gap} to qwen-tts's
+    rank 1 (whose gap is the margin there)."""
+    rank = np.zeros(margin.shape, np.int64)
+    logprob = np.zeros(margin.shape, np.float32)
+    margin = margin.copy()
+    for (f, c), g in (flips or {}).items():
+        rank[f, c], logprob[f, c], margin[f, c] = 1, -g, g
+    arrays = {"rank": rank, "top1_logprob": np.zeros(margin.shape, np.float32), "logprob": logprob,
+              "margin": margin.astype(np.float32), "in_support": rank < 1,
+              "support_gap": np.zeros(margin.shape, np.float32)}
+    return ScoreFile(sid, "h", arrays, settings={})
+
+
+def _model(scale=1.0, alpha=1e-3):
+    """The null moves every margin by 0-0.1 nats (uniform over 40 x 16 positions), float32 against bf16."""
+    rng = np.random.default_rng(0)
+    base = rng.uniform(0.5, 3, (40, 16))
+    moved = base + rng.uniform(-0.1, 0.1, (40, 16))
+    return null.noise_model({"s": _scored(base)}, {"s": _scored(moved)}, "bfloat16", scale, alpha * 4, 4)
+
+
+def test_the_noise_model_is_how_far_the_null_numerics_move_each_margin():
+    m = _model()
+    assert set(m.moved) == {"talker", "code_predictor"}
+    assert len(m.moved["talker"]) == 40 and len(m.moved["code_predictor"]) == 600
+    assert 0.09 < m.moved["code_predictor"][-1] <= 0.1 and m.alpha == pytest.approx(1e-3)
+    assert m.survival("code_predictor", 0.0) == 1.0 and m.survival("code_predictor", 0.2) < 1e-5
+    assert 0.4 < m.survival("code_predictor", 0.05) < 0.6  # half the uniform |delta| lies past 0.05
+    # the candidate's kernels may move a margin 2x as far: 0.15 is then inside what the null did
+    assert _model(scale=2.0).survival("code_predictor", 0.15) > 0.2
+    # past the null's widest |delta| the fitted power tail keeps mass (S(x) = S(u) (x/u)^-k above the
+    # 90th percentile u), never the empirical zero: a few hundred tokens do not show a tail's end
+    u, s_u, k = m.tail("code_predictor")
+    assert s_u == pytest.approx(0.1, abs=0.01) and k > 1
+    assert 0 < m.survival("code_predictor", 0.12) == pytest.approx(s_u * (0.12 / u) ** -k)
+    assert m.to_json()["sites"]["talker"]["tokens"] == 40
+
+
+def test_a_flip_wider_than_the_numerics_move_fails_its_segment_and_one_inside_them_does_not(policy):
+    """A segment's widest flip: expected flips that wide in a correct bf16 stream, lambda = sum_t S(max(g,
+    m_t)); p = 1 - exp(-lambda). Inside the null's movement on a stream of near-ties it is likely; past
+    every |delta| the null showed it has probability 0 and fails alone (talker_defect at the talker)."""
+    from dataclasses import replace
+
+    from difftest.verdicts.classify import classify
+    from test_verdicts_forced import CODES, evidence
+
+    m = _model()
+    near = np.full((30, 16), 0.03)  # a stream of near-ties: a correct bf16 engine flips some of them
+    inside = null.widest_flip(_scored(near, {(5, 0): 0.03}), m)
+    assert inside["site"] == "talker" and inside["frame"] == 5 and inside["p"] > 0.5, inside
+    far = null.widest_flip(_scored(np.full((30, 16), 2.0), {(7, 3): 0.4, (9, 0): 0.02}), m)
+    assert (far["frame"], far["codebook"], far["site"]) == (7, 3, "code_predictor") and far["p"] < 1e-6, far
+    assert far["gap"] == 0.4  # the talker's 0.02 flip there is one a correct bf16 engine makes (p > 0.5)
+    assert null.widest_flip(_scored(near), m) is None
+
+    other = CODES.copy()
+    other[7:, 3] += 1
+    ev = replace(evidence(other, cand_scores=_scored(np.full((30, 16), 2.0), {(7, 3): 0.4})), control=None,
+                 numerics=NUMERICS, noise_model=m)
+    v = classify(ev, policy)
+    assert (v.verdict, v.stage, v.first_divergent_frame) == ("talker_defect", "talker", 7), v.summary
+    assert "0.4 nats off qwen-tts's top-1, wider than qwen-tts in bfloat16 moves a code predictor token" in v.summary
+    assert v.comparisons["forced"]["noise"]["p"] < 1e-6
+    ok = classify(replace(ev, scores={"candidate": _scored(near, {(7, 3): 0.03})}), policy)
+    assert ok.verdict == "code_divergence" and ok.comparisons["forced"]["noise"]["p"] > 0.5, ok.summary
+    # without a model (no null decoded), the per-token lines alone: 0.4 nats is plausible
+    assert classify(replace(ev, noise_model=None), policy).verdict == "code_divergence"

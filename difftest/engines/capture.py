@@ -44,6 +44,27 @@ could not):
 | `input_speaker_dtype`     | string             | the dtype that embedding had                     |
 | `input_non_streaming`     | integer, 0 or 1    | the prompt's layout: the whole text first (1)    |
 
+Optional beside them (issue 57, item 5: the prompt assembled, not only its ingredients), together
+or not at all (absent: not captured, as in older captures):
+
+| array                     | shape / type       | meaning                                          |
+|---------------------------|--------------------|--------------------------------------------------|
+| `input_prompt_embeds`     | (L, H) float32     | the talker's prompt rows as it received them:    |
+|                           |                    | after assembly, before its first step, without a |
+|                           |                    | batch's padding rows; finite, at most            |
+|                           |                    | MAX_PROMPT_ROWS x MAX_PROMPT_HIDDEN              |
+| `input_prompt_dtype`      | string             | the dtype those rows had (`float32`, `bfloat16`, |
+|                           |                    | `float16`), as `input_speaker_dtype`             |
+| `input_prompt_rows`       | (L,) integers      | optional: which ingredient each row holds, an    |
+|                           |                    | index into PROMPT_ROWS (the reference runner     |
+|                           |                    | writes it from qwen-tts's layout)                |
+| `input_prompt_cached`     | integer in [0, L]  | optional: leading rows the talker's forward never |
+|                           |                    | got (a prefix-cache hit), taken from the prompt  |
+|                           |                    | built in the same step                           |
+
+A writer that tried and could not read the rows writes `input_prompt_missing` (a string) instead:
+the capture is then an error, as with `input_missing`.
+
 The three talker arrays come together or not at all: the stage before the
 hand-off, so the tester can tell what the hand-off changed (a reference prefix
 that is not the talker's own, a frame lost) from what the talker was given. A
@@ -90,7 +111,27 @@ TALKER = ("talker_ref_codes", "talker_prompt", "talker_tokens")
 TOPK = ("talker_topk_ids", "talker_topk_logprobs")
 INPUT_IDS = ("input_text_ids", "input_instruct_ids", "input_ref_text_ids", "input_codec_prefill", "input_speaker_id")
 INPUT = (*INPUT_IDS, "input_ref_codes", "input_speaker_embedding", "input_speaker_dtype", "input_non_streaming")
-KNOWN = ("codes", "ref_codes", "wav", "sample_rate", "lead_samples", "schema_version", *TALKER, *TOPK, *INPUT)
+# The assembled prompt (optional within the input): its rows, their dtype, and (the reference's) row labels.
+PROMPT = ("input_prompt_embeds", "input_prompt_dtype")
+PROMPT_LABELS = "input_prompt_rows"
+PROMPT_CACHED = "input_prompt_cached"
+PROMPT_DTYPES = ("float32", "bfloat16", "float16")
+MAX_PROMPT_ROWS = 1 << 15
+MAX_PROMPT_HIDDEN = 1 << 14
+MAX_PROMPT_VALUES = 1 << 24  # 64 MiB of float32: 8192 rows of the 1.7B talker's 2048
+# What each row of qwen-tts's assembled talker prompt holds (Qwen3TTSForConditionalGeneration.generate,
+# qwen-tts 0.1.1), in its order: an instruction block; the assistant header ("<|im_start|>assistant\n");
+# the codec prefill (think / no-think, think-bos, language, think-eos) over the text pad; a speaker (a
+# custom voice's id, a clone's x-vector) over the text pad; the codec pad over the text's bos; then the
+# text. A row "A + B" holds both (streaming: a text token over a codec bos or a reference frame);
+# `text`, `text eos` and `reference text` rows hold the codec pad, `codec bos` and `reference codes` rows
+# the text pad. "unknown": a layout runners/reference/prompt_inputs.py could not label (never guessed).
+PROMPT_ROWS = ("unknown", "instruction", "role", "codec prefill", "speaker", "codec pad", "codec bos",
+               "text", "text eos", "reference text", "reference codes", "text + codec bos",
+               "text eos + codec bos", "reference text + codec bos", "reference text + reference codes",
+               "text + reference codes", "text eos + reference codes")
+KNOWN = ("codes", "ref_codes", "wav", "sample_rate", "lead_samples", "schema_version", *TALKER, *TOPK, *INPUT,
+         *PROMPT, PROMPT_LABELS, PROMPT_CACHED)
 
 
 class CaptureError(ValueError):
@@ -274,8 +315,13 @@ def read_inputs(arrays: dict, where) -> dict | None:
     result's extra arrays (the reference runner writes the same fields)."""
     if "input_missing" in arrays:
         raise CaptureError(f"{where}: the talker's input was not captured ({arrays['input_missing']})")
+    if "input_prompt_missing" in arrays:
+        raise CaptureError(f"{where}: the talker's assembled prompt was not captured "
+                           f"({arrays['input_prompt_missing']})"[:1000])
     present = [n for n in INPUT if n in arrays]
     if not present:
+        if any(n in arrays for n in (*PROMPT, PROMPT_LABELS, PROMPT_CACHED)):
+            raise CaptureError(f"{where}: input_prompt_* without the input_* arrays they come with")
         return None
     if len(present) != len(INPUT):
         raise CaptureError(f"{where}: the input_* arrays come together; {', '.join(sorted(set(INPUT) - set(present)))} missing")
@@ -305,6 +351,49 @@ def read_inputs(arrays: dict, where) -> dict | None:
     if ns not in (0, 1):
         raise CaptureError(f"{where}: input_non_streaming must be 0 or 1, got {ns}")
     out["input_non_streaming"] = np.array(ns, np.int64)
+    return out | read_prompt(arrays, where)
+
+
+def read_prompt(arrays: dict, where) -> dict:
+    """The talker's assembled prompt (input_prompt_*), checked; {} where it was not captured."""
+    present = [n for n in PROMPT if n in arrays]
+    if not present:
+        if PROMPT_LABELS in arrays or PROMPT_CACHED in arrays:
+            raise CaptureError(f"{where}: {PROMPT_LABELS if PROMPT_LABELS in arrays else PROMPT_CACHED} without "
+                               f"input_prompt_embeds")
+        return {}
+    if len(present) != len(PROMPT):
+        raise CaptureError(f"{where}: input_prompt_embeds and input_prompt_dtype come together; "
+                           f"{', '.join(sorted(set(PROMPT) - set(present)))} missing")
+    emb = arrays["input_prompt_embeds"]
+    if emb.dtype != np.float32 or emb.ndim != 2 or not emb.shape[0] or not emb.shape[1]:
+        raise CaptureError(f"{where}: input_prompt_embeds must be float32 (rows, hidden), got {emb.dtype} "
+                           f"of shape {emb.shape}")
+    if emb.shape[0] > MAX_PROMPT_ROWS or emb.shape[1] > MAX_PROMPT_HIDDEN or emb.size > MAX_PROMPT_VALUES:
+        raise CaptureError(f"{where}: input_prompt_embeds has shape {emb.shape}, more than a talker prompt may "
+                           f"hold ({MAX_PROMPT_ROWS} rows, {MAX_PROMPT_HIDDEN} columns, {MAX_PROMPT_VALUES} values)")
+    bad = np.argwhere(~np.isfinite(emb))
+    if len(bad):
+        r, c = (int(i) for i in bad[0])
+        raise CaptureError(f"{where}: input_prompt_embeds[{r}, {c}] is {emb[r, c]} ({len(bad)} values not finite)")
+    dt = arrays["input_prompt_dtype"]
+    if dt.dtype.kind != "U" or dt.size != 1 or str(dt.reshape(-1)[0]) not in PROMPT_DTYPES:
+        raise CaptureError(f"{where}: input_prompt_dtype must be one of {', '.join(PROMPT_DTYPES)}, got "
+                           f"{dt.dtype} {dt!r}"[:300])
+    out = {"input_prompt_embeds": emb, "input_prompt_dtype": np.array(str(dt.reshape(-1)[0]))}
+    if PROMPT_LABELS in arrays:
+        rows = arrays[PROMPT_LABELS]
+        if (rows.dtype.kind not in "iu" or rows.shape != (emb.shape[0],) or (rows < 0).any()
+                or (rows >= len(PROMPT_ROWS)).any()):
+            raise CaptureError(f"{where}: {PROMPT_LABELS} must hold one index into PROMPT_ROWS "
+                               f"[0, {len(PROMPT_ROWS)}) per prompt row ({emb.shape[0]}), got {rows.dtype} "
+                               f"of shape {rows.shape}")
+        out[PROMPT_LABELS] = rows.astype(np.int64)
+    cached = _scalar(arrays, PROMPT_CACHED, where)
+    if cached is not None:
+        if not 0 <= cached <= emb.shape[0]:
+            raise CaptureError(f"{where}: {PROMPT_CACHED} {cached} outside [0, {emb.shape[0]}] (the prompt's rows)")
+        out[PROMPT_CACHED] = np.array(cached, np.int64)
     return out
 
 
@@ -453,6 +542,14 @@ def encode(arrays: dict) -> bytes:
         out["input_speaker_embedding"] = out["input_speaker_embedding"].astype(np.float32).reshape(-1)
     if "input_speaker_dtype" in out:
         out["input_speaker_dtype"] = np.array(str(out["input_speaker_dtype"]))
+    if "input_prompt_embeds" in out:  # (rows, hidden): its shape is the reader's to check
+        out["input_prompt_embeds"] = out["input_prompt_embeds"].astype(np.float32)
+    if "input_prompt_dtype" in out:
+        out["input_prompt_dtype"] = np.array(str(out["input_prompt_dtype"]))
+    if PROMPT_LABELS in out:
+        out[PROMPT_LABELS] = out[PROMPT_LABELS].astype(np.int64).reshape(-1)
+    if PROMPT_CACHED in out:
+        out[PROMPT_CACHED] = np.int64(out[PROMPT_CACHED])
     out["schema_version"] = np.int64(SCHEMA_VERSION)
     buf = io.BytesIO()
     np.savez(buf, **out)

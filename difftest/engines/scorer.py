@@ -33,12 +33,17 @@ class ScoreItem:
 
 
 class Scorer:
-    def __init__(self, runner: RunnerProcess, store_root: str | Path, timeout: float):
-        self.runner, self.timeout = runner, timeout
+    def __init__(self, runner: RunnerProcess, store_root: str | Path, timeout: float, dtype: str | None = None):
+        """`dtype`: qwen-tts in that dtype scores instead of the runner's own (the measured null's noise
+        model scores the null's streams in its own numerics too)."""
+        self.runner, self.timeout, self.store_root = runner, timeout, Path(store_root)
         if "score_version" not in runner.hello:
             raise InfraError("the reference runner has no score job (an older runner?): restart it from this checkout")
         # the reference configuration and the scoring code's version both decide a score
         fingerprint = {**(runner.hello.get("fingerprint") or {}), "score_version": runner.hello["score_version"]}
+        self.dtype = None if dtype in (None, fingerprint.get("dtype")) else dtype
+        if self.dtype:
+            fingerprint["dtype"] = self.dtype
         self.salt = ResultStore.config_key(fingerprint)
         self.dir = ResultStore(Path(store_root).resolve()).config_dir("scores", fingerprint)
 
@@ -68,7 +73,7 @@ class Scorer:
             atomic_write(src, buf.getvalue())
             todo.append({"name": name, "segment": it.segment.to_job(), "input": str(src), "out": str(stem),
                          "condition": "voice" if it.ref_codes is None else "given",
-                         "ended_by_eos": bool(it.ended_by_eos)})
+                         "ended_by_eos": bool(it.ended_by_eos), **({"dtype": self.dtype} if self.dtype else {})})
         if not todo:
             return done
         return {**done, **item_answers(self.runner, "score", todo, self.timeout, read_scores, "while scoring")}

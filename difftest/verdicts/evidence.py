@@ -51,6 +51,8 @@ class Evidence:
     # the candidate talker's numerics ({"dtype", "from", "exact"}, run.py); exact: qwen-tts's own, where a
     # greedy token off its top-1 by more than a float32 tie is a defect (talker.forced_findings)
     numerics: dict | None = None
+    # how far the candidate's numerics move qwen-tts's margins per token (null.NoiseModel); None: not measured
+    noise_model: object | None = None
 
 
 @dataclass

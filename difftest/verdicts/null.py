@@ -44,6 +44,8 @@ SITE_ORDER = (*SITES, *(s + SAMPLED for s in SITES))
 class NullPolicy:
     false_flag_rate: float = 0.01  # per run, over the sites tested
     rate_margin: float = 1.5  # H0: the candidate's off-top-1 rate <= this x the null's
+    segment_false_flag_rate: float = 0.01  # per run, over its segments: each one's widest flip (NoiseModel)
+    noise_scale: float = 1.5  # the candidate's kernels may move a margin this many times as far as qwen-tts's
 
 
 def counts(sf: ScoreFile) -> dict[str, tuple[int, int, float]]:
@@ -375,3 +377,107 @@ def judge_at_n(candidate: dict[str, ScoreFile], null: dict[str, ScoreFile] | Non
 
 def _spread(gaps: list[float]) -> str:
     return f"{min(gaps):.3g}-{max(gaps):.3g}" if len(gaps) > 1 else f"{gaps[0]:.3g}"
+
+
+# -- the noise model per token (issue 57, item 2) ---------------------------------------------------
+#
+# The count test above judges the run; a segment needs a probability for its own flips. The null's
+# streams are teacher-forced twice, under float32 qwen-tts and under qwen-tts in the candidate's
+# numerics: per greedy position, how far those numerics move qwen-tts's top-1/top-2 margin (|delta|).
+# A token decoded in those numerics leaves float32's top-1 where |delta| exceeds the position's
+# margin, so a flip g nats wide at a position needs |delta| >= g there. Over a stream, the expected
+# number of flips at least g wide is lambda(g) = sum_t S(max(g, m_t)), m_t the stream's own margin at
+# t, S(x) the share of the null's |delta| at least x / scale (the candidate's kernels are not
+# qwen-tts's: `scale` lets them move a margin that many times as far). A segment's widest flip g has
+# p = 1 - exp(-lambda(g)) under H0; below the segment's share of the false-flag rate it fails alone.
+# Above the null's 90th percentile u, S is a power tail fitted to the top tenth (Hill: S(x) = S(u)
+# (x/u)^-k): a run's few hundred talker tokens never reach the far tail its numerics have. Measured
+# (benchmarks/bench_f32_tie.py --against bfloat16, 21,376 tokens): fitted on smoke-sized samples the
+# tail puts more mass at the full sample's widest |delta| than the full sample has (talker 2.8e-3
+# against 7.5e-4, code predictor 1.9e-4 against 5.0e-5, medians of 200 draws): conservative.
+
+TAIL_FROM = 0.9  # the quantile above which S is the fitted power tail
+
+
+@dataclass(frozen=True)
+class NoiseModel:
+    dtype: str
+    moved: dict  # site -> sorted |margin in dtype - margin in float32| over the null's greedy positions
+    scale: float
+    alpha: float  # per segment: the run's segment false-flag rate over its segments
+
+    def tail(self, site: str) -> tuple[float, float, float] | None:
+        """(u, S(u), k) of the site's power tail; None where the top tenth cannot fit one."""
+        d = self.moved[site]
+        u = float(np.quantile(d, TAIL_FROM)) if len(d) else 0.0
+        top = d[d > u]
+        if u <= 0 or len(top) < 2:
+            return None
+        k = 1.0 / float(np.mean(np.log(top / u)))
+        return u, len(top) / len(d), k
+
+    def survival(self, site: str, x) -> np.ndarray:
+        """S(x): the share of the null's |delta| at `site` at least x / scale, its power tail beyond u."""
+        d = self.moved[site]
+        x = np.asarray(x, np.float64) / self.scale
+        if not len(d):
+            return np.zeros(np.shape(x))
+        emp = (len(d) - np.searchsorted(d, x, side="left")) / len(d)
+        t = self.tail(site)
+        if t is None:
+            return emp
+        u, s_u, k = t
+        return np.where(x > u, s_u * (np.maximum(x, u) / u) ** -k, emp)
+
+    def to_json(self) -> dict:
+        def site(s, d):
+            t = self.tail(s)
+            return {"tokens": int(len(d)), "max": round(float(d[-1]), 5) if len(d) else None,
+                    "p99": round(float(np.quantile(d, 0.99)), 5) if len(d) else None,
+                    "tail": None if t is None else {"from": round(t[0], 5), "share": round(t[1], 4), "k": round(t[2], 3)}}
+        return {"dtype": self.dtype, "scale": self.scale, "alpha": self.alpha,
+                "sites": {s: site(s, d) for s, d in self.moved.items()}}
+
+
+def noise_model(in_f32: dict[str, ScoreFile], in_own: dict[str, ScoreFile], dtype: str, scale: float,
+                false_flag_rate: float, segments: int) -> NoiseModel | None:
+    """From the null's streams scored under float32 qwen-tts (`in_f32`) and under qwen-tts in their own
+    numerics (`in_own`), segment -> ScoreFile: |delta| per greedy site. None where nothing pairs."""
+    moved: dict[str, list] = {}
+    for sid, a in in_f32.items():
+        b = in_own.get(sid)
+        if b is None or a.frames != b.frames:
+            continue
+        for site, cols in SITES.items():
+            if a.settings.get(SAMPLED_FLAG[site]):
+                continue
+            d = np.abs(a.arrays["margin"][:, cols].astype(np.float64) - b.arrays["margin"][:, cols])
+            moved.setdefault(site, []).append(d.ravel())
+    if not moved:
+        return None
+    return NoiseModel(dtype, {s: np.sort(np.concatenate(v)) for s, v in moved.items()}, scale,
+                      false_flag_rate / max(1, segments))
+
+
+def widest_flip(sf: ScoreFile, model: NoiseModel) -> dict | None:
+    """The stream's widest greedy token off qwen-tts's top-1 and how likely a correct implementation
+    in the model's numerics makes one at least that wide in this stream: {frame, codebook, site, gap,
+    lambda, p}, at the site where that is least likely (p over the sites modelled, Bonferroni). None
+    where every greedy token is the top-1 (or no site was modelled)."""
+    rank, gap, margin = sf.arrays["rank"], sf.gap, sf.arrays["margin"]
+    best = None
+    sites = [s for s in SITES if not sf.settings.get(SAMPLED_FLAG[s]) and s in model.moved]
+    for site in sites:  # p is the smallest over the sites, times their number (Bonferroni)
+        cols = SITES[site]
+        r, g = rank[:, cols], gap[:, cols]
+        off = np.argwhere(r > 0)
+        if not len(off):
+            continue
+        f, c = max((tuple(x) for x in off), key=lambda x: (float(g[x[0], x[1]]), -x[0]))
+        w = float(g[f, c])
+        lam = float(model.survival(site, np.maximum(w, margin[:, cols].astype(np.float64))).sum())
+        row = {"frame": int(f), "codebook": int(c + cols.start), "site": site, "gap": round(w, 5),
+               "lambda": float(f"{lam:.4g}"), "p": float(f"{min(1.0, -np.expm1(-lam) * len(sites)):.4g}")}
+        if best is None or row["p"] < best["p"]:
+            best = row
+    return best

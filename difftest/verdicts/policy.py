@@ -51,6 +51,9 @@ class Policy:
     # a vocoder in another dtype than the reference's: per chunk at most this many times as far from qwen-tts's
     # float32 decode as qwen-tts's own vocoder in that dtype (difftest/verdicts/vocoder_null.py)
     vocoder_null_margin: float = 1.3
+    # the talker's assembled prompt in bf16 against qwen-tts's float32 one: per row, max |diff| over the row's
+    # largest |value| at most this (difftest/verdicts/talker_prompt.py; the same dtype: exact)
+    prompt_bf16_max_rel: float = 0.05
 
     def tier_index(self, comparison: str) -> int:
         return TIERS.index(self.require[comparison])
@@ -80,6 +83,7 @@ class Policy:
             "reference_encoder": {"min_agreement": self.encoder_min_agreement},
             "measured_null": dict(self.null.__dict__),
             "vocoder_null": {"margin": self.vocoder_null_margin},
+            "talker_input": {"prompt_bf16_max_rel": self.prompt_bf16_max_rel},
             "source": self.source,
         }
 
@@ -95,6 +99,7 @@ SCHEMA = {
     "reference_encoder": {"min_agreement"},
     "measured_null": set(NullPolicy.__dataclass_fields__),
     "vocoder_null": {"margin"},
+    "talker_input": {"prompt_bf16_max_rel"},
 }
 
 # Every number a policy holds, with the range it must lie in (exit 2 otherwise: BadInput names the
@@ -144,12 +149,22 @@ BOUNDS = {
                                         "100x chance, under bf16-with-AMX against float32 (0.10-0.13) (default 0.5)"),
     "measured_null.false_flag_rate": _RATE,
     "measured_null.rate_margin": _MARGIN,
+    "measured_null.segment_false_flag_rate": _RATE,
+    "measured_null.noise_scale": ("[1, 10]", "how many times as far as qwen-tts in the same dtype the candidate's "
+                                  "kernels may move a token's margin: below 1 a correct engine's widest flips fail; "
+                                  "at 10 a bf16 margin move of 0.85 nats (this CPU's widest) excuses any flip "
+                                  "(default 1.5)"),
     "baseline.numerics_false_flag_rate": _RATE,
     "baseline.numerics_rate_margin": _MARGIN,
     "vocoder_null.margin": ("[1, 2]", "the candidate's distance from qwen-tts's float32 vocoder output over "
                             "qwen-tts's own vocoder's in the candidate's dtype: below 1 a correct engine fails; at 2 "
                             "a gain of 0.9 or noise at -20 dB passes in most segments of the tiny checkpoint, whose "
                             "bf16 vocoder is 17 dB from float32 (real vLLM-Omni 0.30.0: at most 1.22; default 1.3)"),
+    "talker_input.prompt_bf16_max_rel": ("[0, 0.5]", "per prompt row, max |diff| over the row's largest |value|: "
+                                         "qwen-tts's own bf16 prompt is at most 0.0095 from its float32 one (49 "
+                                         "segments of the CPU suites); a row moved or another row in its place "
+                                         "differs by 0.89 or more: at 0.5 half a row's largest value passes "
+                                         "(default 0.05)"),
 }
 INTEGERS = {f"forced.{k}" for k, v in ForcedPolicy().__dict__.items() if isinstance(v, int)}
 # The verdicts that name something wrong with the candidate: the default policy fails on each; a
@@ -272,7 +287,8 @@ def load_policy(path: str | Path | None = None) -> Policy:
     return Policy(vals["quantisation_max_abs"], vals["close_max_abs"], vals["close_snr_db"],
                   vals["close_logmel"], {c: require[c] for c in ("concurrency", "vocoder", "drift")},
                   ratio, frozenset(fail_on), str(path), frozenset(run_verdicts), known_fail,
-                  forced, agreement, null, numerics, num("vocoder_null.margin", Policy.vocoder_null_margin))
+                  forced, agreement, null, numerics, num("vocoder_null.margin", Policy.vocoder_null_margin),
+                  num("talker_input.prompt_bf16_max_rel", Policy.prompt_bf16_max_rel))
 
 
 def chunk_tiers(m: ChunkMetrics, policy: Policy, quantised: bool = False) -> np.ndarray:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..compare import forced, own_margins
+from . import null as measured_null
 from .evidence import Evidence, Finding, chunk_of
 from .policy import Policy
 
@@ -22,7 +23,9 @@ def forced_findings(ev: Evidence, policy: Policy, comps: dict) -> list[Finding]:
         exact = noise.get("exact", True) and not noise["outside"]
         fp = replace(fp, support_max_gap=0.0 if exact else fp.support_gross_gap)
         comps["forced"]["support_noise"] = {**noise, "allowed_gap": fp.support_max_gap}
-    bad = forced.implausible(sf, fp) or _off_exact(ev, sf, fp, comps)
+    bad = forced.implausible(sf, fp)
+    if bad is None and (bad := _off_exact(ev, sf, fp, comps) or _off_noise(ev, sf, comps)) is not None:
+        comps["forced"]["failed_by"] = "float32_tie" if (ev.numerics or {}).get("exact") else "noise_model"
     at = forced.first_difference(ev.reference.codes, ev.candidate.codes) if ev.reference is not None else None
     comps["forced"]["trace"] = forced.trace(sf, bad.frame if bad is not None else at[0] if at else None)
     own = own_margins.of(ev.candidate.extra)
@@ -63,3 +66,30 @@ def _off_exact(ev: Evidence, sf, fp, comps: dict):
         return None
     return replace(off, why=f"; the candidate's talker runs in qwen-tts's own numerics ({numerics.get('dtype')}: "
                             f"{numerics.get('from')}), where only a float32 tie moves a token")
+
+
+def _off_noise(ev: Evidence, sf, comps: dict):
+    """In other numerics, the segment's widest flip against the measured noise model
+    (difftest/verdicts/null.py): a flip wider than those numerics make that often fails alone. At N
+    only where the stream at 1 fails so too (a departure at N alone is the concurrency check's)."""
+    model = ev.noise_model
+    if model is None or (ev.numerics or {}).get("exact"):
+        return None
+    widest = measured_null.widest_flip(sf, model)
+    if widest is None:
+        return None
+    comps["forced"]["noise"] = {**widest, "alpha": float(f"{model.alpha:.4g}")}
+    if widest["p"] >= model.alpha:
+        return None
+    at_one = ev.scores.get("control")
+    if ev.control is not None and at_one is not None and at_one is not sf:
+        w1 = measured_null.widest_flip(at_one, model)
+        if w1 is None or w1["p"] >= model.alpha:
+            return None
+    site = widest["site"].replace("_", " ")
+    return forced.Implausible(
+        widest["frame"], widest["codebook"],
+        f"frame {widest['frame']} codebook {widest['codebook']}: {widest['gap']:.3g} nats off qwen-tts's top-1, "
+        f"wider than qwen-tts in {model.dtype} moves a {site} token that often (expected flips this wide in this "
+        f"stream: {widest['lambda']:.3g}, p = {widest['p']:.3g} against alpha {model.alpha:.3g}; the candidate's "
+        f"kernels allowed {model.scale:g}x qwen-tts's own movement)")

@@ -23,6 +23,11 @@ with the donor, `donor_kind` naming the field. Only fields that identify a reque
 (text, reference text and codes, speaker embedding) name donors from anywhere in the run; a low-entropy field
 (the language's prefill, a speaker id, the layout) names one only when it is right at concurrency 1
 and equals a co-batched request's at N (otherwise two requests of one language would look alike).
+
+Where both sides also recorded the assembled prompt (the rows the talker received), it is compared
+row by row as well (difftest/verdicts/talker_prompt.py): an ingredient put in the wrong place, a row
+dropped, added or altered after the builder. A field that differs stays the finding (it is the more
+specific); the prompt's difference is then a note.
 """
 
 from __future__ import annotations
@@ -31,11 +36,12 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engines.capture import INPUT
+from ..engines.capture import INPUT, PROMPT, PROMPT_CACHED, PROMPT_LABELS
 from ..results import Result
 from .encoder import encoder_disagrees
 from .evidence import Evidence, Finding, same, talker_stage
 from .policy import Policy
+from .talker_prompt import prompt_findings
 
 NAMES = {"input_text_ids": "text ids", "input_instruct_ids": "instruction ids",
          "input_ref_text_ids": "reference text ids", "input_ref_codes": "reference codes",
@@ -56,6 +62,8 @@ def inputs_of(r: Result | None) -> dict | None:
     out = {n: np.asarray(r.extra[n]) for n in INPUT}
     if TWIN in r.extra:  # the reference's x-vector in bf16
         out[TWIN] = np.asarray(r.extra[TWIN], np.float32)
+    if all(n in r.extra for n in PROMPT):  # the assembled prompt (optional)
+        out |= {n: np.asarray(r.extra[n]) for n in (*PROMPT, PROMPT_LABELS, PROMPT_CACHED) if n in r.extra}
     return out
 
 
@@ -179,9 +187,10 @@ def input_findings(ev: Evidence, comps: dict, notes: list, policy: Policy) -> li
     twin, allowed = theirs.get("speaker_embedding_bf16"), bf16_allowance(mine, theirs)
     if a.size and twin is not None and a.shape == twin.shape and allowed is not None:  # qwen-tts's own, in bf16
         comps["talker_input"] |= {"speaker_max_abs_bf16": float(np.abs(a - twin).max()), "speaker_allowed_bf16": allowed}
-    if not wrong:
-        return []
     at_one = inputs_of(ev.control)
+    assembled = prompt_findings(ev, mine, theirs, comps, notes, policy, bool(wrong), at_one)
+    if not wrong:
+        return assembled
     wrong_at_one = {m.field for m in compare(at_one, theirs)[0]} if at_one is not None else None
     m = wrong[0]
     right_at_one = wrong_at_one is not None and m.field not in wrong_at_one

@@ -17,7 +17,7 @@ Torch-free modules (importable by the tester's own environment and its tests):
 
 ENGINE_NAME = "difftest-cpu-engine"
 LABEL = "difftest CPU test engine (not vLLM-Omni)"
-ENGINE_VERSION = 1
+ENGINE_VERSION = 2  # 2: captures hold the talker's assembled prompt (input_prompt_embeds)
 # What a capture holds of the talker's side (--talker-capture): its input and output, its output only,
 # or nothing (a URL candidate's capture: codes, reference codes and audio)
 TALKER_CAPTURE = ("full", "no-input", "none")

@@ -118,13 +118,22 @@ Defects in what the talker's prompt is made of (issue #29). The talker's input i
   would). The last word of each text is dropped before it is tokenised. Every task with two words
   or more. Acts in: engine._talker.
 
+A defect in how the prompt is assembled, every ingredient right (issue 57, item 5): only the
+assembled prompt, compared row by row (`input_prompt_embeds`), names it at stage `talker_input`:
+
+- `prompt-row-moved` (an ingredient put in the wrong place: a concatenation in another order than
+  qwen-tts's). Every prompt with a speaker row (a custom voice's speaker, a clone's x-vector) has it
+  after the codec pad row instead of before it; the ingredients the capture records are all
+  qwen-tts's. Custom voices and voice clones. Acts in: engine._talker (talker.generate's inputs).
+
 A defect below every per-token line (issue #28), for the measured null (difftest/verdicts/null.py):
 
-- `prompt-embeds-scaled` (the talker's prompt altered after the builder, where the capture does not
-  look: a normalisation applied twice, an embedding cast through a narrower dtype, the family of
-  #2274's fused kernels that made a release sound worse while every token stayed plausible). The
-  prompt embeddings are scaled by 0.97 on their way into the talker; the builder's inputs, the
-  capture and the hand-off are untouched. Every task. Acts in: engine._talker.
+- `prompt-embeds-scaled` (the talker's prompt altered after the builder: a normalisation applied
+  twice, an embedding cast through a narrower dtype, the family of #2274's fused kernels that made a
+  release sound worse while every token stayed plausible). The prompt embeddings are scaled by 0.97
+  on their way into the talker; the builder's inputs and the hand-off are untouched (the assembled
+  prompt the capture takes at the talker's forward shows it: exact in float32). Every task.
+  Acts in: engine._talker.
 
 A concurrency defect below every per-token line (issue #28), for the null at N:
 
@@ -273,6 +282,11 @@ DEFECTS: dict[str, dict] = {
     "text-word-dropped": {
         "family": ["text lost before the prompt"],
         "summary": "the last word of each text is dropped before tokenisation",
+        "concurrency_only": False, "talker": True,
+    },
+    "prompt-row-moved": {
+        "family": ["the talker's prompt assembled in another order than qwen-tts's (every ingredient right)"],
+        "summary": "the speaker row comes after the codec pad row instead of before it",
         "concurrency_only": False, "talker": True,
     },
     "prompt-embeds-scaled": {

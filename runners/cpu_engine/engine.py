@@ -76,6 +76,8 @@ def talker_side(codes: np.ndarray, ref: np.ndarray | None, inputs: dict) -> dict
     codebook-0 tokens, closed by the final token that never becomes a frame (qwen-tts builds its
     prompt as it goes, so nothing is reserved: reserved = built = 0)."""
     ref = np.zeros((0, 16), np.int64) if ref is None else np.asarray(ref, np.int64).reshape(-1, 16)
+    # the prompt's rows as the talker got them, without qwen-tts's row labels (the reference's to give)
+    inputs = {k: v for k, v in inputs.items() if k != "input_prompt_rows"}
     return {**inputs, "talker_ref_codes": ref,
             "talker_prompt": np.array([0, 0, len(ref) if len(ref) else -1], np.int64),
             "talker_tokens": np.append(np.asarray(codes, np.int64)[:, 0], FINAL_TOKEN)}
@@ -236,6 +238,8 @@ class BatchEngine:
             _scale_talker_prompt(tts.model.talker, defects.EMBEDS_SCALE)
         elif self.defect == "cobatch-blend":
             _blend_talker_prompt(tts.model.talker, defects.BLEND)
+        elif self.defect == "prompt-row-moved":
+            _move_speaker_row(tts.model.talker, capture.recorder)
         capture.codes = capture.inputs = None
         try:
             # Clean: a sampled request is always alone here, seeded with its own seed, which is
@@ -252,7 +256,7 @@ class BatchEngine:
                                           **kwargs)
         finally:
             del st.decode
-            if self.defect in ("prompt-padded", "prompt-embeds-scaled", "cobatch-blend"):
+            if self.defect in ("prompt-padded", "prompt-embeds-scaled", "cobatch-blend", "prompt-row-moved"):
                 del tts.model.talker.generate
         if capture.codes is None or len(capture.codes) != len(jobs):
             raise RuntimeError(f"qwen-tts returned {0 if capture.codes is None else len(capture.codes)} code "
@@ -337,3 +341,26 @@ def _blend_talker_prompt(talker, share: float) -> None:
         return inner(talker, inputs_embeds=inputs_embeds, **kwargs)
 
     talker.generate = blended_generate
+
+
+def _move_speaker_row(talker, recorder) -> None:
+    """prompt-row-moved: shadow `talker.generate` (an instance attribute; the caller deletes it) so that
+    in every prompt with a speaker row (a custom voice's speaker id, a clone's x-vector) that row comes
+    after the codec pad row instead of before it. Every row is still there, each ingredient intact: only
+    the assembly differs. Where the row is comes from qwen-tts's layout of the call in progress
+    (runners/reference/prompt_inputs.py), counted from each prompt's end (the batch is left-padded)."""
+    inner = type(talker).generate
+
+    def moved_generate(inputs_embeds=None, **kwargs):
+        layouts = recorder.layout_now()
+        inputs_embeds = inputs_embeds.clone()
+        for i, rows in enumerate(layouts):
+            if rows is None or "speaker" not in rows:
+                continue
+            at = inputs_embeds.shape[1] - len(rows) + rows.index("speaker")
+            if rows[rows.index("speaker") + 1] != "codec pad":
+                raise RuntimeError(f"prompt-row-moved: no codec pad row after the speaker row ({rows})")
+            inputs_embeds[i, [at, at + 1]] = inputs_embeds[i, [at + 1, at]]
+        return inner(talker, inputs_embeds=inputs_embeds, **kwargs)
+
+    talker.generate = moved_generate

@@ -25,8 +25,8 @@ from runners.reference.environment import cuda_device_name, host, log, package_v
 from runners.reference.service import DTYPES, LABEL, ReferenceService
 
 # Bump when the runner's own behaviour changes what it writes for the same inputs.
-RUNNER_VERSION = 5  # 2: results record meta.lead_samples; 3: and ref_codes_bf16; 4: the talker's input_*;
-#                     5: speaker_embedding_bf16
+RUNNER_VERSION = 6  # 2: results record meta.lead_samples; 3: and ref_codes_bf16; 4: the talker's input_*;
+#                     5: speaker_embedding_bf16; 6: the talker's assembled prompt (input_prompt_*)
 FINGERPRINT_PACKAGES = ("qwen-tts", "transformers", "torch", "librosa")
 
 

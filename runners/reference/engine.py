@@ -78,7 +78,7 @@ class _Capture:
         self.codes = None
         self.inputs = None
         inner_generate = tts.model.generate
-        recorder = PromptInputs()
+        recorder = self.recorder = PromptInputs()  # the CPU engine's prompt-row-moved reads its layout mid-call
 
         def generate_and_capture(*args, **kwargs):
             codes_list, hidden_list = recorder.observe(tts.model, inner_generate, *args, **kwargs)

@@ -26,7 +26,7 @@ from runners.reference.environment import log
 
 LABEL = "qwen-tts"
 REQUIRED_DECODE = ("seed", "max_new_tokens")
-# A generate job's or decode item's `dtype`: qwen-tts in another dtype than the runner's own (the
+# A generate job's, decode item's or score item's `dtype`: qwen-tts in another dtype than the runner's own (the
 # measured nulls, difftest/verdicts/null.py and vocoder_null.py), a second copy of the models loaded
 # on first use.
 DTYPES = ("float32", "bfloat16")
@@ -273,13 +273,17 @@ class ReferenceService:
                            f"in-context reference (task {utt.task}{', x-vector only' if utt.xvector_only else ''})")
         if condition == "given" and not len(ref_codes):
             raise BadInput(f"score item {name}: condition 'given' with no ref_codes in {src}")
-        if not self.engine.is_loaded(utt.task):
+        dtype = item.get("dtype")  # qwen-tts in another dtype scores too (the measured null's noise model)
+        if dtype is not None and dtype not in DTYPES:
+            raise BadInput(f"score item {name}: dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+        engine = self._engine(dtype)
+        if not engine.is_loaded(utt.task):
             emit("progress", item=name, segment=sid, stage="load",
-                 message=f"loading the {MODEL_TYPE_OF_TASK[utt.task]} model")
+                 message=f"loading the {MODEL_TYPE_OF_TASK[utt.task]} model" + (f" in {dtype}" if dtype else ""))
         t0 = time.perf_counter()
         try:
-            sc = self.engine.score(utt, codes, ref_codes if condition == "given" else None,
-                                   bool(item.get("ended_by_eos", False)))
+            sc = engine.score(utt, codes, ref_codes if condition == "given" else None,
+                              bool(item.get("ended_by_eos", False)))
         except ValueError as e:  # codes the checkpoint cannot score (codebooks, ids)
             raise BadInput(f"score item {name} (segment {sid}): {e}") from None
         seconds = time.perf_counter() - t0
@@ -287,7 +291,7 @@ class ReferenceService:
         conditioning = {"ref_codes": condition if utt.task == "voice_clone" and not utt.xvector_only else "none",
                         "frames": int(len(ref_codes)) if condition == "given" else None}
         result = ScoreFile(sid, shash, sc.arrays, sc.eos, sc.settings, conditioning,
-                           {**self.provenance, "op": "score", "input": str(src),
+                           {**self.provenance, "op": "score", "input": str(src), "dtype": engine.dtype,
                             "checkpoint": {"path": str(ckpt.path), "sha256": ckpt.sha256,
                                            "tts_model_type": ckpt.model_type}},
                            {"score_s": seconds, "frames": int(len(codes))}, bank=sc.bank)
