@@ -208,4 +208,6 @@ def test_every_shipped_entry_loads_and_its_patch_applies_to_the_release(corpus):
         assert {e.id: (e.expect["verdict"], e.expect["stage"]) for e in entries} == {
             "cp-activations-fp8": ("numerics_regression", "talker"),
             "language-german-as-english": ("talker_defect", "talker_input"),
-            "speaker-scaled-0.9": ("talker_defect", "talker_input")}
+            "speaker-scaled-0.9": ("talker_defect", "talker_input"),
+            "speaker-row-moved": ("talker_defect", "talker_input"),
+            "instruct-after-header": ("talker_defect", "talker_input")}

@@ -4,8 +4,9 @@ as a whole on this CPU (the CPU platform hangs under v2), so tests/vllm_omni_cap
 drives vLLM-Omni's and vLLM's own v2 functions on CPU tensors in `.venv-vllm-omni`, with the plugin
 installed as a server installs it, once for this file (about 30 s):
 
-- the talker's input: v2's `OmniModelState.run_preprocess` with the talker's own `preprocess`,
-  `preprocess_batch_mrv2` and prompt builder (tiny checkpoints);
+- the talker's input and its assembled prompt rows: v2's `OmniModelState.run_preprocess` with the
+  talker's own `preprocess`, `preprocess_batch_mrv2` and prompt builder (tiny checkpoints), a
+  chunked prefill and a resume after preemption among them;
 - the talker's top-k: v2's `GPUModelRunner.sample` and `Sampler` (its Triton kernels in Triton's
   interpreter) on the talker's own `compute_logits`.
 
@@ -58,6 +59,25 @@ def test_v2s_prefill_files_the_talkers_input_and_prompt_rows(checked):
     assert np.array(icl["filed"]["talker_ref_codes"]).shape == (7, 16)
     assert cv["filed"]["talker_prompt"][2] == -1 and cv["filed"]["talker_ref_codes"] == []
     assert len(cv["filed"]["input_text_ids"]) > 5
+
+
+def test_v2s_prefill_files_the_talkers_prompt_rows_as_the_forward_got_them(checked):
+    """input_prompt_embeds: the rows every prefill step handed the forward (the clone's two chunks
+    joined), the builder's prompt then the pad rows `preprocess` appends to the two positions
+    reserved past it, in float32 from the talker's bf16; filed once, with the input."""
+    for rid, r in checked["input"]["requests"].items():
+        assert r["input_prompt_missing"] is None, (rid, r["input_prompt_missing"])
+        assert r["rows_are_built_then_pad"], rid
+        assert r["rows_dtype"] == "float32" and r["filed"]["input_prompt_dtype"] == "bfloat16"
+        reserved = r["filed"]["talker_prompt"][0]
+        assert np.array(r["filed"]["input_prompt_embeds"]).shape == (reserved, 32)
+
+
+def test_a_prompt_rebuilt_on_a_resume_after_preemption_is_not_filed_again(checked):
+    got = checked["input"]["resume"]
+    assert got["filed_first"] and got["first_equal"]  # the first prefill's rows, as handed over
+    assert got["rebuilt_same"]  # v2 drops the buffer on preemption and builds the same prompt again ...
+    assert not got["filed_again"]  # ... which is not recorded a second time (rows nor input)
 
 
 def test_without_the_preprocess_wrapper_v2_files_no_input(checked):

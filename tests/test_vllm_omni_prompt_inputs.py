@@ -6,6 +6,13 @@ The capture's talker input (issue #29), on every task and layout: the observer m
 the builder returns and must report what the builder used: here, what it must have used, from the
 tokenizer and the config; with a defect planted in the builder's config, the defect.
 
+The talker's assembled prompt (`input_prompt_embeds`, issue 57 item 5), from the talker's real
+`preprocess` as model runner v1 calls it, wrapped as a server wraps it: on every task the rows the
+builder returned, exactly; over a chunked prefill the rows of every step, with the pad rows past the
+prompt; once per request; a defect that moves a prompt block (cases/planted/speaker-row-moved,
+instruct-after-header, their patches applied to a copy of the release's builder) keeps every input_*
+array equal and changes exactly the moved rows.
+
 The same requests through qwen-tts's prompt code (the real reference runner) and vLLM-Omni's
 builder, judged by difftest's talker-input comparison (difftest/verdicts/talker_input.py). Where
 the two agree, the comparison finds nothing. Where vLLM-Omni 0.30.0 departs from qwen-tts, it
@@ -186,3 +193,49 @@ def test_the_batched_path_and_the_planted_defect_are_what_they_claim(checked):
     # streaming and non-streaming in-context prompts, and a custom voice's streaming layout, told apart
     assert [checked[c]["observed"]["input_non_streaming"] for c in
             ("icl_streaming", "icl_non_streaming_batched", "custom_voice", "custom_voice_streaming_instruct")] == [0, 1, 1, 0]
+
+
+# -- the assembled prompt, as the talker's preprocess hands it to the forward ------------------
+
+@pytest.mark.parametrize("case", OBSERVED[:-1])
+def test_the_captured_prompt_rows_are_the_builders_prompt(checked, case):
+    r = checked["rows"]["cases"][case]
+    assert r["missing"] is None, r["missing"]
+    assert r["equal_handed"] and r["equal_built"], r  # what preprocess returned = what the builder built
+    assert r["shape"] == [r["rows_built"], 32] and r["embeds_dtype"] == "float32"
+    assert (r["dtype"], r["cached"]) == ("bfloat16", 0)  # written as input_speaker_dtype is: no "torch."
+
+
+def test_a_chunked_prefill_is_filed_whole_once_with_its_pad_rows(checked):
+    rows = checked["rows"]
+    r = rows["chunked"]  # three steps, two positions reserved past the prompt
+    assert r["missing"] is None and r["equal_handed"] and r["equal_built"] and r["pad_rows"], r
+    assert r["shape"][0] == r["length"] == r["rows_built"] + 2
+    cut = rows["cut"]  # a reservation 3 short: the talker got (and the capture keeps) the first 14 rows
+    assert cut["shape"][0] == cut["length"] == cut["rows_built"] - 3 and cut["equal_built"], cut
+    cached = rows["cached"]  # a prefix-cache hit on the first 8 positions: those from the prompt built, said so
+    assert cached["cached"] == 8 and cached["equal_built"] and cached["shape"][0] == cached["rows_built"], cached
+    gap = rows["gap"]  # positions skipped: said, not guessed
+    assert "input_prompt_embeds" not in gap["keys"] and "positions 5-7 never reached" in gap["input_prompt_missing"]
+
+
+def test_a_prompt_recomputed_after_preemption_is_not_filed_again(checked):
+    r = checked["rows"]["resume"]
+    assert r["first"]["equal_handed"] and r["first"]["missing"] is None
+    assert not r["kept_filed"]  # v1 keeps the buffer: nothing built, nothing filed
+    assert r["rebuilt_keys"] is None  # built again (v2's way): neither the rows nor the input are filed again
+
+
+@pytest.mark.parametrize("entry, case, rows", [
+    ("speaker-row-moved", "custom_voice", [7, 8]),  # after 3 header rows and 4 prefill rows: speaker, pad
+    ("speaker-row-moved", "custom_voice_streaming_instruct", [23, 24, 25]),  # 16 instruction rows earlier; bos
+    ("instruct-after-header", "voice_design", list(range(1, 23))),  # 21 instruction rows and the header's
+    ("instruct-after-header", "custom_voice_streaming_instruct", list(range(1, 18))),
+])
+def test_a_planted_block_moved_keeps_every_ingredient_and_changes_the_moved_rows(checked, entry, case, rows):
+    """Only the prompt rows see these: every input_* array equals the release's. The rows that
+    differ are those between the block's old and new place (the first and last rows of the
+    instruction and the header are <|im_start|> and a newline alike)."""
+    r = checked["rows"]["planted"][f"{entry}/{case}"]
+    assert r["same_inputs"], r
+    assert r["differ"] == rows, r

@@ -5,12 +5,15 @@ installs it (hooks.install):
 
     .venv-vllm-omni/bin/python tests/vllm_omni_capture_v2_check.py TINY_DIR WORKDIR   -> one JSON line
 
-- the talker's input: v2's `OmniModelState.run_preprocess` with a Qwen3-TTS talker whose
-  `preprocess`, `preprocess_batch_mrv2` and prompt builder are vLLM-Omni's own. The builder runs
+- the talker's input and its assembled prompt (`input_prompt_embeds`): v2's
+  `OmniModelState.run_preprocess` with a Qwen3-TTS talker whose `preprocess`,
+  `preprocess_batch_mrv2` and prompt builder are vLLM-Omni's own. The builder runs
   on the tiny Base/CustomVoice checkpoints' configs and tokenizers with seeded embedding tables,
   as in tests/vllm_omni_prompt_inputs_check.py. The engine's pieces are stand-ins: the buffers of
   v2's OmniIntermediateBuffer, the input batch and the request state. There are two requests: an
-  in-context clone prefilled in two chunks, and a custom voice in one chunk;
+  in-context clone prefilled in two chunks, and a custom voice in one chunk, each reserved two
+  positions past its prompt; and a custom voice preempted after its prefill and resumed as v2
+  resumes it (its buffer dropped, its prompt built again), whose rows must be filed once;
 - the talker's top-k: v2's `GPUModelRunner.sample`, v2's `Sampler` and `RequestState` on the CPU,
   and the talker's own `compute_logits` (codec mask) over a float32 lm_head. The lm_head stands in
   for vLLM's ParallelLMHead and LogitsProcessor, which need tensor parallelism. v2's Triton
@@ -139,13 +142,19 @@ def requests(tiny: Path):
     return {"req-icl": (tiny / "base", icl, ref_code), "req-cv": (tiny / "custom_voice", cv, None)}
 
 
-def prompt_rows(path: Path, info: dict) -> tuple[int, int | None]:
-    """The prompt vLLM-Omni's unwrapped builder builds for this request: (rows, ref_code_len)."""
+def built_prompt(path: Path, info: dict) -> tuple[torch.Tensor, int | None]:
+    """The prompt vLLM-Omni's unwrapped builder builds for this request: (its rows, ref_code_len)."""
     b = builder(path)
     build = getattr(peb.Qwen3TTSPromptEmbedsBuilder.build_prompt_embeds, "__wrapped__",
                     peb.Qwen3TTSPromptEmbedsBuilder.build_prompt_embeds)
     with torch.inference_mode():
         prompt, _, ref_len, _ = build(b, task_type=info["task_type"][0], info_dict=copy.deepcopy(info))
+    return prompt, ref_len
+
+
+def prompt_rows(path: Path, info: dict) -> tuple[int, int | None]:
+    """(rows, ref_code_len) of the prompt vLLM-Omni's unwrapped builder builds for this request."""
+    prompt, ref_len = built_prompt(path, info)
     return int(prompt.shape[0]), ref_len
 
 
@@ -218,6 +227,9 @@ def talker_input(tiny: Path, cap) -> dict:
     finally:
         peb.Qwen3TTSPromptEmbedsBuilder.preprocess_infos_batch = batched
     filed = {rid: cap.store.take_talker([rid]) for rid in reqs}
+    # the rows each request's steps handed the forward, in order (its prompt as the talker got it)
+    handed = {rid: torch.cat([e for step in wrapped for r, _, e in step if r == rid]).float() for rid in reqs}
+    resumed = resume(models["req-cv"], infos["req-cv"], prompt_len["req-cv"], cap)
     preprocess = TALKER.preprocess  # the plugin's wrapper, removed: nothing of the input is filed
     TALKER.preprocess = preprocess.__wrapped__
     try:
@@ -226,7 +238,7 @@ def talker_input(tiny: Path, cap) -> dict:
         TALKER.preprocess = preprocess
     unfiled = {rid: cap.store.take_talker([rid]) for rid in reqs}
     out = {"returned_identical": same_steps(wrapped, plain), "precomputed": precomputed,
-           "unwrapped_filed": {k: v is not None for k, v in unfiled.items()}, "requests": {}}
+           "unwrapped_filed": {k: v is not None for k, v in unfiled.items()}, "requests": {}, "resume": resumed}
     for rid, (path, info, ref_code) in reqs.items():
         f = filed[rid]
         b = builder(path)
@@ -235,12 +247,60 @@ def talker_input(tiny: Path, cap) -> dict:
                 "talker_ref_codes": ref_code.tolist() if ref_code is not None else [],
                 "input_text_ids": ids(b, peb.build_assistant_text(info["text"][0])),
                 "input_ref_codes": ref_code.tolist() if ref_code is not None else [],
-                "input_ref_text_ids": ids(b, peb.build_ref_text(info["ref_text"][0])) if "ref_text" in info else []}
+                "input_ref_text_ids": ids(b, peb.build_ref_text(info["ref_text"][0])) if "ref_text" in info else [],
+                # the prompt rows: every step's, as handed to the forward (the reserved positions), from bf16
+                "input_prompt_embeds": handed[rid].tolist(), "input_prompt_dtype": "bfloat16",
+                "input_prompt_cached": 0}
         got = None if f is None else {k: f[k].tolist() for k in want if k in f}
-        out["requests"][rid] = {"filed": got, "expect": want,
-                                "input_missing": (str(f["input_missing"]) if f is not None and "input_missing" in f
-                                                  else None)}
+        built = built_prompt(path, info)[0].float()
+        pad = models[rid]._tts_pad_embed.float().reshape(1, -1)
+        emb = None if f is None or "input_prompt_embeds" not in f else torch.from_numpy(f["input_prompt_embeds"])
+        out["requests"][rid] = {
+            "filed": got, "expect": want,
+            "input_missing": (str(f["input_missing"]) if f is not None and "input_missing" in f else None),
+            "input_prompt_missing": (str(f["input_prompt_missing"]) if f is not None and "input_prompt_missing" in f
+                                     else None),
+            # the rows built, then the reserved positions past them as the pad rows preprocess appends
+            "rows_are_built_then_pad": emb is not None and torch.equal(emb[:rows], built)
+                                       and torch.equal(emb[rows:], pad.expand(prompt_len[rid] - rows, -1)),
+            "rows_dtype": None if emb is None else str(f["input_prompt_embeds"].dtype)}
     return out
+
+
+def resume(model, info: dict, length: int, cap) -> dict:
+    """A request prefilled whole, then preempted and resumed as model runner v2 does it: its buffer
+    dropped (`OmniModelRunner.finish_requests` removes a preempted request from the model state), the
+    request added again, its prompt prefilled again from position 0 (built again). The rows are
+    filed once, with its input: the first prefill's."""
+    rid = "req-resume"
+    st = model_state(model, {rid: info})
+    hidden = int(model.talker_config.hidden_size)
+
+    def step():
+        batch = SimpleNamespace(num_reqs=1, idx_mapping_np=np.array([0]), query_start_loc_np=np.array([0, length]),
+                                num_scheduled_tokens=np.array([length]), num_tokens=length,
+                                input_ids=torch.zeros(length, dtype=torch.long), num_computed_tokens_np=np.array([0]))
+        inputs = {"input_ids": torch.zeros(length, dtype=torch.long),
+                  "inputs_embeds": torch.zeros(length, hidden, dtype=torch.bfloat16)}
+        with torch.inference_mode():
+            st.run_preprocess(batch, inputs, SimpleNamespace(prompt_len=np.array([length]),
+                                                             num_computed_tokens=np.array([0])))
+        return inputs["inputs_embeds"].clone()
+
+    first = step()
+    prompt_file = cap.store._talker_path(rid).with_suffix(".prompt")  # a chunked prefill's rows (none here)
+    filed_first = cap.store._talker_path(rid).exists() and not prompt_file.exists()  # one step: one file
+    first_rows = cap.store.take_talker([rid])  # the hand-off takes it (an async chunk's first)
+    st.remove_request(rid)
+    st.intermediate_buffer.add_request(0, SimpleNamespace(prompt_embeds=None, additional_information=None,
+                                                          mm_features=None, sampling_params=None, req_id=rid))
+    st.intermediate_buffer.buffers[0].update(copy.deepcopy(info))
+    again = step()
+    return {"filed_first": filed_first,
+            "first_equal": first_rows is not None and "input_prompt_embeds" in first_rows
+                           and bool(np.array_equal(first_rows["input_prompt_embeds"], first.float().numpy())),
+            "rebuilt_same": bool(torch.equal(first, again)),  # v2 rebuilds the prompt: the same rows
+            "filed_again": prompt_file.exists() or cap.store.take_talker([rid]) is not None}
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,6 +13,13 @@ What is written, per tagged request (`<dir>/<tag>.npz`, difftest/engines/capture
   prompt positions the scheduler reserved, the rows built, `ref_code_len`.
   The talker's worker knows the request only by id: it files them under
   `talker/<id>` and the hand-off, which knows the tag, takes them;
+- `input_prompt_embeds` (P, H) float32, `input_prompt_dtype`, `input_prompt_cached`: the
+  talker's prompt as its forward got it (PromptRows below): the rows `preprocess` returned
+  for each prefill position, over every chunk of a chunked prefill, recorded once per request
+  (a resume after preemption is not recorded again), cast from their dtype (`input_prompt_dtype`,
+  written as `input_speaker_dtype` is) to float32; P is the positions the scheduler reserved
+  (`talker_prompt[0]`), so rows past those built (`talker_prompt[1]`) are the pad rows
+  `preprocess` appended. `input_prompt_missing` (a string) says why where they could not be read;
 - `talker_tokens`: the talker's output, the request's `output_token_ids`
   (codebook 0 of every frame, and the final token) as the hand-off saw them;
 - `talker_topk_ids`, `talker_topk_logprobs` (len(talker_tokens), k): the
@@ -54,6 +61,7 @@ logger = logging.getLogger("vllm.difftest_capture")
 
 NUM_CODE_GROUPS = 16  # Qwen3-TTS 12 Hz: 16 codebooks per frame
 OPEN_REQUESTS = 512  # per-request state kept at most (a request that never says "finished" is dropped last-used)
+PROMPTS_FILED = 8192  # request ids whose prompt rows were filed: a resume of one of these is not filed again
 MARK = "__difftest_capture__"
 PROC_MODULE = "vllm_omni.model_executor.stage_input_processors.qwen3_tts"
 CODE2WAV_MODULE = "vllm_omni.model_executor.models.qwen3_tts.qwen3_tts_code2wav"
@@ -149,6 +157,79 @@ def align_steps(steps: np.ndarray | None, n_tokens: int) -> dict:
             "talker_topk_logprobs": picked["logprobs"].astype(np.float32)}
 
 
+class PromptRows:
+    """One request's talker prompt as its prefill hands it to the forward, position by position.
+
+    `preprocess` returns, for each prefill step, the embeddings of the positions the scheduler gave
+    the request in that step (`_omni_num_computed_tokens` on, as many as it scheduled): its first
+    step builds the whole prompt (`build_prompt_embeds`) and every step slices it, padded with the
+    pad embedding past the rows built, in the talker's embedding dtype. The rows are kept as they
+    came, by position; the first time a position is handed over counts. Once the positions reach
+    the request's prompt length (`_omni_prompt_len`) the prompt is whole and filed, once.
+
+    A first step that starts past position 0 (a prefix-cache hit: those positions' KV were
+    computed for an earlier request with the same cache salt, and this request's forward never
+    gets their rows) takes them from the prompt the same step built, cast as `preprocess` casts
+    a slice, and says how many (`input_prompt_cached`). A step that skips positions, a step
+    without embeddings, or a runner that does not say the positions: `input_prompt_missing`,
+    never rows that were not handed over."""
+
+    __slots__ = ("length", "parts", "owned", "next", "dtype", "cached")
+
+    def __init__(self, length: int):
+        self.length, self.parts, self.owned, self.next, self.dtype, self.cached = length, [], 0, 0, None, 0
+
+    def add(self, start: int, rows) -> None:
+        if start > self.next:
+            raise _NoRows(f"the prefill step at position {start} follows position {self.next - 1}: "
+                          f"positions {self.next}-{start - 1} never reached the talker's preprocess")
+        n = int(rows.shape[0])
+        if start + n <= self.next:  # positions already handed over (a resume's replay): the first counts
+            return
+        new = rows[self.next - start:]
+        if self.dtype is None:
+            self.dtype = new.dtype
+        elif new.dtype != self.dtype:
+            raise _NoRows(f"the prompt's steps came in {self.dtype} and {new.dtype}")
+        self.parts.append(new.detach())  # a view, read in this step; kept() copies it for a later one
+        self.next = start + n
+
+    def kept(self) -> None:
+        """The rows not yet copied, copied to the host: the prompt goes on in a later step."""
+        for i in range(self.owned, len(self.parts)):
+            self.parts[i] = self.parts[i].to("cpu", copy=True)
+        self.owned = len(self.parts)
+
+    def whole(self) -> bool:
+        return self.next >= self.length
+
+    def arrays(self) -> dict:
+        import torch
+
+        rows = (self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts))[:self.length]
+        out = rows.to("cpu", torch.float32)  # one conversion, from the rows handed over ...
+        rows = out.numpy().copy() if out is rows else out.numpy()  # ... never a view of the engine's tensor
+        return {"input_prompt_embeds": rows, "input_prompt_dtype": np.array(str(self.dtype).removeprefix("torch.")),
+                "input_prompt_cached": np.array(self.cached, np.int64)}
+
+
+class _NoRows(RuntimeError):
+    pass
+
+
+def _step(info: dict) -> tuple[int | None, int | None, bool | None]:
+    """(positions computed before this step, the prompt's length, whether the step is a prefill),
+    as the runner told `preprocess` (v1 and v2 both set all three); None where it did not."""
+    def num(key):
+        v = info.get(key)
+        return None if v is None or isinstance(v, bool) else int(v)
+
+    computed, length = num("_omni_num_computed_tokens"), num("_omni_prompt_len")
+    flag = info.get("_omni_is_prefill")
+    prefill = flag if isinstance(flag, bool) else (computed < length if None not in (computed, length) else None)
+    return computed, length, prefill
+
+
 class Capture:
     """Per-process capture state; one instance per server process."""
 
@@ -158,6 +239,8 @@ class Capture:
         self.streams: OrderedDict[str, dict] = OrderedDict()  # async chunking: request id -> handed over so far
         self.wavs: OrderedDict[str, list[np.ndarray]] = OrderedDict()  # tag -> the vocoder's chunks so far
         self.logit_rows: list[str] | None = None  # the talker worker: request ids of the logits about to be sampled
+        self.prompts: OrderedDict[str, PromptRows] = OrderedDict()  # the talker worker: prompts being prefilled
+        self.prompts_filed: OrderedDict[str, None] = OrderedDict()  # ... and those filed (PROMPTS_FILED)
 
     @staticmethod
     def _bound(d: OrderedDict) -> None:
@@ -167,13 +250,22 @@ class Capture:
     # --- the talker's input ---
     def talker_input(self, info: dict, result) -> None:
         """After `preprocess`: on a request's first prefill (the one that builds the prompt), file
-        what the talker was prompted with under the request's id."""
+        what the talker was prompted with under the request's id; on each prefill step, the
+        prompt rows it handed over, filed once the prompt is whole (prompt_rows)."""
         update = result[2] if isinstance(result, tuple) and len(result) == 3 else None
         prefill = _get(update, "embed", "prefill")
         # model runner v1 names the request `request_id`; v2 hands `preprocess` its intermediate buffer, `req_id`
         rid = info.get("request_id") or info.get("req_id")
         inputs = prompt_inputs.take()  # what the prompt builder used in this call (prompt_inputs.py)
-        if prefill is None or not rid:
+        if not rid:
+            return
+        rid = str(rid)
+        if prefill is not None and rid in self.prompts_filed:
+            return  # a resume after preemption building the prompt again (v2): filed from the first prefill
+        rows = self.prompt_rows(rid, info, result, prefill)
+        if prefill is None:
+            if rows is not None:  # a chunked prefill's last step: the rows beside the input filed at its first
+                self.store.file_prompt(rid, **rows)
             return
         if not isinstance(inputs, dict):
             inputs = {"input_missing": np.array(inputs or "the prompt builder was not seen building this prompt")}
@@ -182,7 +274,53 @@ class Capture:
                else np.zeros((0, NUM_CODE_GROUPS), np.int64))
         ref_len = _get(update, "meta", "ref_code_len")
         prompt = [_int(info.get("_omni_prompt_len")), int(prefill.shape[0]), -1 if ref_len is None else _int(ref_len)]
-        self.store.file_talker(str(rid), talker_ref_codes=ref, talker_prompt=np.array(prompt, np.int64), **inputs)
+        self.store.file_talker(rid, talker_ref_codes=ref, talker_prompt=np.array(prompt, np.int64), **inputs,
+                               **(rows or {}))  # a prefill in one step: its rows in the same file
+
+    def prompt_rows(self, rid: str, info: dict, result, built) -> dict | None:
+        """The request's prompt rows (PromptRows.arrays) once this step completes them, or why they
+        cannot be read (`input_prompt_missing`); None while its prefill goes on, outside a prefill,
+        and for a request whose rows were filed already (a resume after preemption recomputes its
+        prompt: not recorded again). `built` is the prompt this step built (its first prefill)."""
+        if rid in self.prompts_filed:
+            return None
+        state = self.prompts.get(rid)
+        computed, length, prefill = _step(info)
+        if state is None and built is None:
+            return None  # not a prefill this capture saw begin (a decode step, a span of replayed tokens)
+        try:
+            if computed is None or length is None:
+                raise _NoRows("the talker's preprocess was not told the step's position and the prompt's length "
+                              "(_omni_num_computed_tokens, _omni_prompt_len)")
+            if not prefill:
+                raise _NoRows(f"a step past the prompt (at position {computed}) came before positions "
+                              f"{state.next if state else 0}-{length - 1} of its prompt were handed over")
+            rows = result[1] if isinstance(result, tuple) and len(result) == 3 else None
+            if getattr(rows, "ndim", 0) != 2:
+                raise _NoRows(f"the talker's preprocess returned no prompt rows ({type(rows).__name__})")
+            if state is None:
+                state = PromptRows(length)
+                if computed > 0:  # a prefix-cache hit: the positions before it, as this step built them
+                    if getattr(built, "ndim", 0) != 2 or computed > int(built.shape[0]):
+                        raise _NoRows(f"the prefill began at position {computed} (a prefix-cache hit) and the "
+                                      f"prompt built holds {getattr(built, 'shape', ['no'])[0]} rows")
+                    state.add(0, built[:computed].to(dtype=rows.dtype))
+                    state.cached = computed
+                self.prompts[rid] = state
+                self.prompts.move_to_end(rid)
+                self._bound(self.prompts)
+            state.add(computed, rows)
+            if not state.whole():
+                state.kept()
+                return None
+            out = state.arrays()
+        except Exception as e:  # noqa: BLE001 - said in the capture, never guessed
+            out = {"input_prompt_missing": np.array(str(e) if isinstance(e, _NoRows) else f"{type(e).__name__}: {e}")}
+        self.prompts.pop(rid, None)
+        self.prompts_filed[rid] = None
+        while len(self.prompts_filed) > PROMPTS_FILED:
+            self.prompts_filed.popitem(last=False)
+        return out
 
     def _talker_side(self, request, finished: bool = True) -> dict:
         """The talker's side of a request for its capture file: its input (filed by the worker)

@@ -53,20 +53,36 @@ def codes_key(flat_codes: np.ndarray) -> str:
     return hashlib.sha256(a.tobytes()).hexdigest()
 
 
-def pack(arrays: dict) -> bytes:
-    """Arrays as one blob, for the plugin's own side files (never the tester's): a length, a JSON
-    header of name -> (dtype, shape, offset), then the raw bytes. An npz costs a zip member per
-    array, about ten times as much, on the talker's worker, once per request."""
+def pack_parts(arrays: dict) -> list:
+    """Arrays as the parts of one blob, for the plugin's own side files (never the tester's): a
+    length, a JSON header of name -> (dtype, shape, offset), then the raw bytes. An npz costs a zip
+    member per array, about ten times as much, on the talker's worker, once per request. A large
+    contiguous numeric array (the prompt rows) is a view of its own bytes, not a copy."""
     header, chunks, offset = {}, [], 0
     for name, value in arrays.items():
         a = np.asarray(value)  # not ascontiguousarray: it makes a 0-d array 1-d; tobytes is C order anyway
         if a.dtype.hasobject:
             raise ValueError(f"{name}: object arrays are not filed")
         header[name] = (a.dtype.str, list(a.shape), offset)
-        chunks.append(a.tobytes())
+        big = a.nbytes >= 1 << 16 and a.dtype.kind in "biuf" and a.flags.c_contiguous
+        chunks.append(memoryview(a.reshape(-1)).cast("B") if big else a.tobytes())
         offset += a.nbytes
     head = json.dumps(header).encode()
-    return len(head).to_bytes(4, "little") + head + b"".join(chunks)
+    return [len(head).to_bytes(4, "little") + head, *chunks]
+
+
+def pack(arrays: dict) -> bytes:
+    """pack_parts as one bytes object."""
+    return b"".join(pack_parts(arrays))
+
+
+def _write_parts(path: Path, arrays: dict) -> Path:
+    """`arrays` packed into `path`, atomically (a temporary file renamed over it), written part by part."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.writelines(pack_parts(arrays))
+    os.replace(tmp, path)
+    return path
 
 
 def unpack(blob: bytes) -> dict[str, np.ndarray]:
@@ -123,14 +139,17 @@ class CaptureStore:
 
     def file_talker(self, request_id: str, **arrays: np.ndarray) -> Path:
         """The talker's input for a request, filed by id (its worker never sees the tag), atomically."""
-        path = self._talker_path(request_id)
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(pack(arrays))
-        os.replace(tmp, path)
-        return path
+        return _write_parts(self._talker_path(request_id), arrays)
+
+    def file_prompt(self, request_id: str, **arrays: np.ndarray) -> Path:
+        """The talker's prompt rows for a request (hooks.PromptRows) whose prefill took several
+        steps, filed by id beside its input at the last (a prefill in one step files them with the
+        input itself)."""
+        return _write_parts(self._talker_path(request_id).with_suffix(".prompt"), arrays)
 
     def take_talker(self, request_ids) -> dict[str, np.ndarray] | None:
-        """The talker's input filed under any of these ids, used up; None when none was."""
+        """The talker's input filed under any of these ids, with its prompt rows, used up; None when
+        none was. Prompt rows never filed beside an input read `input_prompt_missing`."""
         for rid in request_ids:
             path = self._talker_path(str(rid))
             try:
@@ -138,6 +157,16 @@ class CaptureStore:
             except FileNotFoundError:
                 continue
             path.unlink(missing_ok=True)
+            rows = path.with_suffix(".prompt")
+            try:  # a chunked prefill's rows, filed at its last step
+                arrays.update(unpack(rows.read_bytes()))
+                rows.unlink(missing_ok=True)
+            except FileNotFoundError:
+                pass
+            if "input_prompt_embeds" not in arrays and "input_prompt_missing" not in arrays:
+                arrays["input_prompt_missing"] = np.array(
+                    f"no prompt rows were filed for request {rid} (its prefill did not complete in a step the "
+                    f"capture saw)")
             return arrays
         return None
 

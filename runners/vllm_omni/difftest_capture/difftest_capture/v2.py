@@ -15,6 +15,17 @@ What MRV2 does with the talker, read in vLLM-Omni 0.30.0 and vLLM 0.30.0:
   which reads the precomputed text ids, file the talker's input and prompt rows under v2 unchanged,
   and nothing here wraps the batched pass. tests/test_capture_v2.py drives v2's `run_preprocess`
   to show they do.
+- The assembled prompt (`input_prompt_embeds`, hooks.PromptRows). v2 calls the talker's
+  `preprocess(ids_slice, emb_slice, **info)` once per prefilling request and step, positionally
+  where v1 passes keywords, with `_omni_num_computed_tokens` and `_omni_prompt_len` from its
+  RequestState and `_omni_is_prefill`; it writes the rows `preprocess` returned into the batch's
+  `inputs_embeds` at the request's span (`embeds[start:start + n] = new_emb[:n]`), as v1 does. The
+  prompt buffer stays on the device (`_use_v2_model_runner`: not moved to the CPU as under v1) and
+  each step slices it as under v1, so the preprocess wrapper reads the same rows under both runners,
+  chunk by chunk, from the result it already observes. Unlike v1, v2 drops a preempted request's
+  buffer (`OmniModelRunner.finish_requests` removes preempted requests from the model state), so
+  the resume builds the prompt again; the capture files a request's input and rows once, from its
+  first prefill, and a rebuild is not filed again (tests/test_capture_v2.py shows both).
 - The rows. v1 names the logits rows by the talker's `_batch_req_ids`. v2 sets them only inside
   `mrv2_sampling_context`, which it enters only when the silence ban is on, so under v2 they are
   empty or stale and the v1 naming files nothing. v2's `GPUModelRunner.sample` (vllm/v1/worker/gpu/
