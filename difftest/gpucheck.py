@@ -107,7 +107,7 @@ def memory_peaks(samples: Path) -> dict[str, float]:
 # its own top-k per sampled token (an empty array means "could not be lined up": not captured).
 TALKER_CAPTURE = {"talker_ref_codes": "the talker's input", "input_text_ids": "the talker's input",
                   "talker_prompt": "the talker's prompt rows", "talker_topk_ids": "the talker's top-k",
-                  "talker_topk_logprobs": "the talker's top-k"}
+                  "talker_topk_logprobs": "the talker's top-k", "input_prompt_embeds": "the talker's assembled prompt"}
 
 
 def model_runner(deploy_file: Path, device: str | None) -> str | None:
@@ -180,6 +180,18 @@ def capture_fields(run_dir: Path, report: dict | None = None) -> dict:
     return out
 
 
+def numerics(report: dict) -> dict:
+    """What the GPU's numerics did to the per-segment allowances measured on the CPU (issue 57): the
+    assembled prompt's worst row against float32 qwen-tts's (allowed 0.05 for bf16), and the measured
+    null's noise model (how far bf16 moved qwen-tts's margins)."""
+    prompt = [c for s in report.get("segments") or [] if (c := (s.get("comparisons") or {}).get("talker_prompt"))]
+    worst = max((c for c in prompt if c.get("worst_rel") is not None), key=lambda c: c["worst_rel"], default=None)
+    return {"prompt_compared": len(prompt), "prompt_equal": sum(1 for c in prompt if c.get("equal")),
+            "prompt_worst_rel": worst["worst_rel"] if worst else None,
+            "prompt_allowed_rel": worst["allowed_rel"] if worst else None,
+            "noise_model": (report.get("measured_null") or {}).get("noise_model")}
+
+
 def summary(run_dir: Path, samples: Path | None = None, installs: dict | None = None,
             wall_s: float | None = None, gpu_list: list[str] | None = None) -> dict:
     """One JSON object: versions, devices, settings, the verdicts at 1 and N, timings, memory peaks."""
@@ -217,6 +229,7 @@ def summary(run_dir: Path, samples: Path | None = None, installs: dict | None = 
         "installs_s": installs or {},
         "gpu_memory_peak_mib": memory_peaks(samples) if samples else {},
         "capture": capture_fields(run_dir, report),
+        "numerics": numerics(report),
     }
     if out["capture"].get("problem") and out["capture"]["required"]:  # judged without the talker's capture: fail
         out["ok"] = False

@@ -10,7 +10,9 @@
 #      is sampled once a second;
 #   4. one JSON summary on stdout (also OUT/gpu-check.json): versions, devices, dtypes and eagerness,
 #      the verdicts at 1 and 4, timings, installs, GPU memory peak per process, and the capture's
-#      fields with the model runner that wrote them (v1, or the deploy's default v2).
+#      fields with the model runner that wrote them (v1, or the deploy's default v2), and what the
+#      GPU's numerics did to the allowances measured on the CPU (`numerics`: the assembled prompt's
+#      worst row against float32 qwen-tts's, the measured null's noise model);
 #
 #   bash scripts/gpu-check.sh [OUT]          default OUT: .cache/gpu-check
 #   GPU_CHECK_SUITE=cases/suites/X.yaml      another suite (default smoke: one server, 4 segments)
@@ -18,8 +20,8 @@
 #
 # Progress goes to stderr; stdout holds only the summary. Exit: 0 the path ran and the verdict is a
 # pass, 1 it ran and found divergences, 3 no GPU, an install failed, the run gave no verdict, or a
-# capture file lacks the talker's input, prompt rows or top-k (the field named on stderr and in the
-# summary's `error`: a verdict reached without them is not the GPU path checked).
+# capture file lacks the talker's input, prompt rows, assembled prompt or top-k (the field named on
+# stderr and in the summary's `error`: a verdict reached without them is not the GPU path checked).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-.cache/gpu-check}
@@ -65,7 +67,7 @@ kill $sampler 2>/dev/null || true
 wait $sampler 2>/dev/null || true
 
 # 4. the summary (difftest.gpucheck: not ok, naming the missing capture field, when the talker's
-#    input, prompt rows or top-k are absent from a capture file)
+#    input, prompt rows, assembled prompt or top-k are absent from a capture file)
 summary_rc=0
 .venv/bin/python -m difftest.gpucheck summary "$OUT/run" --samples "$OUT/gpu-memory.jsonl" \
     --installs "$OUT/installs.txt" --wall $((SECONDS - t1)) > "$OUT/gpu-check.json" || summary_rc=$?

@@ -129,7 +129,8 @@ def test_only_the_talkers_rows_are_filed_and_none_without_the_wrappers(checked):
 
 TALKER_ARRAYS = {"talker_ref_codes": np.zeros((3, 16), np.int64), "talker_prompt": np.array([40, 38, 3], np.int64),
                  "talker_tokens": np.array([5, 9, 2150], np.int64), "input_text_ids": np.arange(8, dtype=np.int64),
-                 "talker_topk_ids": np.zeros((3, 5), np.int64), "talker_topk_logprobs": np.zeros((3, 5), np.float32)}
+                 "talker_topk_ids": np.zeros((3, 5), np.int64), "talker_topk_logprobs": np.zeros((3, 5), np.float32),
+                 "input_prompt_embeds": np.zeros((40, 8), np.float32)}
 
 
 def _run(tmp_path, files: dict, device: str = "cuda", overlay: dict | None = None, base: dict | None = None):
@@ -168,6 +169,7 @@ def test_gpu_check_passes_a_v2_run_whose_capture_has_the_talkers_fields(tmp_path
     ("talker_prompt", "talker_prompt (the talker's prompt rows) missing from 1 of 2 capture files"),
     ("input_text_ids", "input_text_ids (the talker's input) missing from 1 of 2 capture files"),
     ("talker_ref_codes", "talker_ref_codes (the talker's input) missing from 1 of 2 capture files"),
+    ("input_prompt_embeds", "input_prompt_embeds (the talker's assembled prompt) missing from 1 of 2 capture files"),
 ])
 def test_gpu_check_fails_a_v2_run_naming_the_missing_field(tmp_path, capsys, drop, named):
     from difftest import gpucheck
@@ -188,8 +190,8 @@ def test_gpu_check_counts_an_empty_top_k_and_a_talker_never_filed_as_missing(tmp
              "talker_topk_logprobs": np.zeros((0, 5), np.float32)}  # "could not be lined up": not captured
     never = {"talker_missing": np.array("no talker input filed for request r3")}
     got = gpucheck.summary(_run(tmp_path, {"s1": empty, "s2": never}), gpu_list=[])
-    assert got["capture"]["missing"] == {"input_text_ids": 1, "talker_prompt": 1, "talker_ref_codes": 1,
-                                         "talker_topk_ids": 2, "talker_topk_logprobs": 2}
+    assert got["capture"]["missing"] == {"input_prompt_embeds": 1, "input_text_ids": 1, "talker_prompt": 1,
+                                         "talker_ref_codes": 1, "talker_topk_ids": 2, "talker_topk_logprobs": 2}
     assert got["ok"] is False and "talker_missing: no talker input filed for request r3" in got["error"]
 
 

@@ -99,6 +99,10 @@ def test_the_summary_reads_the_verdicts_at_1_and_n(tmp_path, exit_code, ok):
                       "enforce_eager": {"0": None, "1": True}, "batch_invariant": False,
                       "versions": {"vllm_omni": "0.30.0", "vllm": "0.30.0", "torch": "2.13.0"}},
         "at_concurrency_1": {"verdict": "pass", "segments": [{"id": f"s{i}", "verdict": "identical"} for i in range(4)]},
+        "segments": [{"id": "s0", "comparisons": {"talker_prompt": {"worst_rel": 0.004, "allowed_rel": 0.05, "equal": True}}},
+                     {"id": "s1", "comparisons": {"talker_prompt": {"worst_rel": 0.009, "allowed_rel": 0.05, "equal": True}}},
+                     {"id": "s2", "comparisons": {}}],
+        "measured_null": {"noise_model": {"dtype": "bfloat16", "scale": 1.5}},
         "provenance": {"timings": {"total_s": 99.5, "reference_s": 12.0}}}))
     got = gpucheck.summary(run, installs={"installs": 321}, wall_s=101.24, gpu_list=["GPU 0: NVIDIA H200"])
     assert got["ok"] is ok and got["exit_code"] == exit_code
@@ -109,3 +113,6 @@ def test_the_summary_reads_the_verdicts_at_1_and_n(tmp_path, exit_code, ok):
     assert got["settings"]["enforce_eager"] == {"0": None, "1": True}
     assert got["timings_s"] == {"total_s": 99.5, "reference_s": 12.0, "wall_s": 101.2}
     assert got["versions"]["qwen_tts"] == "0.1.1" and got["versions"]["vllm_omni"] == "0.30.0"
+    # the CPU-measured allowances as the GPU's numerics meet them: the worst prompt row, the noise model
+    assert got["numerics"] == {"prompt_compared": 2, "prompt_equal": 2, "prompt_worst_rel": 0.009,
+                               "prompt_allowed_rel": 0.05, "noise_model": {"dtype": "bfloat16", "scale": 1.5}}
