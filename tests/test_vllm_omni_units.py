@@ -213,6 +213,52 @@ def test_routing_client_sends_each_task_to_its_server():
         client.speech({"task_type": "VoiceDesign"})
 
 
+
+def test_a_url_candidate_with_routes_sends_each_task_to_its_server_and_names_each_in_its_identity(tmp_path):
+    """One server per checkpoint type behind URLs (as vLLM-Omni serves them): the identity records
+    what each says of itself, and the client routes by task_type."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    from types import SimpleNamespace
+
+    from difftest.engines.start import URL, CandidateSpec, engine_identity, start_candidate
+
+    def server(version):
+        class H(BaseHTTPRequestHandler):
+            def do_GET(self):
+                body = json.dumps({"version": version} if self.path == "/version" else {"data": []}).encode()
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *a):
+                pass
+        srv = ThreadingHTTPServer(("127.0.0.1", 0), H)
+        threading.Thread(target=srv.serve_forever, daemon=True).start()
+        return srv, f"http://127.0.0.1:{srv.server_address[1]}"
+
+    (a, url_a), (b, url_b) = server("base-1"), server("custom-2")
+    try:
+        spec = CandidateSpec(URL, url=url_a, routes={"Base": url_a, "CustomVoice": url_b})
+        setup = SimpleNamespace(reference_fingerprint={}, out=tmp_path,
+                                opts=SimpleNamespace(pattern="barrier", order="suite", voice_mode="inline",
+                                                     request_timeout=5))
+        ident = engine_identity(spec, setup)
+        assert ident["routes"] == {"Base": url_a, "CustomVoice": url_b}
+        assert ident["servers"]["Base"]["version"] == {"version": "base-1"}
+        assert ident["servers"]["CustomVoice"]["version"] == {"version": "custom-2"}
+        with ExitStack() as stack:
+            engine = start_candidate(spec, setup, stack)
+        assert isinstance(engine.client, vo.RoutingSpeechClient)
+        assert engine.client._for("CustomVoice").base_url == url_b and engine.client._for("Base").base_url == url_a
+        plain = engine_identity(CandidateSpec(URL, url=url_b), setup)
+        assert plain["server"]["version"] == {"version": "custom-2"} and "routes" not in plain
+    finally:
+        a.shutdown()
+        b.shutdown()
+
+
 # --- the CPU platform's version check ---
 
 def test_supported_release_passes():

@@ -54,6 +54,9 @@ class CandidateSpec:
     python: str | None = None  # the engine's interpreter, when not the default environment's (bisect's builds)
     engine_args: tuple = ()  # more arguments for the engine's command line
     options: dict = field(default_factory=dict)  # vLLM-Omni: VllmOmniOptions fields over the run's
+    # a URL candidate served by one server per checkpoint type (as vLLM-Omni is): API task_type -> URL;
+    # each request goes to its task's server (`url` is the first)
+    routes: dict | None = None
 
     @classmethod
     def parse(cls, text: str, capture_dir: str | None = None) -> "CandidateSpec":
@@ -206,12 +209,16 @@ def engine_identity(spec: CandidateSpec, setup: Setup) -> dict:
                 "checkpoints": checkpoints, **extra}
     if spec.declared is not None:  # the caller started it and says what it is; its port is incidental
         return {"kind": URL, "capture": spec.capture_dir is not None, "checkpoints": checkpoints, **extra}
-    client = SpeechClient(spec.url, connect_retries=1)
-    if not client.health():
-        raise InfraError(f"candidate {spec.url} is not healthy (GET /health)")
+    servers = {}
+    for task, url in (spec.routes or {"": spec.url}).items():
+        client = SpeechClient(url, connect_retries=1)
+        if not client.health():
+            raise InfraError(f"candidate {url} is not healthy (GET /health)")
+        servers[task] = client.server_info()
     # What the server says of itself. A server replaced behind the same URL with the same
     # version cannot be told apart (docs/verdicts.md).
-    return {"kind": URL, "url": spec.url, "server": client.server_info(), "capture": spec.capture_dir is not None}
+    routed = {"routes": dict(spec.routes), "servers": servers} if spec.routes else {"server": servers[""]}
+    return {"kind": URL, "url": spec.url, **routed, "capture": spec.capture_dir is not None}
 
 
 def _option(argv, name: str) -> str | None:
@@ -243,6 +250,11 @@ def start_candidate(spec: CandidateSpec, setup: Setup, stack: ExitStack, run_tag
         return HttpCandidate(client, capture, spec.label, {**info, "warnings": warnings}, **http)
     if spec.kind == URL:
         client = SpeechClient(spec.url, timeout=opts.request_timeout)
+        if spec.routes:
+            from .vllm_omni import RoutingSpeechClient
+
+            client = RoutingSpeechClient({task: SpeechClient(url, timeout=opts.request_timeout)
+                                          for task, url in spec.routes.items()})
         if not client.health():
             raise InfraError(f"candidate {spec.url} is not healthy (GET /health)")
         info = {"label": spec.label, "url": spec.url}
