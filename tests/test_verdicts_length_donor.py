@@ -71,9 +71,6 @@ def test_codes_donor_keeps_its_kind(policy):
     (np.roll(OWN, 1, axis=0), OWN, {**PEERS, "e": toy_codes(20, 6)}, None),
     # An x-vector clone has no reference codes of its own.
     (toy_codes(15, 8), np.zeros((0, 16), np.int64), PEERS, None),
-    # Two peers have that length: no single donor.
-    (OWN[:15], OWN, {**PEERS, "b2": toy_codes(15, 7)},
-     "the length of b and b2's reference codes alike: no single donor"),
     # No peer has that length.
     (OWN[:17], OWN, PEERS, "a length no co-batched request's reference codes have"),
     # Its own codes then a frame that is not its own start: not what the hand-off makes.
@@ -87,6 +84,14 @@ def test_no_length_donor(policy, used, own, peers, why):
         assert len(notes) == 1 and why in notes[0] and "its own reference codes cut to" in notes[0]
     else:
         assert not notes
+
+
+def test_a_length_two_peers_share_is_a_handoff_defect_naming_both(policy):
+    v = classify(ev(OWN[:15], OWN, {**PEERS, "b2": toy_codes(15, 7)}), policy)
+    assert (v.verdict, v.stage, v.donor) == ("handoff_defect", "handoff", None)
+    assert ("a's vocoder got its own reference codes cut to 15 frames (instead of 20: its last 5 dropped), as if "
+            "handed the ref_code_len of b or b2, whose reference codes all have that length (the #4421 family; "
+            "no single donor)") in v.summary
 
 
 def test_report_shows_the_kind(policy):

@@ -97,10 +97,15 @@ def handoff_findings(ev: Evidence, comps: dict, notes: list, voc: list) -> list[
                              f"{ev.segment_id}'s vocoder got its own reference codes {verb} to {donor}'s length "
                              f"({n} frames {how}), as if handed {donor}'s ref_code_len (the #4421 family){audio}",
                              frame=frame, chunk=chunk, stage="handoff", donor=donor, donor_kind="length")]
-        who = (f"the length of {', '.join(by_length[:-1])} and {by_length[-1]}'s reference codes alike: "
-               "no single donor" if by_length
-               else "a length no co-batched request's reference codes have")
-        notes.append(f"the vocoder got its own reference codes {verb} to {n} frames ({how}), {who}")
+        if by_length:  # the #4421 family still, its donor one of several of that length
+            peers = f"{', '.join(by_length[:-1])} or {by_length[-1]}"
+            return [Finding("handoff_defect",
+                             f"{ev.segment_id}'s vocoder got its own reference codes {verb} to {n} frames ({how}), "
+                             f"as if handed the ref_code_len of {peers}, whose reference codes all have that length "
+                             f"(the #4421 family; no single donor){audio}",
+                             frame=frame, chunk=chunk, stage="handoff")]
+        notes.append(f"the vocoder got its own reference codes {verb} to {n} frames ({how}), a length no "
+                     f"co-batched request's reference codes have")
     if own_from == "talker":
         if n < m and len(cand.codes) >= m - n and same(np.concatenate([cand.ref_codes, cand.codes[:m - n]]), own):
             # the reference (or its rest) arrived as generated frames: no trim, so its audio stays in
