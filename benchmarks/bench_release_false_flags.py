@@ -2,7 +2,7 @@
 prompt, the float32 tie), over seeded orders and arrivals.
 
     python benchmarks/bench_release_false_flags.py [--runs 20] [--suite smoke --suite handoff-mix ...]
-        [-n 4] [--engine vllm-omni|cpu-bf16] [--out DIR]
+        [-n 4] [--engine vllm-omni|cpu-bf16] [--model tiny|tiny-hazard] [--out DIR]
 
 One real vLLM-Omni 0.30.0 server (the tiny checkpoint, capture on; greedy suites share it: one decode
 setting per server), or the CPU test engine with its talker in bf16 (`--engine cpu-bf16`: qwen-tts
@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from contextlib import ExitStack
+from dataclasses import replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -33,7 +34,7 @@ from difftest.engines import vllm_omni as vo  # noqa: E402
 from difftest.engines.reference import reference_python  # noqa: E402
 from difftest.engines.start import CPU_ENGINE, URL, CandidateSpec  # noqa: E402
 from difftest.run import RunOptions, resolve_models, run  # noqa: E402
-from difftest.suites.suite import load_suite  # noqa: E402
+from difftest.suites.suite import TINY_MODELS, load_suite  # noqa: E402
 from difftest.verdicts.policy import load_policy  # noqa: E402
 
 ARRIVALS = list(itertools.product(("suite", "permuted", "mixed", "long-first"), ("barrier", "pool", "staggered")))
@@ -82,10 +83,13 @@ def main(argv=None) -> int:
     ap.add_argument("--suite", action="append", default=None, help=f"default: {', '.join(SUITES)} (greedy: one server)")
     ap.add_argument("-n", type=int, default=4)
     ap.add_argument("--engine", choices=("vllm-omni", "cpu-bf16"), default="vllm-omni")
+    ap.add_argument("--model", choices=TINY_MODELS, help="the suites' segments on this tiny build (default: theirs)")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args(argv)
     out = args.out or Path(tempfile.mkdtemp(prefix="bench-release-ff-"))
     suites = [load_suite(ROOT / "cases" / "suites" / f"{n}.yaml") for n in (args.suite or SUITES)]
+    if args.model:
+        suites = [replace(s, model=args.model) for s in suites]
     policy = load_policy()
     store = out / "store"
     rows = []
@@ -122,7 +126,7 @@ def main(argv=None) -> int:
             if not bug:
                 false_flags.setdefault(test, []).append(f"{r['run']}:{sid}")
     noise_ps = [p for r in rows for p, _, _ in r["noise"].values()]
-    print(json.dumps({"engine": args.engine, "concurrency": args.n, "runs": len(rows),
+    print(json.dumps({"engine": args.engine, "model": suites[0].model, "concurrency": args.n, "runs": len(rows),
                       "stated": {"noise_model_per_run": policy.null.segment_false_flag_rate},
                       "failing_by_test": tests, "false_flags_by_test": false_flags,
                       "runs_with_a_false_flag": sum(1 for r in rows if any(not f[3] for f in r["failing"].values())), "segments_with_a_flip": len(noise_ps),

@@ -52,7 +52,7 @@ from .progress import Progress
 from .records.report import build_report, overall, write_report
 from .results import CorruptResult, Result, ResultStore, _ext, atomic_write, prepare_out, read_result
 from .suites.checkpoints import check_suite
-from .suites.suite import Suite, content_hash, hf_cached
+from .suites.suite import TINY_HAZARD, TINY_MODELS, Suite, content_hash, hf_cached
 from .verdicts import exercised, sampling
 from .verdicts import null as measured_null
 from .verdicts import vocoder_null
@@ -195,8 +195,8 @@ def start_ray_candidate(spec: CandidateSpec, setup: Setup, ray: dict, run_tag: s
 def resolve_models(suite: Suite, opts: RunOptions, python: Path) -> list[str]:
     if opts.reference.models:
         return list(opts.reference.models)
-    if suite.model == "tiny":
-        return tiny_checkpoints(ResultStore(opts.store).root, python)
+    if suite.model in TINY_MODELS:
+        return tiny_checkpoints(ResultStore(opts.store).root, python, hazard=suite.model == TINY_HAZARD)
     if not Path(suite.model).expanduser().is_dir() and not hf_cached(suite.model):
         raise BadInput(f"{suite.path}: model: {suite.model!r} is no folder and not in the local Hugging Face cache "
                        f"(nothing is downloaded: fetch it first, or pass --reference-model FOLDER)")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from dataclasses import replace
 from pathlib import Path
 
 from .engines.placement import device_arg
@@ -13,6 +14,7 @@ from .engines.start import CandidateSpec
 from .errors import BadInput
 from .records.report import print_summary
 from .run import RunOptions, run
+from .suites.suite import TINY_MODELS
 from .verdicts.exercised import PATHS
 
 
@@ -77,6 +79,8 @@ def cmd_run(args) -> int:
 
         check_tracking_uri(resolve_tracking_uri(args.tracking_uri))  # a typo is caught before the work, not after
     suite = load_suite(args.suite)
+    if args.model:  # the same segments on the other tiny build (a gate cell's `model:`)
+        suite = replace(suite, model=args.model)
     policy = load_policy(args.policy)
     spec = CandidateSpec.parse(args.candidate, args.capture_dir)
     if args.concurrency < 1:
@@ -175,6 +179,9 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--store", default=os.environ.get("DIFFTEST_STORE", "difftest-store"),
                    help="reference result store, shared across runs (default ./difftest-store or $DIFFTEST_STORE)")
     r.add_argument("--policy", help="policy YAML (default: the built-in one)")
+    r.add_argument("--model", choices=TINY_MODELS,
+                   help="the suite's segments on this tiny build instead of the suite's model (tiny-hazard: "
+                        "massive activations planted, issue 58; docs/verdicts.md)")
     r.add_argument("--reference-model", action="append", default=[],
                    help="reference checkpoint folder or HF id, one per model type (default: the suite's model)")
     r.add_argument("--reference-python", help="the reference environment's interpreter")

@@ -177,3 +177,42 @@ def test_a_store_gets_the_set_from_the_cache_byte_for_byte_and_a_damaged_entry_i
     assert reference.tiny_cache_key(py) == key
     (fake / "tiny_checkpoint.py").write_text((fake / "tiny_checkpoint.py").read_text() + "\n# changed\n")
     assert reference.tiny_cache_key(py) != key
+
+
+HAZARD_CHECK = """
+import json, sys
+from safetensors.torch import load_file
+plain, hazard = (load_file(p + "/model.safetensors") for p in sys.argv[1:3])
+changed = sorted(k for k in plain if not (plain[k].shape == hazard[k].shape and (plain[k] == hazard[k]).all()))
+carriers = {}
+for k in ("talker.text_projection.linear_fc2.bias", "talker.code_predictor.small_to_mtp_projection.bias"):
+    shift = (hazard[k] - plain[k]).abs()
+    carriers[k] = {"channels": int((shift > 0).sum()), "median_bias": float(plain[k].abs().median()),
+                   "shift": float(shift.max())}
+print(json.dumps({"changed": changed, "carriers": carriers}))
+"""
+
+
+def test_the_hazard_build_plants_massive_channels_and_changes_nothing_else(tiny, tmp_path):
+    """--hazard (issue 58): a few channels of the talker's and the code predictor's input carry a
+    constant ~1000x the median, their hidden-state norms rescaled to match; every other weight, the
+    codec and the tokenizer are the plain build's, and the manifest says what was planted."""
+    py = str(reference_python())
+    r = subprocess.run([py, "-m", "runners.reference.tiny_checkpoint", str(tmp_path / "hz"), "--type", "base",
+                        "--hazard"], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-3000:]
+    plain, hazard = _files(tiny / "base"), _files(tmp_path / "hz")
+    manifest = json.loads(hazard["difftest-checkpoint.json"])
+    assert manifest["hazard"] == {"ratio": 1000.0, "talker_channels": 2, "code_predictor_channels": 1}
+    assert "hazard" not in json.loads(plain["difftest-checkpoint.json"])  # the plain build's bytes are as before
+    assert {n for n in plain if plain[n] != hazard[n]} == {"model.safetensors", "difftest-checkpoint.json"}
+    out = subprocess.run([py, "-c", HAZARD_CHECK, str(tiny / "base"), str(tmp_path / "hz")], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout)
+    assert all(k.endswith(("layernorm.weight", "model.norm.weight")) or k in got["carriers"] for k in got["changed"])
+    assert not any("q_norm" in k or "k_norm" in k for k in got["changed"])  # per-head norms are not the hidden's
+    talker, predictor = got["carriers"].values()
+    assert talker["channels"] == 2 and predictor["channels"] == 1
+    for c in (talker, predictor):  # the median of the input rows, not of the bias: large against either
+        assert c["shift"] > 100 * c["median_bias"]

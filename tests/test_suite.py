@@ -102,7 +102,8 @@ def test_valid_minimal_suite_normalises(tmp_path):
     ({"voices": [{"id": "..", "wav": "v1.wav", "transcript": "x"}]}, "voices[0].id", "must begin with a letter"),
     ({"segments": [{"id": "s" * 101, "text": "a", "voice": "v1"}]}, "segments[0].id", "101 characters"),
     # #34 item 10: a model that is no id, no folder and not tiny fails validation, not the run
-    ({"model": "no-such-model"}, "model", "expected tiny (the seeded tiny checkpoints), a Hugging Face id"),
+    ({"model": "no-such-model"}, "model", "expected tiny (the seeded tiny checkpoints), tiny-hazard (the same with "
+                                          "massive activations), a Hugging Face id"),
     ({"description": "d" * 5001}, "description", "5001 characters"),
 ])
 def test_invalid_suites_name_field_and_problem(tmp_path, over, field, problem):
@@ -112,6 +113,11 @@ def test_invalid_suites_name_field_and_problem(tmp_path, over, field, problem):
     assert e.value.field == field
     assert problem in e.value.problem
     assert str(p) in str(e.value)
+
+
+def test_a_suite_names_either_tiny_build(tmp_path):
+    assert load_suite(_write_suite(tmp_path, _doc())).model == "tiny"
+    assert load_suite(_write_suite(tmp_path, _doc(model="tiny-hazard"))).model == "tiny-hazard"
 
 
 def test_non_mono_wav(tmp_path):

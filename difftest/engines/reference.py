@@ -24,7 +24,7 @@ from pathlib import Path
 from ..errors import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_PASS, BadInput, InfraError
 from ..progress import Progress
 from ..results import CorruptResult, Result, ResultStore, read_result
-from ..suites.suite import Suite, load_suite
+from ..suites.suite import TINY_HAZARD, TINY_MODELS, Suite, load_suite
 from .base import Outcome
 from .placement import device_arg, gpu_env, parse_device
 from . import zygote
@@ -34,7 +34,6 @@ REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PYTHON = REPO / ".venv-reference" / "bin" / "python"
 PYTHON_ENV_VAR = "DIFFTEST_REFERENCE_PYTHON"
 LABEL = "qwen-tts"
-TINY = "tiny"  # a suite's `model: tiny` means the seeded tiny checkpoints built by the runner's builder
 TINY_SEED = 0
 # The builder's listening scale (runners/reference/tiny_checkpoint.py LISTEN), passed explicitly and
 # part of the folder name: a store holding an earlier build keeps it, the new one goes beside it.
@@ -71,21 +70,21 @@ def reference_python(explicit: str | None = None) -> Path:
     return path
 
 
-def tiny_folder(seed: int = TINY_SEED) -> str:
-    return f"tiny-seed{seed}-listen{TINY_LISTEN}"
+def tiny_folder(seed: int = TINY_SEED, hazard: bool = False) -> str:
+    return f"tiny-seed{seed}-listen{TINY_LISTEN}" + ("-hazard" if hazard else "")
 
 
-def tiny_checkpoints(store_root: Path, python: Path, seed: int = TINY_SEED) -> list[str]:
+def tiny_checkpoints(store_root: Path, python: Path, seed: int = TINY_SEED, hazard: bool = False) -> list[str]:
     """The tiny checkpoint set under the store (built once); returns its three folders.
 
     A store without it gets a copy of the set from difftest's cache (kind `tiny-checkpoint`), built
     there once per builder source and reference environment: building imports qwen-tts and draws
     every tensor (about 7 s), copying takes a tenth of that. The builder then checks the folders it
     would have built against their manifests (every file's sha256), as for a store built in place."""
-    out = Path(store_root).resolve() / "checkpoints" / tiny_folder(seed)
+    out = Path(store_root).resolve() / "checkpoints" / tiny_folder(seed, hazard)
     if not all((out / t / TINY_MANIFEST).is_file() for t in TINY_TYPES):
-        _copy_cached_set(out, python, seed)
-    _tiny_builder(python, out, seed)
+        _copy_cached_set(out, python, seed, hazard)
+    _tiny_builder(python, out, seed, hazard)
     return [str(out / t) for t in TINY_TYPES]
 
 
@@ -94,16 +93,16 @@ TINY_TYPES = ("base", "custom_voice", "voice_design")
 _BUILDER_SOURCES = ("tiny_checkpoint.py", "checkpoint.py", "environment.py", "torchaudio_stub.py")
 
 
-def _tiny_builder(python: Path, out: Path, seed: int) -> None:
+def _tiny_builder(python: Path, out: Path, seed: int, hazard: bool = False) -> None:
     cmd = [str(python), "-m", "runners.reference.tiny_checkpoint", str(out), "--seed", str(seed),
-           "--listen", str(TINY_LISTEN)]
+           "--listen", str(TINY_LISTEN)] + ["--hazard"] * hazard
     # offline as the builder makes itself (import_qwen_tts), set here so a zygote can stand for it
     r = zygote.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     if r.returncode != 0:
         raise InfraError(f"building the tiny checkpoint failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
 
 
-def tiny_cache_key(python: Path, seed: int = TINY_SEED) -> str:
+def tiny_cache_key(python: Path, seed: int = TINY_SEED, hazard: bool = False) -> str:
     """Everything a build comes from: seed and listening scale, the builder's source, and the
     reference environment's interpreter and every installed distribution with its version."""
     probe = ("import importlib.metadata as m, json, sys; print(json.dumps([sys.version, sorted("
@@ -114,10 +113,10 @@ def tiny_cache_key(python: Path, seed: int = TINY_SEED) -> str:
     h = hashlib.sha256(r.stdout.encode())
     for name in _BUILDER_SOURCES:
         h.update(name.encode() + b"\0" + (REPO / "runners" / "reference" / name).read_bytes())
-    return f"seed{seed}-listen{TINY_LISTEN}-{h.hexdigest()[:16]}"
+    return f"seed{seed}-listen{TINY_LISTEN}{'-hazard' if hazard else ''}-{h.hexdigest()[:16]}"
 
 
-def _copy_cached_set(out: Path, python: Path, seed: int) -> None:
+def _copy_cached_set(out: Path, python: Path, seed: int, hazard: bool = False) -> None:
     from ..cache import Cache
 
     from runners.reference.checkpoint import hash_files
@@ -132,8 +131,9 @@ def _copy_cached_set(out: Path, python: Path, seed: int) -> None:
                 return False
         return True
 
-    with Cache().use("tiny-checkpoint", tiny_cache_key(python, seed), valid=intact,
-                     build=lambda root: (shutil.rmtree(root, ignore_errors=True), _tiny_builder(python, root, seed))
+    with Cache().use("tiny-checkpoint", tiny_cache_key(python, seed, hazard), valid=intact,
+                     build=lambda root: (shutil.rmtree(root, ignore_errors=True),
+                                         _tiny_builder(python, root, seed, hazard))
                      ) as lease:
         out.mkdir(parents=True, exist_ok=True)
         for t in TINY_TYPES:
@@ -369,7 +369,8 @@ def run_reference(suite: Suite, store_root: str | Path, options: ReferenceOption
     if own_runner:
         python = reference_python(options.python)
         models = list(options.models) or (
-            tiny_checkpoints(store_root, python) if suite.model == TINY else [suite.model])
+            tiny_checkpoints(store_root, python, hazard=suite.model == TINY_HAZARD) if suite.model in TINY_MODELS
+            else [suite.model])
         log_path = options.log_path or store_root / "logs" / f"{LABEL}-runner.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         runner = RunnerProcess(runner_argv(python, models, options), env=runner_env(options),

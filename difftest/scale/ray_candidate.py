@@ -56,7 +56,8 @@ class CandidateActorImpl:
         for m in models:
             if m.get("tiny"):
                 if tiny is None:
-                    tiny = tiny_checkpoints(self.root / "store", Path(reference_python), seed=int(m["tiny"]["seed"]))
+                    tiny = tiny_checkpoints(self.root / "store", Path(reference_python), seed=int(m["tiny"]["seed"]),
+                                            hazard=bool(m["tiny"].get("hazard")))
                 local = next(p for p in tiny if Path(p).name == Path(m["path"]).name)
                 self.aliases[local] = m["path"]
                 local_models.append(local)

@@ -146,7 +146,8 @@ class RunnerActorImpl:
         for m in models:
             if m.get("tiny"):  # deterministic: the same bytes on every node, proved by the fingerprint
                 if tiny_built is None:
-                    tiny_built = tiny_checkpoints(self.root / "store", Path(python), seed=int(m["tiny"]["seed"]))
+                    tiny_built = tiny_checkpoints(self.root / "store", Path(python), seed=int(m["tiny"]["seed"]),
+                                                  hazard=bool(m["tiny"].get("hazard")))
                 local = next(p for p in tiny_built if Path(p).name == Path(m["path"]).name)
                 self.paths.to_local[m["path"]] = local
                 local_models.append(local)

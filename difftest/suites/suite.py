@@ -48,6 +48,10 @@ TASKS = ("voice_clone", "custom_voice", "voice_design")
 # The vLLM-Omni speech API's task_type for each task.
 API_TASK_TYPE = {"voice_clone": "Base", "custom_voice": "CustomVoice", "voice_design": "VoiceDesign"}
 CLONE_MODES = ("icl", "xvector")
+# a suite's `model:` naming difftest's seeded tiny checkpoints (runners/reference/tiny_checkpoint.py):
+# as built, and with a trained model's massive activations planted (`--hazard`, issue 58)
+TINY, TINY_HAZARD = "tiny", "tiny-hazard"
+TINY_MODELS = (TINY, TINY_HAZARD)
 
 # Decode parameters: name -> (type, required). Greedy decoding is the default
 # because only greedy decoding can agree sample for sample across engines.
@@ -383,10 +387,10 @@ def load_suite(path: str | Path, also: frozenset[Path] = frozenset()) -> Suite:
     raw = chk.mapping(raw, "(top level)")
     chk.unknown_keys(raw, {"name", "description", "model", "decode", "chunks", "voices", "segments"}, "(top level)")
     name = chk.ident(raw.get("name"), "name")
-    model = chk.text(raw.get("model", "tiny"), "model")
-    if model != "tiny" and not _hf_id(model) and not Path(model).expanduser().is_dir():
-        chk.fail("model", f"{yamlfile.quote(model)}: expected tiny (the seeded tiny checkpoints), a Hugging Face "
-                          f"id (org/name) or a checkpoint folder")
+    model = chk.text(raw.get("model", TINY), "model")
+    if model not in TINY_MODELS and not _hf_id(model) and not Path(model).expanduser().is_dir():
+        chk.fail("model", f"{yamlfile.quote(model)}: expected tiny (the seeded tiny checkpoints), tiny-hazard (the "
+                          f"same with massive activations), a Hugging Face id (org/name) or a checkpoint folder")
     decode = _decode_params(chk, raw.get("decode"), "decode", None)
 
     chunks = dict(DEFAULT_CHUNKS)

@@ -1,7 +1,7 @@
 """Build tiny, seeded, randomly initialised Qwen3-TTS 12 Hz checkpoints.
 
     python -m runners.reference.tiny_checkpoint OUT [--seed 0] [--type base|custom_voice|voice_design|all]
-                                                    [--eos-bias C] [--listen F] [--force]
+                                                    [--eos-bias C] [--listen F] [--hazard] [--force]
 
 `--type all` (the default) writes OUT/base, OUT/custom_voice and OUT/voice_design;
 a single type is written to OUT itself. Each folder loads through the official
@@ -19,6 +19,15 @@ things are deliberate rather than incidental:
 - config.json files are written by hand in the compact form the released
   checkpoints use: HF's own serialisation adds `"model_type": ""` to
   speaker_encoder_config, which Qwen3TTSSpeakerEncoderConfig cannot load.
+
+`--hazard` (issue 58) plants the "massive activations" of trained LLMs: a few hidden channels of the
+talker and of the code predictor carry HAZARD_RATIO times the median activation at every position,
+and every RMSNorm over those hidden states gets weights to match (the massive channel's weight
+shrunk so its normalised value stays O(1), the others' grown so the other channels keep their
+calibrated scale). Without it the build is byte-identical to before; with it the manifest records
+`hazard` and the caller puts it in a folder of its own. What it was for, and what it measured (it
+does not make #2274 visible, and bf16 is far noisier on it than on a trained model): docs/verdicts.md,
+"A checkpoint with massive activations".
 """
 
 from __future__ import annotations
@@ -49,6 +58,17 @@ MROPE_SECTION = [4, 6, 6]  # sums to head_dim / 2
 PREDICTOR_HIDDEN = 16  # != talker hidden, so small_to_mtp_projection is a Linear (as in the 1.7B)
 TEXT_HIDDEN = 48  # != talker hidden, so text_projection really projects
 SPEAKERS = {"alice": 3000, "bob": 3001}  # custom_voice speakers -> codec embedding rows
+
+# --hazard: massive activations (Sun et al. 2024, arXiv 2402.17762: a handful of activations up to
+# 10^4-10^5 x the median, constant across inputs, acting as biases; Sun, Canziani, LeCun, Zhu 2026,
+# arXiv 2603.05498: ~1000 x the others in a few channels of Llama and Qwen models; Chen et al. 2026,
+# arXiv 2605.15572: Qwen dense checkpoints' residual-stream maxima in the 10^2-10^3 range). Here:
+# HAZARD_RATIO x the median |activation| of the model's input, in TALKER_MASSIVE of the talker's 32
+# channels (signs alternate) and PREDICTOR_MASSIVE of the code predictor's 16.
+HAZARD_RATIO = 1000.0
+TALKER_MASSIVE = 2
+PREDICTOR_MASSIVE = 1
+HIDDEN_NORMS = ("input_layernorm", "post_attention_layernorm", "norm")
 
 # The codec ids and language ids of the released checkpoints.
 CODEC_SPECIAL_IDS = dict(codec_pad_id=2148, codec_bos_id=2149, codec_eos_token_id=2150, codec_think_id=2154,
@@ -255,7 +275,85 @@ def make_it_listen_(model, factor: float) -> None:
                 encoder.fc.bias.mul_(factor)
 
 
-def _build_into(out: Path, seed: int, model_type: str, eos_bias: float, listen: float = LISTEN) -> None:
+def _norm_input_rms(decoder, inputs_embeds, position_ids, channels) -> dict:
+    """Median over positions of the RMS of `channels` at the input of every RMSNorm over the hidden
+    size in `decoder` (a Qwen3-style decoder: layers' input/post-attention norms and the final norm)."""
+    import torch
+
+    seen, hooks = {}, []
+
+    def record(name, x):  # a forward hook's return value would replace the norm's output: return None
+        seen.setdefault(name, x[..., channels].pow(2).mean(-1).sqrt().flatten().median().item())
+
+    for name, mod in decoder.named_modules():
+        # the norms over the hidden state (not q_norm/k_norm, over a head, whatever its width)
+        if type(mod).__name__.endswith("RMSNorm") and name.rsplit(".", 1)[-1] in HIDDEN_NORMS:
+            hooks.append(mod.register_forward_hook(lambda m, inp, out, name=name: record(name, inp[0])))
+    try:
+        with torch.no_grad():
+            decoder(inputs_embeds=inputs_embeds, position_ids=position_ids, use_cache=False)
+    finally:
+        for h in hooks:
+            h.remove()
+    return seen
+
+
+def _plant_massive_(decoder, carrier_bias, inputs_embeds, position_ids, n_massive: int, ratio: float,
+                    generator) -> dict:
+    """Give `n_massive` hidden channels of `decoder` a constant +-ratio x median activation at every
+    position (through `carrier_bias`, a bias every input row passes through) and its RMSNorms weights
+    to match; returns what was planted."""
+    import torch
+
+    d = inputs_embeds.shape[-1]
+    massive = sorted(torch.randperm(d, generator=generator)[:n_massive].tolist())
+    others = [c for c in range(d) if c not in massive]
+    median = inputs_embeds[..., others].abs().median().item()
+    before = _norm_input_rms(decoder, inputs_embeds, position_ids, others)  # the calibrated scale, per norm
+    value = ratio * median
+    signs = [1.0 if i % 2 == 0 else -1.0 for i in range(n_massive)]
+    shift = torch.zeros(d)
+    with torch.no_grad():
+        for c, sign in zip(massive, signs):
+            carrier_bias[c] += sign * value
+            shift[c] = sign * value
+        # what each norm sees now: the massive channels dominate its variance
+        after = _norm_input_rms(decoder, inputs_embeds + shift, position_ids, list(range(d)))
+        for name, mod in decoder.named_modules():
+            if name in before:
+                mod.weight[others] *= after[name] / before[name]  # the other channels keep their scale
+                mod.weight[massive] *= (n_massive / d) ** 0.5  # the massive ones normalise to O(1)
+    return {"channels": massive, "value": round(value, 4), "median": round(median, 6)}
+
+
+def plant_hazard_(model, seed: int, ratio: float = HAZARD_RATIO) -> dict:
+    """--hazard: massive activations in the talker and the code predictor, norms to match."""
+    import torch
+
+    talker = model.talker
+    g = torch.Generator().manual_seed(seed + 58)
+    text_vocab, codec_vocab = talker.model.text_embedding.weight.shape[0], talker.model.codec_embedding.weight.shape[0]
+    with torch.no_grad():
+        # the talker's input rows: projected text (or the pad) plus codec embeddings, as qwen-tts sums them
+        text = talker.text_projection(talker.model.text_embedding(torch.randint(0, text_vocab, (4, 64), generator=g)))
+        codec = talker.model.codec_embedding(torch.randint(0, 2048, (4, 64), generator=g))
+        t_in = text + codec
+        t_pos = torch.arange(64).view(1, 1, -1).expand(3, 4, -1)
+        planted = {"ratio": ratio, "talker": _plant_massive_(
+            talker.model, talker.text_projection.linear_fc2.bias, t_in, t_pos, TALKER_MASSIVE, ratio, g)}
+        cp = talker.code_predictor
+        rows = torch.cat([talker.model.codec_embedding(torch.randint(0, 2048, (4, 1), generator=g)),
+                          *[e(torch.randint(0, 2048, (4, 1), generator=g)) for e in cp.model.codec_embedding[:15]]], 1)
+        p_in = cp.small_to_mtp_projection(rows)
+        p_pos = torch.arange(p_in.shape[1]).view(1, -1).expand(4, -1)
+        planted["code_predictor"] = _plant_massive_(cp.model, cp.small_to_mtp_projection.bias, p_in, p_pos,
+                                                    PREDICTOR_MASSIVE, ratio, g)
+    del codec_vocab
+    return planted
+
+
+def _build_into(out: Path, seed: int, model_type: str, eos_bias: float, listen: float = LISTEN,
+                hazard: bool = False) -> None:
     from runners.reference.environment import import_qwen_tts
 
     import_qwen_tts()
@@ -281,6 +379,8 @@ def _build_into(out: Path, seed: int, model_type: str, eos_bias: float, listen: 
             model.talker.codec_head.weight[CODEC_SPECIAL_IDS["codec_eos_token_id"]] = eos_bias * u / u.norm()
     if listen:
         make_it_listen_(model, listen)
+    if hazard:
+        plant_hazard_(model, seed)
     model.save_pretrained(str(out))
     _write_json(out / "config.json", {**config, **stamp})
     _write_json(out / "generation_config.json", GENERATION_DEFAULTS)
@@ -304,45 +404,50 @@ def _make_readable(folder: Path) -> None:
             os.chmod(os.path.join(root, name), 0o644)
 
 
-def _parameters(seed: int, model_type: str, eos_bias: float, listen: float = LISTEN) -> dict:
+def _parameters(seed: int, model_type: str, eos_bias: float, listen: float = LISTEN, hazard: bool = False) -> dict:
     params = {"format": MANIFEST_FORMAT, "builder": BUILDER, "builder_version": BUILDER_VERSION,
               "seed": seed, "type": model_type, "eos_bias": float(eos_bias)}
     if listen:  # absent for --listen 0: that build's manifest (and so its hash) stays what it was before
         params["listen"] = float(listen)
+    if hazard:  # absent without --hazard, for the same reason
+        params["hazard"] = {"ratio": HAZARD_RATIO, "talker_channels": TALKER_MASSIVE,
+                            "code_predictor_channels": PREDICTOR_MASSIVE}
     return params
 
 
-def built_as(folder: Path, seed: int, model_type: str, eos_bias: float, listen: float = LISTEN) -> bool:
+def built_as(folder: Path, seed: int, model_type: str, eos_bias: float, listen: float = LISTEN,
+             hazard: bool = False) -> bool:
     """True when `folder` holds an intact build with exactly these parameters."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return False
-    params = _parameters(seed, model_type, eos_bias, listen)
-    if any(manifest.get(k) != v for k, v in params.items()) or manifest.get("listen") != params.get("listen"):
+    params = _parameters(seed, model_type, eos_bias, listen, hazard)
+    if any(manifest.get(k) != params.get(k) for k in {*params, "listen", "hazard"}):
         return False
     return manifest.get("files") == hash_files(folder)
 
 
 def build(out: str | Path, seed: int = 0, model_type: str = "base", eos_bias: float = 0.0,
-          force: bool = False, listen: float = LISTEN) -> Path:
+          force: bool = False, listen: float = LISTEN, hazard: bool = False) -> Path:
     """Build one checkpoint into `out` (atomically: a crash leaves no half folder; concurrent
     builders of the same folder take turns under a lock file beside it)."""
     if model_type not in MODEL_TYPES:
         raise ValueError(f"unknown model type {model_type!r} (known: {', '.join(MODEL_TYPES)})")
     out = Path(out).resolve()
-    if built_as(out, seed, model_type, eos_bias, listen):
+    if built_as(out, seed, model_type, eos_bias, listen, hazard):
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
     # Two runs starting on an empty store build the same folder: the second waits, then finds it built.
     with open(out.parent / f".{out.name}.lock", "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        if built_as(out, seed, model_type, eos_bias, listen):
+        if built_as(out, seed, model_type, eos_bias, listen, hazard):
             return out
-        return _build_locked(out, seed, model_type, eos_bias, force, listen)
+        return _build_locked(out, seed, model_type, eos_bias, force, listen, hazard)
 
 
-def _build_locked(out: Path, seed: int, model_type: str, eos_bias: float, force: bool, listen: float = LISTEN) -> Path:
+def _build_locked(out: Path, seed: int, model_type: str, eos_bias: float, force: bool, listen: float = LISTEN,
+                  hazard: bool = False) -> Path:
     import importlib.metadata as md
 
     if out.exists() and not force:
@@ -355,10 +460,10 @@ def _build_locked(out: Path, seed: int, model_type: str, eos_bias: float, force:
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the gain calibration runs a forward pass: keep its float sums fixed
     try:
-        _build_into(tmp, seed, model_type, eos_bias, listen)
+        _build_into(tmp, seed, model_type, eos_bias, listen, hazard)
         versions = {p: md.version(p) for p in ("qwen-tts", "transformers", "torch")}
         files = hash_files(tmp)
-        _write_json(tmp / MANIFEST, {**_parameters(seed, model_type, eos_bias, listen), "built_with": versions,
+        _write_json(tmp / MANIFEST, {**_parameters(seed, model_type, eos_bias, listen, hazard), "built_with": versions,
                                      "files": files})
         _make_readable(tmp)
         if out.exists():
@@ -371,10 +476,10 @@ def _build_locked(out: Path, seed: int, model_type: str, eos_bias: float, force:
 
 
 def build_set(out: str | Path, seed: int = 0, types=MODEL_TYPES, eos_bias: float = 0.0,
-              force: bool = False, listen: float = LISTEN) -> dict[str, Path]:
+              force: bool = False, listen: float = LISTEN, hazard: bool = False) -> dict[str, Path]:
     """One checkpoint per type in OUT/<type>."""
     out = Path(out)
-    return {t: build(out / t, seed, t, eos_bias, force, listen) for t in types}
+    return {t: build(out / t, seed, t, eos_bias, force, listen, hazard) for t in types}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -388,13 +493,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--listen", type=float, default=LISTEN,
                     help=f"scale the inputs a request carries (text, language, speaker) and the heads' logits by F "
                          f"(default {LISTEN:g}; 0: plain random weights); runners.reference.sensitivity measures it")
+    ap.add_argument("--hazard", action="store_true",
+                    help=f"plant massive activations ({HAZARD_RATIO:g}x the median) in the talker and the code "
+                         f"predictor, norms to match: bf16's hazards of a trained model (issue 58)")
     ap.add_argument("--force", action="store_true", help="replace an existing folder built differently")
     a = ap.parse_args(argv)
     try:
         if a.type == "all":
-            built = build_set(a.out, a.seed, MODEL_TYPES, a.eos_bias, a.force, a.listen)
+            built = build_set(a.out, a.seed, MODEL_TYPES, a.eos_bias, a.force, a.listen, a.hazard)
         else:
-            built = {a.type: build(a.out, a.seed, a.type, a.eos_bias, a.force, a.listen)}
+            built = {a.type: build(a.out, a.seed, a.type, a.eos_bias, a.force, a.listen, a.hazard)}
     except FileExistsError as e:
         print(f"tiny_checkpoint: {e}", file=sys.stderr)
         return 2
