@@ -308,3 +308,39 @@ def test_a_flip_wider_than_the_numerics_move_fails_its_segment_and_one_inside_th
     assert ok.verdict == "code_divergence" and ok.comparisons["forced"]["noise"]["p"] > 0.5, ok.summary
     # without a model (no null decoded), the per-token lines alone: 0.4 nats is plausible
     assert classify(replace(ev, noise_model=None), policy).verdict == "code_divergence"
+
+
+def test_the_per_token_line_widens_to_what_the_numerics_are_measured_to_move(policy):
+    """forced.max_gap (1.5 nats) is this checkpoint's measured bf16 reach; where qwen-tts in the
+    candidate's numerics moves a site's margins further (a noisier checkpoint, issue 58), the line
+    at that site is noise_scale x the widest move, and the noise model judges the flip under it."""
+    from dataclasses import replace
+
+    from difftest.verdicts.classify import classify
+    from test_verdicts_forced import CODES, evidence
+
+    rng = np.random.default_rng(1)
+    base = rng.uniform(0.5, 3, (40, 16))
+    moved = base.copy()
+    moved[:, 1:] += rng.uniform(-4.0, 4.0, (40, 15))  # codebooks 1-15 move up to 4 nats, codebook 0 0.1
+    moved[:, 0] += rng.uniform(-0.1, 0.1, 40)
+    m = null.noise_model({"s": _scored(base)}, {"s": _scored(moved)}, "bfloat16", 1.5, 4e-3, 4)
+    assert 3.9 < m.widest("code_predictor") / 1.5 <= 4.0 and m.widest("talker") < 0.16
+    other = CODES.copy()
+    other[7:, 3] += 1
+    flip = _scored(np.full((30, 16), 2.0), {(7, 3): 3.0})  # 3 nats: past the policy's 1.5
+    ev = replace(evidence(other, cand_scores=flip), control=None, numerics=NUMERICS, noise_model=m)
+    v = classify(ev, policy)
+    assert v.verdict == "code_divergence", v.summary  # inside what bf16 moves on such weights
+    lines = v.comparisons["forced"]["measured_lines"]
+    assert lines["codebook0"] == 1.5 and 5.8 < lines["codebooks_1_15"] <= 6.0 and lines["policy"] == 1.5
+    # the talker's site keeps the policy's line: its numerics move little
+    cb0 = _scored(np.full((30, 16), 2.0), {(7, 0): 3.0})
+    other0 = CODES.copy()
+    other0[7:, 0] += 1
+    v0 = classify(replace(ev, candidate=evidence(other0).candidate, scores={"candidate": cb0}), policy)
+    assert v0.verdict == "talker_defect" and "gap <= 1.5" in v0.summary, v0.summary
+    # past the widened line the token fails at it; with no model, at the policy's
+    far = classify(replace(ev, scores={"candidate": _scored(np.full((30, 16), 2.0), {(7, 3): 7.0})}), policy)
+    assert far.verdict == "talker_defect" and "gap <= 6" in far.summary, far.summary
+    assert classify(replace(ev, noise_model=None), policy).verdict == "talker_defect"

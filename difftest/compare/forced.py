@@ -73,11 +73,15 @@ class Implausible:
     why: str = ""  # what makes it implausible beyond the policy's lines (the numerics it was judged in)
 
 
-def implausible(sf: ScoreFile, p: ForcedPolicy) -> Implausible | None:
+def implausible(sf: ScoreFile, p: ForcedPolicy, gap_lines: tuple[float, float] | None = None) -> Implausible | None:
     """Why this stream is not one qwen-tts could have decoded as asked, or None when it could. Each
     model's part is judged by its own decoding: the talker's codebook 0 and the code predictor's
-    codebooks 1-15 may be sampled (every token inside the support) or greedy (rank, gap, top-1 share)."""
+    codebooks 1-15 may be sampled (every token inside the support) or greedy (rank, gap, top-1 share).
+    `gap_lines` (codebook 0, codebooks 1-15): the greedy gap lines where not `p.max_gap` (widened to
+    what the candidate's numerics are measured to move, difftest/verdicts/talker.py)."""
     rank, gap, support = sf.arrays["rank"], sf.gap, sf.arrays["in_support"]
+    g0, g1 = gap_lines or (p.max_gap, p.max_gap)
+    line = np.array([g0] + [g1] * (rank.shape[1] - 1))
     talker_sampled = bool(sf.settings.get("do_sample"))
     sub_sampled = bool(sf.settings.get("subtalker_dosample"))
     greedy_cols = np.array([not talker_sampled] + [not sub_sampled] * (rank.shape[1] - 1))
@@ -89,12 +93,12 @@ def implausible(sf: ScoreFile, p: ForcedPolicy) -> Implausible | None:
         return Implausible(f, c, f"{len(bad)} tokens outside qwen-tts's sampling support, the first at frame {f} "
                                  f"codebook {c} (rank {int(rank[f, c])}, {float(sf.arrays['support_gap'][f, c]):.3g} "
                                  f"nats below the support's last token; policy: {p.support_max_gap})")
-    far = np.argwhere(((rank > p.max_rank) | (gap > p.max_gap)) & greedy_cols)
+    far = np.argwhere(((rank > p.max_rank) | (gap > line)) & greedy_cols)
     if len(far):
         f, c = (int(x) for x in far[0])
         return Implausible(f, c, f"frame {f} codebook {c}: the token is qwen-tts's rank {int(rank[f, c])}, "
                                  f"{float(gap[f, c]):.3g} nats below its top-1 (policy: rank <= {p.max_rank}, "
-                                 f"gap <= {p.max_gap}); {len(far)} such positions")
+                                 f"gap <= {float(line[c]):.3g}); {len(far)} such positions")
     s0 = float(np.mean(rank[:, 0] == 0)) if not talker_sampled else 1.0
     s1 = float(np.mean(rank[:, 1:] == 0)) if not sub_sampled else 1.0
     if s0 < p.min_top1_share or s1 < p.min_sub_top1_share:
@@ -104,7 +108,7 @@ def implausible(sf: ScoreFile, p: ForcedPolicy) -> Implausible | None:
                                  f"the other codebooks' (policy: {p.min_top1_share:.0%}, {p.min_sub_top1_share:.0%})")
     if sf.eos is not None:
         eos_gap = sf.eos["top1_logprob"] - sf.eos["logprob"]
-        off = (not sf.eos["in_support"]) if talker_sampled else (sf.eos["rank"] > p.max_rank or eos_gap > p.max_gap)
+        off = (not sf.eos["in_support"]) if talker_sampled else (sf.eos["rank"] > p.max_rank or eos_gap > g0)
         if off:
             return Implausible(sf.frames, 0, f"the stream stops after {sf.frames} frames where qwen-tts ranks the "
                                              f"stop {int(sf.eos['rank'])} ({eos_gap:.3g} nats below its top-1)")

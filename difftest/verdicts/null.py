@@ -429,6 +429,12 @@ class NoiseModel:
         u, s_u, k = t
         return np.where(x > u, s_u * (np.maximum(x, u) / u) ** -k, emp)
 
+    def widest(self, site: str) -> float:
+        """How far the candidate's numerics may move one of the site's margins: `scale` times the
+        widest move the null's showed (0 where the site was not measured)."""
+        d = self.moved.get(site)
+        return self.scale * float(d[-1]) if d is not None and len(d) else 0.0
+
     def to_json(self) -> dict:
         def site(s, d):
             t = self.tail(s)
