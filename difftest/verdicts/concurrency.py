@@ -12,6 +12,7 @@ from ..compare.forced import ForcedPolicy
 from . import null as measured_null
 from .evidence import Audio, Evidence, Finding, chunk_of, code_json
 from .policy import TIERS, Policy
+from .talker import measured_lines
 
 
 def concurrency_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict, kind: str = "concurrency_defect",
@@ -74,7 +75,7 @@ def _near_tie(ev: Evidence, policy: Policy, comps: dict) -> str | None:
         fp = replace(fp, near_tie_max_gap=fp.exact_tie_gap)
     ok, detail = forced.near_tie(a, b, at, fp)
     if ok:
-        later = forced.implausible(b, policy.forced)
+        later = forced.implausible(b, policy.forced, measured_lines(ev, policy.forced))
         if later is not None:
             ok, detail["why"] = False, f"the stream at N is implausible after it: {later.reason}"
     else:

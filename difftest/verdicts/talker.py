@@ -23,7 +23,12 @@ def forced_findings(ev: Evidence, policy: Policy, comps: dict) -> list[Finding]:
         exact = noise.get("exact", True) and not noise["outside"]
         fp = replace(fp, support_max_gap=0.0 if exact else fp.support_gross_gap)
         comps["forced"]["support_noise"] = {**noise, "allowed_gap": fp.support_max_gap}
-    bad = forced.implausible(sf, fp, _measured_lines(ev, fp, comps))
+    lines = measured_lines(ev, fp)
+    if lines is not None:
+        model = ev.noise_model
+        comps["forced"]["measured_lines"] = {"codebook0": round(lines[0], 4), "codebooks_1_15": round(lines[1], 4),
+                                             "policy": fp.max_gap, "dtype": model.dtype, "scale": model.scale}
+    bad = forced.implausible(sf, fp, lines)
     if bad is None and (bad := _off_exact(ev, sf, fp, comps) or _off_noise(ev, sf, comps)) is not None:
         comps["forced"]["failed_by"] = "float32_tie" if (ev.numerics or {}).get("exact") else "noise_model"
     at = forced.first_difference(ev.reference.codes, ev.candidate.codes) if ev.reference is not None else None
@@ -47,20 +52,17 @@ def forced_findings(ev: Evidence, policy: Policy, comps: dict) -> list[Finding]:
                      frame=bad.frame, chunk=chunk_of(bad.frame, len(ev.candidate.codes), ev), stage="talker")]
 
 
-def _measured_lines(ev: Evidence, fp, comps: dict) -> tuple[float, float] | None:
-    """The per-token gap line is a measurement too: where qwen-tts in the candidate's numerics moves a
-    site's margins further than `forced.max_gap` allows (`noise_scale` x the widest move its null showed:
-    a checkpoint whose bf16 is that noisy, issue 58), the line at that site is that far, and the noise
-    model judges each segment's widest flip under it. None where the policy's line holds."""
+def measured_lines(ev: Evidence, fp) -> tuple[float, float] | None:
+    """The per-token gap lines (codebook 0, codebooks 1-15) are a measurement too: where qwen-tts in the
+    candidate's numerics moves a site's margins further than `forced.max_gap` allows (`noise_scale` x
+    the widest move its null showed: a checkpoint whose bf16 is that noisy, issue 58), the line at
+    that site is that far, and the noise model judges each segment's widest flip under it. None where
+    the policy's line holds."""
     model = ev.noise_model
     if model is None or (ev.numerics or {}).get("exact"):
         return None
     lines = tuple(max(fp.max_gap, model.widest(site)) for site in ("talker", "code_predictor"))
-    if lines == (fp.max_gap, fp.max_gap):
-        return None
-    comps["forced"]["measured_lines"] = {"codebook0": round(lines[0], 4), "codebooks_1_15": round(lines[1], 4),
-                                         "policy": fp.max_gap, "dtype": model.dtype, "scale": model.scale}
-    return lines
+    return None if lines == (fp.max_gap, fp.max_gap) else lines
 
 
 def _off_exact(ev: Evidence, sf, fp, comps: dict):
