@@ -25,7 +25,7 @@ from pathlib import Path
 
 from .engines.engine_args import check, parse
 from .engines.reference import ReferenceOptions, reference_python
-from .engines.start import VLLM_OMNI, VLLM_OMNI_OFFLINE, CandidateSpec
+from .engines.start import DEPLOY_FILE_KINDS, CandidateSpec
 from .errors import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput, DifftestError
 from .records.report import print_summary
 from .results import atomic_write
@@ -84,9 +84,9 @@ def run_matrix(args, suite, policy, spec: CandidateSpec, opts, settings_of, stre
     """Every cell of `args.matrix`; `settings_of(engine_args)` makes a cell's VllmOmniOptions fields."""
     from .records.tracking import log_run  # MLflow: imported when a matrix runs
 
-    if spec.kind not in (VLLM_OMNI, VLLM_OMNI_OFFLINE):
+    if not spec.is_.deploy_file:
         raise BadInput(f"--matrix varies the settings of a vLLM-Omni that difftest starts "
-                       f"(--candidate {VLLM_OMNI} or {VLLM_OMNI_OFFLINE}), not {spec.label}")
+                       f"(--candidate {' or '.join(DEPLOY_FILE_KINDS)}), not {spec.label}")
     grid = cells(axes(args.matrix))
     all_settings = [settings_of([*args.engine_arg, *cell]) for cell in grid]
     from .engines.vllm_omni import omni_python

@@ -184,7 +184,7 @@ def start_ray_candidate(spec: CandidateSpec, setup: Setup, ray: dict, run_tag: s
     """The candidate in a Ray actor (difftest.scale.ray_candidate): its engine on whichever node has room."""
     from .scale.ray_candidate import RayCandidate
 
-    if spec.kind == URL:
+    if not spec.is_.started_here:
         raise BadInput("--ray-candidate: a URL candidate is already served elsewhere; start vllm-omni, "
                        "vllm-omni-offline or cpu-engine in the actor instead")
     gpus = float(ray.get("candidate_gpus") or 0)
@@ -522,10 +522,10 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
     run_id = uuid.uuid4().hex[:8]  # tags capture files: engines may serve several runs at once
     timings = _Timings()
     python = reference_python(opts.reference.python)
-    if spec.kind == VLLM_OMNI_OFFLINE and (opts.pattern != "barrier" or opts.voice_mode != "inline"):
+    if spec.is_.one_batch_per_wave and (opts.pattern != "barrier" or opts.voice_mode != "inline"):
         raise BadInput(f"--pattern {opts.pattern} / --voices {opts.voice_mode}: the offline runner sends each "
                        f"wave of N as one batch with its voices inline (use the defaults, or --candidate {VLLM_OMNI})")
-    pattern = "batch" if spec.kind == VLLM_OMNI_OFFLINE else opts.pattern
+    pattern = "batch" if spec.is_.one_batch_per_wave else opts.pattern
     store = ResultStore(opts.store)
     with timings("checkpoints_s"):
         models = resolve_models(suite, opts, python)  # builds the tiny checkpoints on first use
@@ -562,7 +562,7 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
                     candidate = start_candidate(spec, setup, stack, run_tag=run_id)
         cand_info = candidate.info
         _announce(cand_info)
-        if spec.kind == URL and spec.declared is None:  # whatever answers at the URL now: re-checked before reuse
+        if not spec.is_.started_here and spec.declared is None:  # whatever answers at the URL now: re-checked
             url_reuse.check(candidate, suite.segments, {n: folders[n] for n in sorted(folders, key=_pass_order)},
                             engine, spec.url, opts.reuse_unidentified)
         # a server serves several runs (difftest repro's probes): its counters are read before and after this one

@@ -48,7 +48,7 @@ EXACT_UP_TO = 20  # cells: above this the smallest set is found greedily (2^20 s
 
 def applicable(entry: Entry, cell: dict) -> bool:
     """A cell can catch an entry when it serves the entry's kind of candidate (its API)."""
-    return CandidateSpec.parse(cell["candidate"]).kind == CandidateSpec.parse(entry.candidate).kind \
+    return CandidateSpec.parse(cell["candidate"]).is_ is CandidateSpec.parse(entry.candidate).is_ \
         and CandidateSpec.parse(cell["candidate"]).api == CandidateSpec.parse(entry.candidate).api
 
 

@@ -40,6 +40,28 @@ VLLM_OMNI_PLUGINS = ("runners/vllm_omni", "runners/vllm_omni_offline")
 CPU_ENGINE_LABEL = "difftest CPU test engine (not vLLM-Omni)"
 
 
+@dataclass(frozen=True)
+class CandidateKind:
+    """What a kind of candidate is, for the commands that treat kinds differently: they ask these,
+    never the kind's name (issue 59: one place for each fact)."""
+
+    name: str
+    started_here: bool  # difftest starts (and stops) it; else a server elsewhere, re-checked before reuse
+    deploy_file: bool  # serves a vLLM-Omni deploy file: --engine-arg, --matrix, a cell's `production:`
+    one_batch_per_wave: bool  # each wave of N is one batch with its voices inline (no arrival patterns)
+    planted_defects: bool  # takes a planted defect (`:DEFECT`); its clean control is the same without it
+
+
+KINDS = {k.name: k for k in (
+    CandidateKind(VLLM_OMNI, started_here=True, deploy_file=True, one_batch_per_wave=False, planted_defects=False),
+    CandidateKind(VLLM_OMNI_OFFLINE, started_here=True, deploy_file=True, one_batch_per_wave=True,
+                  planted_defects=False),
+    CandidateKind(CPU_ENGINE, started_here=True, deploy_file=False, one_batch_per_wave=False, planted_defects=True),
+    CandidateKind(URL, started_here=False, deploy_file=False, one_batch_per_wave=False, planted_defects=False),
+)}
+DEPLOY_FILE_KINDS = tuple(k for k, v in KINDS.items() if v.deploy_file)
+
+
 @dataclass
 class CandidateSpec:
     """What to test: a server URL (with an optional capture dir), vLLM-Omni started here (its server or its
@@ -57,6 +79,11 @@ class CandidateSpec:
     # a URL candidate served by one server per checkpoint type (as vLLM-Omni is): API task_type -> URL;
     # each request goes to its task's server (`url` is the first)
     routes: dict | None = None
+
+    @property
+    def is_(self) -> CandidateKind:
+        """The kind's facts: `spec.is_.started_here`, `spec.is_.deploy_file`, ..."""
+        return KINDS[self.kind]
 
     @classmethod
     def parse(cls, text: str, capture_dir: str | None = None) -> "CandidateSpec":

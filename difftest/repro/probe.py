@@ -26,7 +26,7 @@ from pathlib import Path
 import yaml
 
 from ..engines.reference import ReferenceOptions, reference_python
-from ..engines.start import CPU_ENGINE, URL, VLLM_OMNI, VLLM_OMNI_OFFLINE, CandidateSpec, Setup, start_candidate
+from ..engines.start import CPU_ENGINE, VLLM_OMNI, CandidateSpec, Setup, start_candidate
 from ..errors import BadInput, InfraError
 from ..results import atomic_write
 from ..suites import wavio
@@ -191,7 +191,7 @@ class Live:
         options = {k: json.loads(v) for k, v in settings}
         spec = replace(spec, options=options)
         if clean:  # the control: the same engine without the defect (the release under a mutant, the clean CPU engine)
-            if spec.kind == CPU_ENGINE:
+            if spec.is_.planted_defects:
                 return replace(spec, defect=None)
             if self.origin.mutant:
                 return replace(spec, python=self.origin.mutant["base_python"])
@@ -228,7 +228,7 @@ class Live:
             spec = self.spec(settings, clean)
             if spec is None:
                 raise BadInput("no clean control for this candidate (a URL, or a release that carries the bug)")
-            if spec.kind == URL:
+            if not spec.is_.started_here:
                 self.engines[key] = (spec, None, ExitStack())  # run() reaches it each time
             else:
                 what = "the clean control" if clean else spec.label
@@ -318,7 +318,7 @@ class Prober:
 
 def opts_for(origin: Origin, store: Path | None):
     opts = origin.run_options(store)
-    if origin.spec.kind == VLLM_OMNI_OFFLINE and opts.pattern != "barrier":
+    if origin.spec.is_.one_batch_per_wave and opts.pattern != "barrier":
         opts = replace(opts, pattern="barrier")
     return opts
 

@@ -258,7 +258,7 @@ def _check_cells(path: Path, m: Matrix) -> None:
     rather than as a cell with no report: every suite valid, every candidate one difftest knows."""
     from runners.cpu_engine.defects import DEFECTS
 
-    from ..engines.start import CPU_ENGINE, CandidateSpec
+    from ..engines.start import CandidateSpec
     from ..suites.suite import load_suite
 
     where = ({Path(c["suite"]): f"cells ({c['config']}).suite" for c in reversed(m.cells)} if m.named else
@@ -273,7 +273,7 @@ def _check_cells(path: Path, m: Matrix) -> None:
             spec = CandidateSpec.parse(cand.spec)
         except BadInput as e:
             _fail(path, f"candidates[{i}]", str(e))
-        if spec.kind == CPU_ENGINE and spec.defect is not None and spec.defect not in DEFECTS:
+        if spec.is_.planted_defects and spec.defect is not None and spec.defect not in DEFECTS:
             _fail(path, f"candidates[{i}]", f"the CPU test engine has no defect {yamlfile.quote(spec.defect)} "
                                             f"(known: {', '.join(sorted(DEFECTS))})")
 
@@ -282,15 +282,15 @@ def _check_production(path: Path, m: Matrix) -> None:
     """A cell's `production: [KEY, ...]`: the cell must serve the release's deploy file's value for each
     key (difftest.engines.deploy_diff); exit 2 before any cell runs when it cannot."""
     from ..engines.deploy_diff import require_production
-    from ..engines.start import VLLM_OMNI, VLLM_OMNI_OFFLINE, CandidateSpec
+    from ..engines.start import DEPLOY_FILE_KINDS, CandidateSpec
 
     for cell in m.cells:
         if not cell.get("production"):
             continue
         where = f"{path}: cell {cell['cell']}: production"
-        if CandidateSpec.parse(cell["candidate"]).kind not in (VLLM_OMNI, VLLM_OMNI_OFFLINE):
-            raise BadInput(f"{where}: {cell['label']} serves no vLLM-Omni deploy file (only {VLLM_OMNI} and "
-                           f"{VLLM_OMNI_OFFLINE} do)")
+        if not CandidateSpec.parse(cell["candidate"]).is_.deploy_file:
+            raise BadInput(f"{where}: {cell['label']} serves no vLLM-Omni deploy file (only "
+                           f"{' and '.join(DEPLOY_FILE_KINDS)} do)")
         # a cell's `difftest run` gets no --candidate-device: its vLLM-Omni is on the CPU
         require_production(cell["production"], suite=cell["suite"], concurrency=cell["concurrency"],
                            engine_args=cell["engine_args"], python=cell["python"], where=where)
