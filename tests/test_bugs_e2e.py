@@ -14,6 +14,10 @@ from vllm_omni_support import omni_python
 
 from difftest.results import read_result
 
+# The full tier (docs/ci.md, `bash scripts/test.sh --all`): four mutant vLLM-Omni servers; CI sees
+# a real leak caught in test_handoff.py.
+pytestmark = pytest.mark.heavy
+
 REPO = Path(__file__).resolve().parents[1]
 ENTRIES = ("ref-leak-4373", "no-async-trim-4429", "prompt-len-fallback-1554", "prompt-len-float-ceil")
 

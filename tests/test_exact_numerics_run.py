@@ -6,6 +6,7 @@ leave qwen-tts's by more than a float32 tie is a talker_defect at the talker, wh
 one that leaves it only on a tie is named a suspect; the clean engine, captured the same way, passes. Real qwen-tts; a file of its own (a test worker each)."""
 
 import numpy as np
+import pytest
 
 from reference_support import REPO, reference_python
 
@@ -14,6 +15,10 @@ from difftest.results import read_result
 from difftest.run import RunOptions, run
 from difftest.suites.suite import load_suite
 from difftest.verdicts.policy import load_policy
+
+# The full tier (docs/ci.md, `bash scripts/test.sh --all`): one run end to end; its parts are
+# unit-tested in test_verdicts_forced.py.
+pytestmark = pytest.mark.heavy
 
 BLIND = ("--talker-capture", "no-input")
 

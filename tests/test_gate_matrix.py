@@ -36,6 +36,7 @@ def _write(tmp_path, text) -> Path:
     return path
 
 
+@pytest.mark.heavy
 def test_two_candidates_at_two_concurrencies(tmp_path, mlflow_cwd):
     reference_python()
     path = _write(tmp_path, MATRIX.format(suite=REPO / "cases" / "suites" / "smoke.yaml"))

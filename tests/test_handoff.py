@@ -83,6 +83,7 @@ KNOWN_024 = {  # findings on 0.24.0, recorded in docs/handoff-probe.md
 }
 
 
+@pytest.mark.heavy
 def test_0_24_0_is_free_of_the_reference_code_leak(r024):
     code, report = r024
     segs = report["segments"]

@@ -135,6 +135,7 @@ print(json.dumps({"origin": spec.origin, "marker": "DIFFTEST_MARKER" in (d / "ve
 """
 
 
+@pytest.mark.heavy
 def test_first_commit_is_built_and_recorded(omni_repo, builds):
     repo, first, _ = omni_repo
     venv, checkout = builds["venv"], builds["venv"] / "src" / "vllm-omni"
@@ -154,6 +155,7 @@ def test_first_commit_is_built_and_recorded(omni_repo, builds):
     assert "ready:" in builds["first"][0].stderr
 
 
+@pytest.mark.heavy
 def test_same_commit_again_is_a_no_op(builds):
     for key in ("again", "second_again"):
         r, seconds = builds[key]
@@ -162,6 +164,7 @@ def test_same_commit_again_is_a_no_op(builds):
         print(f"{key}: {seconds:.1f} s")
 
 
+@pytest.mark.heavy
 def test_switching_commits_rebuilds_and_imports_the_new_checkout(omni_repo, builds):
     _, _, second = omni_repo
     venv = builds["venv"]
@@ -178,6 +181,7 @@ def test_switching_commits_rebuilds_and_imports_the_new_checkout(omni_repo, buil
     assert got == [str(checkout / "vllm_omni" / "__init__.py"), "second commit", "0.30.0"]
 
 
+@pytest.mark.heavy
 def test_provenance_reports_the_commit(omni_repo, builds):
     repo, _, second = omni_repo
     info = environment_info(builds["venv"] / "bin" / "python")
@@ -190,6 +194,7 @@ def test_provenance_reports_the_commit(omni_repo, builds):
     assert base["vllm_omni_commit"] is None and base["vllm_omni_source"] is None
 
 
+@pytest.mark.heavy
 def test_check_names_what_differs(omni_repo, builds):
     repo, first, second = omni_repo
     r, _ = make_env(builds["venv"], "--base", BASE, "--source", repo, "--rev", first, "--check")

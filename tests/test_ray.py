@@ -176,6 +176,7 @@ def _pids_naming(text: str) -> list[int]:
     return [p for p in found if p != os.getpid()]
 
 
+@pytest.mark.heavy
 def test_the_documented_ray_commands_give_the_local_report_and_result_files(ray_head, tmp_path):
     """The seed's leak planted in the CPU test engine, through the CLI as docs/scale-out.md gives it:
     `ray start --head` + `--ray 127.0.0.1:PORT`, and `--ray` alone (a cluster of difftest's own, which
@@ -223,6 +224,7 @@ def test_the_documented_ray_commands_give_the_local_report_and_result_files(ray_
     assert got.stdout.strip().splitlines()[-1] == "['127.0.0.1']", got.stderr[-2000:]
 
 
+@pytest.mark.heavy
 def test_a_cluster_that_asks_for_a_token_none_at_hand_can_give_is_an_infrastructure_error(ray_head, tmp_path):
     """The head requires Ray's token; this machine has none (no RAY_AUTH_TOKEN, no token file, a
     HOME without ~/.ray): exit 3 saying where to get it, before any model work (not Ray's
@@ -305,6 +307,7 @@ def test_an_unreachable_head_is_an_infrastructure_error(tmp_path):
     shutil.rmtree(tmp_path / "o", ignore_errors=True)
 
 
+@pytest.mark.heavy
 def test_the_candidate_in_a_ray_actor_gives_the_local_verdicts(cluster, tmp_path):
     """--ray-candidate: the CPU test engine with the seed's leak, started in an actor on a raylet of
     its own, its passes sent from there; its result and capture files come back through Ray into
@@ -331,6 +334,7 @@ def test_the_candidate_in_a_ray_actor_gives_the_local_verdicts(cluster, tmp_path
             assert read_result(side).segment_hash
 
 
+@pytest.mark.heavy
 def test_an_interrupted_run_on_ray_resumes_from_the_store(cluster, tmp_path):
     """Ctrl-C on the driver while the reference side is being generated on the cluster: the run
     stops (exit 3), the store keeps every result the driver had written, and the same command

@@ -15,6 +15,10 @@ from difftest.repro.probe import write_suite
 from difftest.repro.shrink import Case
 from difftest.suites.suite import load_suite
 
+# The full tier (docs/ci.md, `bash scripts/test.sh --all`): three shrinks on the CPU engine; CI
+# shrinks the real 0.22.0 leak in test_handoff.py.
+pytestmark = pytest.mark.heavy
+
 REPO = Path(__file__).resolve().parents[1]
 SMOKE = REPO / "cases" / "suites" / "smoke.yaml"
 # defect -> (concurrency of the run, repro's extra arguments). The leak gets the whole search on the

@@ -10,7 +10,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from reference_support import reference_python
+
+# The full tier (docs/ci.md, `bash scripts/test.sh --all`): the prompt defects' selfcheck; CI runs
+# test_selfcheck.py's planted defects.
+pytestmark = pytest.mark.heavy
 
 DEFECTS = ("language-dropped", "speaker-scaled", "text-word-dropped", "speaker-leak", "prompt-row-moved")
 

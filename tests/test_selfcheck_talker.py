@@ -6,7 +6,13 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from reference_support import reference_python
+
+# The full tier (docs/ci.md, `bash scripts/test.sh --all`): the talker defects' selfcheck; CI runs
+# test_selfcheck.py's planted defects.
+pytestmark = pytest.mark.heavy
 
 
 def test_selfcheck_catches_talker_defects_at_concurrency_1_by_teacher_forcing(tmp_path):

@@ -317,6 +317,7 @@ def test_a_store_that_can_never_work_is_bad_input_with_no_pending_note(tmp_path,
         assert words in err, (uri, err)
 
 
+@pytest.mark.heavy
 def test_a_test_mlflow_server_whose_port_was_taken_starts_on_another(tmp_path, monkeypatch):
     """The port race CI met (2026-12-05: 'address already in use', three tests lost): the port handed
     out is taken by another HTTP server answering /health before MLflow binds it; the helper must

