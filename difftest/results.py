@@ -25,7 +25,8 @@ import numpy as np
 
 from .engines.capture import CaptureError, member_sizes
 from .errors import BadInput
-from .suites.suite import CODEBOOKS, content_hash
+from .family import CODEBOOKS
+from .suites.suite import content_hash
 
 log = logging.getLogger(__name__)
 

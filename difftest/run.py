@@ -23,8 +23,8 @@ from pathlib import Path
 import numpy as np
 
 from . import __version__
-from .engines import identity as ident
 from .engines import engine_death, url_reuse
+from .engines import identity as ident
 from .engines.base import Engine
 from .engines.reference import (
     REPO,
@@ -48,14 +48,14 @@ from .engines.start import (
     start_candidate,
 )
 from .errors import BadInput, InfraError, no_space
+from .family import CODEBOOKS
 from .progress import Progress
 from .records.report import build_report, overall, write_report
 from .results import CorruptResult, Result, ResultStore, _ext, atomic_write, prepare_out, read_result
 from .suites.checkpoints import check_suite
 from .suites.suite import TINY_HAZARD, TINY_MODELS, Suite, content_hash, hf_cached
-from .verdicts import exercised, sampling
+from .verdicts import exercised, sampling, vocoder_null
 from .verdicts import null as measured_null
-from .verdicts import vocoder_null
 from .verdicts.classify import Evidence, classify, talker_stage
 from .verdicts.policy import Policy
 from .verdicts.talker_input import inputs_of
@@ -447,7 +447,7 @@ def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy,
         if c is not None and c.has_codes:
             return c.ref_codes
         r = ref_run.results.get(sid)
-        return r.ref_codes if r is not None else np.zeros((0, 16), np.int64)
+        return r.ref_codes if r is not None else np.zeros((0, CODEBOOKS), np.int64)
 
     score_ok, score_errors = scores or ({}, {})
     with_codes = _segments_with_codes(cand.results)

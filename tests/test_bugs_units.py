@@ -15,8 +15,9 @@ import yaml
 from vllm_omni_support import omni_python
 
 from difftest.bugs.corpus import load_corpus
+from difftest.bugs.judge import judge
 from difftest.bugs.mutant import RECORD, mutant_env, release_site
-from difftest.bugs.run import exit_code, judge
+from difftest.bugs.run import exit_code
 from difftest.errors import BadInput
 
 TALKER = "vllm_omni/model_executor/models/qwen3_tts/qwen3_tts_talker.py"

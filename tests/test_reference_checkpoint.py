@@ -169,14 +169,16 @@ def test_a_store_gets_the_set_from_the_cache_byte_for_byte_and_a_damaged_entry_i
     # the key is what the build comes from: the seed, and the builder's source
     key = reference.tiny_cache_key(py)
     assert reference.tiny_cache_key(py, seed=1) != key
-    fake = tmp_path / "repo" / "runners" / "reference"
-    fake.mkdir(parents=True)
+    fake = tmp_path / "repo"
     for name in reference._BUILDER_SOURCES:
-        (fake / name).write_bytes((REPO / "runners" / "reference" / name).read_bytes())
-    monkeypatch.setattr(reference, "REPO", tmp_path / "repo")
+        (fake / name).parent.mkdir(parents=True, exist_ok=True)
+        (fake / name).write_bytes((REPO / name).read_bytes())
+    monkeypatch.setattr(reference, "REPO", fake)
     assert reference.tiny_cache_key(py) == key
-    (fake / "tiny_checkpoint.py").write_text((fake / "tiny_checkpoint.py").read_text() + "\n# changed\n")
-    assert reference.tiny_cache_key(py) != key
+    for name in ("runners/reference/tiny_checkpoint.py", "difftest/family.py"):  # the builder, the codec's numbers
+        (fake / name).write_text((fake / name).read_text() + "\n# changed\n")
+        assert reference.tiny_cache_key(py) != key
+        key = reference.tiny_cache_key(py)
 
 
 HAZARD_CHECK = """

@@ -39,6 +39,7 @@ from ..results import atomic_write
 from ..run import RunOptions, resolve_models, run, start_reference_runner
 from ..suites.suite import load_suite
 from .corpus import Entry
+from .judge import judge
 from .mutant import mutant_env
 
 FORMAT = "difftest.bugs-coverage/1"
@@ -107,8 +108,6 @@ def text_table(entry_ids: list[str], cells: list[dict], table: dict) -> str:
 
 def run_coverage(entries: list[Entry], matrix, out: Path, policy, opts: RunOptions, base_python: Path,
                  stream=sys.stderr) -> int:
-    from .run import judge
-
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     state = out / "coverage.json"
@@ -243,8 +242,6 @@ def _judged_again(entry_id: str, expect: dict, cell: str, row: dict, out: Path) 
     """A stored row judged again from its report on disk, against the release's report of the
     cell (which may have run after it); as it was when its report is missing."""
     from types import SimpleNamespace
-
-    from .run import judge
 
     try:
         report = json.loads((out / entry_id / cell / "report.json").read_text(encoding="utf-8"))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..suites.voices import SAMPLES_PER_FRAME
+from ..family import SAMPLES_PER_FRAME
 
 TRAILING_SAMPLES = 1  # extra samples past the last whole frame that count as that frame's
 

@@ -15,7 +15,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from .align import SAMPLES_PER_FRAME, frame_sample_bounds
+from ..family import SAMPLE_RATE, SAMPLES_PER_FRAME
+from .align import frame_sample_bounds
 
 SNR_CAP_DB = 100.0  # an exact match has infinite SNR; MLflow stores infinity badly
 MEL_N_FFT = 1024
@@ -60,7 +61,7 @@ def snr_db(signal_energy, noise_energy):
 
 
 @lru_cache(maxsize=4)
-def mel_filterbank(sr: int = 24000, n_fft: int = MEL_N_FFT, n_mels: int = MEL_BANDS,
+def mel_filterbank(sr: int = SAMPLE_RATE, n_fft: int = MEL_N_FFT, n_mels: int = MEL_BANDS,
                    fmax: float = MEL_FMAX) -> np.ndarray:
     """(n_fft//2+1, n_mels) triangular HTK-mel filters, float32."""
     def hz_to_mel(f):
@@ -77,7 +78,7 @@ def mel_filterbank(sr: int = 24000, n_fft: int = MEL_N_FFT, n_mels: int = MEL_BA
     return np.maximum(0.0, np.minimum(up, down)).T.astype(np.float32)
 
 
-def log_mel(x: np.ndarray, sr: int = 24000) -> np.ndarray:
+def log_mel(x: np.ndarray, sr: int = SAMPLE_RATE) -> np.ndarray:
     """(M, MEL_BANDS) log-mel frames; frame m starts at sample m * MEL_HOP, zero-padded at the end."""
     x = np.asarray(x, dtype=np.float32)
     n_frames = -(-len(x) // MEL_HOP)
@@ -102,7 +103,7 @@ def _per_frame(x: np.ndarray, bounds: np.ndarray, reduce) -> np.ndarray:
     return np.concatenate([head, tail]).astype(np.float64)
 
 
-def frame_metrics(a: np.ndarray, b: np.ndarray, sr: int = 24000, spf: int = SAMPLES_PER_FRAME,
+def frame_metrics(a: np.ndarray, b: np.ndarray, sr: int = SAMPLE_RATE, spf: int = SAMPLES_PER_FRAME,
                   with_mel: bool = True, mel_a: np.ndarray | None = None,
                   mel_b: np.ndarray | None = None, energy_if_equal: bool = True) -> FrameMetrics:
     """Per-frame statistics of b against a (a is the side taken as the signal), common length.
@@ -140,7 +141,7 @@ def _time_metrics(a: np.ndarray, b: np.ndarray, spf: int, energy_if_equal: bool 
     return FrameMetrics(max_abs, sq_err, sq_ref, counts, np.zeros(len(bounds)), np.zeros(len(bounds), dtype=np.int64))
 
 
-def add_log_mel(fm: FrameMetrics, a: np.ndarray, b: np.ndarray, sr: int = 24000, spf: int = SAMPLES_PER_FRAME,
+def add_log_mel(fm: FrameMetrics, a: np.ndarray, b: np.ndarray, sr: int = SAMPLE_RATE, spf: int = SAMPLES_PER_FRAME,
                 mel_a: np.ndarray | None = None, mel_b: np.ndarray | None = None) -> FrameMetrics:
     """`fm` (frame_metrics(a, b, with_mel=False)) with its log-mel fields filled in.
 

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..family import CODEBOOKS
 from .align import chunk_frame_bounds
 
 
@@ -31,12 +32,12 @@ class CodeDiff:
 
 
 def diff_codes(a: np.ndarray, b: np.ndarray, initial_frames: int = 1, frames: int = 25) -> CodeDiff:
-    a = np.asarray(a).reshape(-1, 16) if np.size(a) else np.zeros((0, 16), np.int64)
-    b = np.asarray(b).reshape(-1, 16) if np.size(b) else np.zeros((0, 16), np.int64)
+    a = np.asarray(a).reshape(-1, CODEBOOKS) if np.size(a) else np.zeros((0, CODEBOOKS), np.int64)
+    b = np.asarray(b).reshape(-1, CODEBOOKS) if np.size(b) else np.zeros((0, CODEBOOKS), np.int64)
     la, lb = len(a), len(b)
     if la == lb and np.array_equal(a, b):  # the common case: what the general path gives for equal codes
         k = len(chunk_frame_bounds(la, initial_frames, frames))
-        return CodeDiff(la, lb, None, None, None, 0, [0] * 16, [1.0] * k)
+        return CodeDiff(la, lb, None, None, None, 0, [0] * CODEBOOKS, [1.0] * k)
     n = min(la, lb)
     row_diff = (a[:n] != b[:n])  # (n, 16)
     frame_diff = row_diff.any(axis=1)
@@ -61,4 +62,4 @@ def diff_codes(a: np.ndarray, b: np.ndarray, initial_frames: int = 1, frames: in
     s, e = bounds[:, 0], bounds[:, 1]
     agreement = ((c[e] - c[s]) / (e - s)).tolist()
     return CodeDiff(la, lb, first, a_vec, b_vec, int(frame_diff.sum()),
-                    row_diff.sum(axis=0).astype(int).tolist() if n else [0] * 16, agreement)
+                    row_diff.sum(axis=0).astype(int).tolist() if n else [0] * CODEBOOKS, agreement)

@@ -98,8 +98,8 @@ from pathlib import Path
 
 import numpy as np
 
-CODEBOOKS = 16
-CODEBOOK_SIZE = 2048  # the 12 Hz tokenizer's codebook; the talker's specials (>= 2048) never reach the vocoder
+from ..family import CODEBOOK_SIZE, CODEBOOKS  # the talker's specials (>= CODEBOOK_SIZE) never reach the vocoder
+
 MAX_BYTES = 256 << 20  # about 100 minutes of float32 audio with its codes: far beyond any segment
 # Compressed or not, the arrays a capture holds may not unpack to more than this (a zip of zeros
 # claiming millions of frames is refused from its headers, before any of it is read).

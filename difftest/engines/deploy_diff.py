@@ -25,8 +25,9 @@ from pathlib import Path
 import yaml
 
 from ..errors import BadInput
+from ..family import FAMILY
 
-STAGE_NAMES = {0: "talker", 1: "vocoder"}
+STAGE_NAMES = dict(enumerate(FAMILY.serving_stages))
 NO_CPU_DEPLOY = ("the release has no CPU deploy: production is its CUDA deploy (qwen3_tts.yaml, which has no "
                  "cuda platform section)")
 
@@ -333,29 +334,13 @@ def _key(key: str) -> str:
     return f"{STAGE_NAMES[int(stage)]}.{rest}" if dot and stage in ("0", "1") else str(key)
 
 
-def require_production(keys, *, suite, concurrency: int, engine_args, python=None, device: str = "cpu",
+def require_production(keys, production: Path, overlay_file: Path, overlay: dict, device: str, arg_keys,
                        where: str = "production") -> None:
     """A gate cell's `production: [KEY, ...]`: BadInput (exit 2), before any model work, when the
-    cell would serve another value than the release's deploy file for a key (or a key under it),
-    or when no such key exists in either. The overlay is the one `difftest run` writes for the
-    cell (the suite's decode settings, its concurrency, its --engine-args)."""
-    import tempfile
-
-    from ..suites.suite import load_suite
-    from .engine_args import parse
-    from .vllm_omni import (VllmOmniOptions, decode_settings, deploy_overlay, environment_info, omni_python,
-                            write_overlay)
-
-    top, stages = parse(engine_args)
-    async_chunk = bool(top.pop("async_chunk", False))  # as difftest.engines.start: an option, not an override
-    decode, _ = decode_settings(load_suite(suite).segments)
-    opts = VllmOmniOptions.for_decode(decode, concurrency, python=python, device=device, async_chunk=async_chunk,
-                                      deploy_overrides=top, stage_overrides=stages)
-    production = release_deploy(environment_info(omni_python(python))).resolve()
-    overlay = deploy_overlay(production, opts)
-    with tempfile.TemporaryDirectory(prefix="difftest-overlay-") as d:
-        diffs, known = _compare(production, write_overlay(Path(d) / "deploy-overlay.yaml", overlay), device,
-                                engine_arg_keys(top, stages), overlay=overlay)
+    cell's overlay (the one `difftest run` writes for it: difftest.engines.vllm_omni.cell_overlay)
+    would serve another value than the release's deploy file for a key (or a key under it), or when
+    no such key exists in either."""
+    diffs, known = _compare(production, overlay_file, device, arg_keys, overlay=overlay)
     wrong = []
     for raw in keys:
         key = _key(raw)

@@ -28,8 +28,11 @@ from pathlib import Path
 import yaml
 
 from ..errors import BadInput, InfraError
+from ..family import FAMILY
 
-STAGES = {"talker": 0, "vocoder": 1, "0": 0, "1": 1}
+# a stage as `--engine-arg` names it (its name or its id) -> its id
+STAGES = {**{name: i for i, name in enumerate(FAMILY.serving_stages)},
+          **{str(i): i for i in range(len(FAMILY.serving_stages))}}
 # Top-level keys difftest owns: the stage list is built by difftest (use STAGE.KEY), the rest are
 # per-platform tables that the overlay does not merge.
 NOT_TOP = ("stages", "platforms", "connectors", "edges", "base_config")

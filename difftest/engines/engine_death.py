@@ -13,7 +13,9 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-STAGE_NAMES = {0: "talker", 1: "vocoder"}  # Qwen3-TTS's two stages (engine_args.STAGES)
+from ..family import FAMILY
+
+STAGE_NAMES = dict(enumerate(FAMILY.serving_stages))  # stage id -> name
 
 _DEAD = re.compile(r"Stage-(\d+) replica-(\d+) is dead")
 _PROC = re.compile(r"StageEngineCoreProc_stage(\d+)_replica\d+")

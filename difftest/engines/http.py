@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..family import CODEBOOKS
 from ..results import Result, ResultStore, reusable_together, write_result
 from ..suites import wavio
 from ..suites.suite import Segment
@@ -241,7 +242,7 @@ def _result(seg: Segment, wav, info, cap: Capture | None, ans, label: str, prove
             wave: list[str], meta: dict) -> Result:
     extra = {"capture_wav": cap.wav} if cap is not None and cap.wav is not None else {}
     extra.update(cap.stage_arrays() if cap is not None else {})
-    empty = np.zeros((0, 16), np.int64)
+    empty = np.zeros((0, CODEBOOKS), np.int64)
     return Result(segment_id=seg.id, segment_hash=seg.hash, wav=wav, sample_rate=info.sample_rate,
                   codes=cap.codes if cap is not None else empty, ref_codes=cap.ref_codes if cap is not None else empty,
                   has_codes=cap is not None, quantised=info.format == "pcm", provenance=dict(provenance or {}),

@@ -22,12 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_PASS, BadInput, InfraError
+from ..family import FAMILY
 from ..progress import Progress
 from ..results import CorruptResult, Result, ResultStore, read_result
+from ..suites.checkpoints import MANIFEST
 from ..suites.suite import TINY_HAZARD, TINY_MODELS, Suite, load_suite
+from . import zygote
 from .base import Outcome
 from .placement import device_arg, gpu_env, parse_device
-from . import zygote
 from .runner_client import RunnerDied, RunnerProcess
 
 REPO = Path(__file__).resolve().parents[2]
@@ -82,15 +84,16 @@ def tiny_checkpoints(store_root: Path, python: Path, seed: int = TINY_SEED, haza
     every tensor (about 7 s), copying takes a tenth of that. The builder then checks the folders it
     would have built against their manifests (every file's sha256), as for a store built in place."""
     out = Path(store_root).resolve() / "checkpoints" / tiny_folder(seed, hazard)
-    if not all((out / t / TINY_MANIFEST).is_file() for t in TINY_TYPES):
+    if not all((out / t / MANIFEST).is_file() for t in TINY_TYPES):
         _copy_cached_set(out, python, seed, hazard)
     _tiny_builder(python, out, seed, hazard)
     return [str(out / t) for t in TINY_TYPES]
 
 
-TINY_TYPES = ("base", "custom_voice", "voice_design")
+TINY_TYPES = tuple(FAMILY.checkpoint_types.values())  # the set the builder makes: one of each
 # What a build depends on in this repository: the builder and what it imports from here.
-_BUILDER_SOURCES = ("tiny_checkpoint.py", "checkpoint.py", "environment.py", "torchaudio_stub.py")
+_BUILDER_SOURCES = tuple(f"runners/reference/{name}" for name in (
+    "tiny_checkpoint.py", "checkpoint.py", "environment.py", "torchaudio_stub.py")) + ("difftest/family.py",)
 
 
 def _tiny_builder(python: Path, out: Path, seed: int, hazard: bool = False) -> None:
@@ -112,19 +115,18 @@ def tiny_cache_key(python: Path, seed: int = TINY_SEED, hazard: bool = False) ->
         raise InfraError(f"{python}: could not list its packages: {r.stderr.strip()[-1500:]}")
     h = hashlib.sha256(r.stdout.encode())
     for name in _BUILDER_SOURCES:
-        h.update(name.encode() + b"\0" + (REPO / "runners" / "reference" / name).read_bytes())
+        h.update(name.encode() + b"\0" + (REPO / name).read_bytes())
     return f"seed{seed}-listen{TINY_LISTEN}{'-hazard' if hazard else ''}-{h.hexdigest()[:16]}"
 
 
 def _copy_cached_set(out: Path, python: Path, seed: int, hazard: bool = False) -> None:
     from ..cache import Cache
-
-    from runners.reference.checkpoint import hash_files
+    from ..suites.checkpoints import hash_files
 
     def intact(root: Path) -> bool:  # every file as its manifest says (a damaged entry is built again)
         for t in TINY_TYPES:
             try:
-                files = json.loads((root / t / TINY_MANIFEST).read_text(encoding="utf-8"))["files"]
+                files = json.loads((root / t / MANIFEST).read_text(encoding="utf-8"))["files"]
             except (OSError, ValueError, KeyError, TypeError):
                 return False
             if files != hash_files(root / t):
@@ -151,14 +153,13 @@ def _copy_cached_set(out: Path, python: Path, seed: int, hazard: bool = False) -
                     shutil.rmtree(tmp, ignore_errors=True)
 
 
-TINY_MANIFEST = "difftest-checkpoint.json"  # runners/reference/tiny_checkpoint.py MANIFEST
 TINY_FORMAT = "difftest.checkpoint/1"
 
 
 def tiny_build(model: str) -> dict | None:
     """The builder's manifest when `model` is a folder holding a difftest tiny checkpoint, else None."""
     try:
-        manifest = json.loads((Path(model) / TINY_MANIFEST).read_text(encoding="utf-8"))
+        manifest = json.loads((Path(model) / MANIFEST).read_text(encoding="utf-8"))
     except (OSError, ValueError):
         return None
     return manifest if isinstance(manifest, dict) and manifest.get("format") == TINY_FORMAT else None

@@ -19,6 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InfraError
+from ..family import CODEBOOKS
 from ..results import CorruptResult, ResultStore, _ext, atomic_write
 from ..scores import ScoreFile, read_scores
 from .runner_client import RunnerProcess, item_answers
@@ -49,7 +50,7 @@ class Scorer:
 
     def key(self, it: ScoreItem) -> str:
         h = hashlib.sha256(f"{self.salt}|{it.segment.hash}|{it.ended_by_eos}|{it.ref_codes is not None}".encode())
-        for a in (it.codes, np.zeros((0, 16)) if it.ref_codes is None else it.ref_codes):
+        for a in (it.codes, np.zeros((0, CODEBOOKS)) if it.ref_codes is None else it.ref_codes):
             a = np.ascontiguousarray(a, dtype=np.int64)
             h.update(str(a.shape).encode())
             h.update(a.tobytes())
@@ -69,7 +70,7 @@ class Scorer:
             src = _ext(stem, ".in.npz")
             buf = io.BytesIO()
             np.savez(buf, codes=np.asarray(it.codes, np.int64),
-                     ref_codes=np.zeros((0, 16), np.int64) if it.ref_codes is None else np.asarray(it.ref_codes, np.int64))
+                     ref_codes=np.zeros((0, CODEBOOKS), np.int64) if it.ref_codes is None else np.asarray(it.ref_codes, np.int64))
             atomic_write(src, buf.getvalue())
             todo.append({"name": name, "segment": it.segment.to_job(), "input": str(src), "out": str(stem),
                          "condition": "voice" if it.ref_codes is None else "given",

@@ -22,7 +22,8 @@ import uuid
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from ..suites.suite import API_TASK_TYPE, SAMPLE_RATE, SAMPLES_PER_FRAME, Segment, Voice
+from ..family import SAMPLE_RATE, SAMPLES_PER_FRAME
+from ..suites.suite import API_TASK_TYPE, Segment, Voice
 from ..suites.voices import MAX_SECONDS
 
 HEADER_ALLOWANCE = 64 << 10  # a WAV's header and any metadata chunks

@@ -40,8 +40,9 @@ from pathlib import Path
 import yaml
 
 from ..errors import BadInput, InfraError
+from ..family import FAMILY
 from ..suites.checkpoints import checkpoint_type
-from .deploy_diff import served_configuration
+from .deploy_diff import engine_arg_keys, release_deploy, served_configuration
 from .launcher import ServerProcess, free_ports, start_together
 from .runner_client import RunnerDied, RunnerProcess
 from .speech_client import SpeechAnswer, SpeechClient
@@ -54,7 +55,7 @@ CANDIDATE = "vllm-omni"
 
 # suite task -> the checkpoint's tts_model_type, and the API's task_type
 CHECKPOINT_TYPE = {"voice_clone": "base", "custom_voice": "custom_voice", "voice_design": "voice_design"}
-API_TASK = {"voice_clone": "Base", "custom_voice": "CustomVoice", "voice_design": "VoiceDesign"}
+API_TASK = FAMILY.tasks  # the speech API's task_type for each task
 
 MiB = 1 << 20
 
@@ -342,6 +343,22 @@ def write_overlay(path: str | Path, overlay: dict) -> Path:
     tmp.write_text(header + yaml.safe_dump(overlay, sort_keys=False), encoding="utf-8")
     os.replace(tmp, path)
     return path
+
+
+def cell_overlay(suite, concurrency: int, engine_args, python=None, device: str = "cpu") -> tuple[Path, dict, list[str]]:
+    """What `difftest run` would serve for a gate cell: the release's deploy file, the overlay on it
+    (the suite's decode settings, its concurrency, its --engine-args), and the keys the engine
+    arguments set (difftest.engines.deploy_diff.require_production compares them)."""
+    from ..suites.suite import load_suite
+    from .engine_args import parse
+
+    top, stages = parse(engine_args)
+    async_chunk = bool(top.pop("async_chunk", False))  # as difftest.engines.start: an option, not an override
+    decode, _ = decode_settings(load_suite(suite).segments)
+    opts = VllmOmniOptions.for_decode(decode, concurrency, python=python, device=device, async_chunk=async_chunk,
+                                      deploy_overrides=top, stage_overrides=stages)
+    production = release_deploy(environment_info(omni_python(python))).resolve()
+    return production, deploy_overlay(production, opts), engine_arg_keys(top, stages)
 
 
 def server_argv(python: Path, model: str, overlay_path: Path, port: int, opts: VllmOmniOptions) -> list[str]:

@@ -18,17 +18,18 @@ import itertools
 import random
 from dataclasses import dataclass
 
-NUM_CODE_GROUPS = 16
+from ..family import CODEBOOKS as NUM_CODE_GROUPS
+
 MARK = 200
 MAX_BATCH = 8
 
 
 def audio_row(tag: int, step: int) -> list[int]:
-    return [MARK * tag + (step % 6) * 16 + q for q in range(NUM_CODE_GROUPS)]
+    return [MARK * tag + (step % 6) * NUM_CODE_GROUPS + q for q in range(NUM_CODE_GROUPS)]
 
 
 def ref_frame(tag: int, frame: int) -> list[int]:
-    return [MARK * tag + 100 + (frame % 6) * 16 + q for q in range(NUM_CODE_GROUPS)]
+    return [MARK * tag + 100 + (frame % 6) * NUM_CODE_GROUPS + q for q in range(NUM_CODE_GROUPS)]
 
 
 def tag_of(value) -> int | None:

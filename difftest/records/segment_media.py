@@ -12,9 +12,9 @@ from pathlib import Path
 import numpy as np
 
 from ..compare.audio import MEL_HOP, log_mel
+from ..family import SAMPLES_PER_FRAME
 from ..results import CorruptResult, read_result
 from ..suites import wavio
-from ..suites.suite import SAMPLES_PER_FRAME
 from ..verdicts.where import where
 
 log = logging.getLogger(__name__)

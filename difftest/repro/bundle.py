@@ -23,9 +23,10 @@ from pathlib import Path
 
 from ..engines.speech_client import speech_request
 from ..errors import DifftestError
+from ..family import SAMPLES_PER_FRAME
 from ..results import atomic_write, read_result
 from ..suites import wavio
-from ..suites.suite import SAMPLES_PER_FRAME, load_suite
+from ..suites.suite import load_suite
 from .probe import Finding, write_suite
 from .shrink import Case
 

@@ -29,7 +29,8 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Callable
 
-from ..suites.suite import SAMPLE_RATE, SAMPLES_PER_FRAME, content_hash
+from ..family import SAMPLE_RATE, SAMPLES_PER_FRAME
+from ..suites.suite import content_hash
 
 STEPS = ("requests", "concurrency", "arrival", "settings", "frames", "text", "reference")
 MIN_REF_FRAMES = 13  # 1.04 s: vLLM-Omni refuses a reference under 1 s (HTTP 400, "Reference audio too short")

@@ -256,9 +256,8 @@ def _cell_words(cell: dict) -> str:
 def _check_cells(path: Path, m: Matrix) -> None:
     """What each cell's own run would refuse, refused when the matrix loads (exit 2, naming it)
     rather than as a cell with no report: every suite valid, every candidate one difftest knows."""
-    from runners.cpu_engine.defects import DEFECTS
-
-    from ..engines.start import CandidateSpec
+    from ..engines.reference import reference_python
+    from ..engines.start import CandidateSpec, cpu_engine_defects
     from ..suites.suite import load_suite
 
     where = ({Path(c["suite"]): f"cells ({c['config']}).suite" for c in reversed(m.cells)} if m.named else
@@ -268,21 +267,28 @@ def _check_cells(path: Path, m: Matrix) -> None:
             load_suite(suite)
         except BadInput as e:
             _fail(path, where[suite], str(e))
+    known = None
     for i, cand in enumerate(m.candidates):
         try:
             spec = CandidateSpec.parse(cand.spec)
         except BadInput as e:
             _fail(path, f"candidates[{i}]", str(e))
-        if spec.is_.planted_defects and spec.defect is not None and spec.defect not in DEFECTS:
-            _fail(path, f"candidates[{i}]", f"the CPU test engine has no defect {yamlfile.quote(spec.defect)} "
-                                            f"(known: {', '.join(sorted(DEFECTS))})")
+        if spec.is_.planted_defects and spec.defect is not None:
+            if known is None:  # asked of the engine, in its environment (difftest never imports runners/)
+                known = cpu_engine_defects(Path(spec.python) if spec.python else reference_python())
+            if spec.defect not in known:
+                _fail(path, f"candidates[{i}]", f"the CPU test engine has no defect {yamlfile.quote(spec.defect)} "
+                                                f"(known: {', '.join(known)})")
 
 
 def _check_production(path: Path, m: Matrix) -> None:
     """A cell's `production: [KEY, ...]`: the cell must serve the release's deploy file's value for each
     key (difftest.engines.deploy_diff); exit 2 before any cell runs when it cannot."""
+    import tempfile
+
     from ..engines.deploy_diff import require_production
     from ..engines.start import DEPLOY_FILE_KINDS, CandidateSpec
+    from ..engines.vllm_omni import cell_overlay, write_overlay
 
     for cell in m.cells:
         if not cell.get("production"):
@@ -292,8 +298,11 @@ def _check_production(path: Path, m: Matrix) -> None:
             raise BadInput(f"{where}: {cell['label']} serves no vLLM-Omni deploy file (only "
                            f"{' and '.join(DEPLOY_FILE_KINDS)} do)")
         # a cell's `difftest run` gets no --candidate-device: its vLLM-Omni is on the CPU
-        require_production(cell["production"], suite=cell["suite"], concurrency=cell["concurrency"],
-                           engine_args=cell["engine_args"], python=cell["python"], where=where)
+        production, overlay, keys = cell_overlay(cell["suite"], cell["concurrency"], cell["engine_args"],
+                                                 python=cell["python"], device="cpu")
+        with tempfile.TemporaryDirectory(prefix="difftest-overlay-") as d:
+            require_production(cell["production"], production, write_overlay(Path(d) / "deploy-overlay.yaml", overlay),
+                               overlay, "cpu", keys, where=where)
 
 
 def cell_argv(cell: dict, out: Path, store: str | None, ray: str | None, policy: str | None = None) -> list[str]:

@@ -13,13 +13,17 @@ left to the runner.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BadInput
+from ..family import FAMILY
 
-TYPE_OF_TASK = {"voice_clone": "base", "custom_voice": "custom_voice", "voice_design": "voice_design"}
+TYPE_OF_TASK = FAMILY.checkpoint_types
+MANIFEST = "difftest-checkpoint.json"  # what the tiny checkpoint builder writes beside a build; not hashed
 _NAME_SUFFIX = {"-base": "base", "-customvoice": "custom_voice", "-voicedesign": "voice_design"}
 SHOWN = 8  # problems listed before "and N more"
 
@@ -94,3 +98,31 @@ def check_suite(suite, models: list[str]) -> None:
     if found:
         more = f"\n  ... and {len(found) - SHOWN} more" if len(found) > SHOWN else ""
         raise BadInput("the suite does not fit its checkpoints:\n  " + "\n  ".join(found[:SHOWN]) + more)
+
+
+# A checkpoint's content hash: the reference runner's fingerprint, the tiny builder's manifest, and
+# the tester's check of a cached build all read it here.
+def sha256_file(path: Path, bufsize: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(bufsize):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def content_files(folder: Path) -> list[str]:
+    """Relative paths of the files that make up a checkpoint (hidden files and the manifest excluded)."""
+    out = []
+    for root, dirs, files in os.walk(folder, followlinks=True):
+        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+        for name in files:
+            if name.startswith(".") or name.endswith(".tmp"):
+                continue
+            rel = (Path(root) / name).relative_to(folder).as_posix()
+            if rel != MANIFEST:
+                out.append(rel)
+    return sorted(out)
+
+
+def hash_files(folder: Path) -> dict[str, str]:
+    return {rel: sha256_file(folder / rel) for rel in content_files(folder)}

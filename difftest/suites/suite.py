@@ -34,19 +34,13 @@ import yaml
 
 from .. import yamlfile
 from ..errors import SuiteError
-from .voices import SAMPLES_PER_FRAME, VoiceError, check_voice
+from ..family import FAMILY, SAMPLE_RATE
+from .voices import VoiceError, check_voice
 
-SAMPLE_RATE = 24000
-CODEBOOKS = 16
-
-# qwen-tts 0.1.1 accepts "auto" plus every non-dialect codec_language_id key.
-LANGUAGES = (
-    "Auto", "Chinese", "English", "German", "Spanish", "Japanese",
-    "French", "Korean", "Russian", "Italian", "Portuguese",
-)
-TASKS = ("voice_clone", "custom_voice", "voice_design")
-# The vLLM-Omni speech API's task_type for each task.
-API_TASK_TYPE = {"voice_clone": "Base", "custom_voice": "CustomVoice", "voice_design": "VoiceDesign"}
+# the family's request vocabulary (difftest/family.py)
+LANGUAGES = FAMILY.languages
+TASKS = tuple(FAMILY.tasks)
+API_TASK_TYPE = FAMILY.tasks  # the vLLM-Omni speech API's task_type for each task
 CLONE_MODES = ("icl", "xvector")
 # a suite's `model:` naming difftest's seeded tiny checkpoints (runners/reference/tiny_checkpoint.py):
 # as built, and with a trained model's massive activations planted (`--hazard`, issue 58)

@@ -14,14 +14,13 @@ test.
 
 from __future__ import annotations
 
+from ..family import SAMPLE_RATE, SAMPLES_PER_FRAME  # SAMPLE_RATE: where both engines resample a voice to
 from . import wavio
 
-SAMPLE_RATE = 24000  # the model's rate: where both engines resample a voice to
 MIN_BITS = 16
 MAX_SECONDS = 60.0
 MAX_CHANNELS = 2
 MIN_RATE, MAX_RATE = 8000, 48000
-SAMPLES_PER_FRAME = 1920  # one 80 ms codec frame at the model's 24 kHz
 
 
 class VoiceError(ValueError):

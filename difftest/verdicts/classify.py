@@ -22,6 +22,7 @@ from __future__ import annotations
 from ..compare import align
 from ..compare.audio import non_finite
 from ..compare.codes import diff_codes
+from ..family import SAMPLE_RATE, SAMPLES_PER_FRAME
 from .concurrency import concurrency_findings
 from .encoder import encoder_finding
 from .evidence import RANK, STAGES, Audio, Evidence, Finding, SegmentVerdict, chunk_of, code_json, same, talker_stage
@@ -51,12 +52,12 @@ def _input_errors(ev: Evidence) -> Finding | None:
         if r is None:
             continue
         kind = "candidate" if name in ("candidate", "control") else "infrastructure"
-        if r.sample_rate != 24000:
-            return Finding("error", f"{name} audio is at {r.sample_rate} Hz, not 24000", error_kind=kind)
+        if r.sample_rate != SAMPLE_RATE:
+            return Finding("error", f"{name} audio is at {r.sample_rate} Hz, not {SAMPLE_RATE}", error_kind=kind)
         i = non_finite(r.wav)
         if i is not None:
-            return Finding("error", f"{name} audio holds NaN or infinity at sample {i} (frame {i // 1920})",
-                            frame=i // 1920, error_kind=kind)
+            return Finding("error", f"{name} audio holds NaN or infinity at sample {i} (frame {i // SAMPLES_PER_FRAME})",
+                            frame=i // SAMPLES_PER_FRAME, error_kind=kind)
         if len(r.wav) == 0 and (len(r.codes) or not r.has_codes):
             return Finding("error", f"{name} audio is empty", error_kind=kind)
     return None
@@ -94,7 +95,7 @@ def headline_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> 
     if audio.length_gap:
         out.append(Finding("length_mismatch",
                             f"candidate audio has {audio.len_b} samples, the reference {audio.len_a}",
-                            frame=min(audio.len_a, audio.len_b) // 1920,
+                            frame=min(audio.len_a, audio.len_b) // SAMPLES_PER_FRAME,
                             stage="vocoder" if codes_known else None))
         return out
     allowed = policy.tier_index("drift")

@@ -9,6 +9,7 @@ from dataclasses import replace
 from ..compare import forced, own_margins
 from ..compare.codes import diff_codes
 from ..compare.forced import ForcedPolicy
+from ..family import SAMPLES_PER_FRAME
 from . import null as measured_null
 from .evidence import Audio, Evidence, Finding, chunk_of, code_json
 from .policy import TIERS, Policy
@@ -45,7 +46,7 @@ def concurrency_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict, 
     comps[key] = audio.to_json()
     if audio.length_gap:
         out.append(Finding(kind, f"audio {later} has {audio.len_b} samples, {first} {audio.len_a}",
-                            frame=min(audio.len_a, audio.len_b) // 1920, stage="vocoder"))
+                            frame=min(audio.len_a, audio.len_b) // SAMPLES_PER_FRAME, stage="vocoder"))
         return out
     frame, chunk = audio.first_bad(policy.tier_index("concurrency"), policy)
     if chunk is not None:

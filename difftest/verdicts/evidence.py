@@ -9,6 +9,7 @@ import numpy as np
 
 from ..compare import align
 from ..compare.audio import ChunkMetrics, FrameMetrics, add_log_mel, frame_metrics, log_mel, reduce_frames
+from ..family import CODEBOOKS, FAMILY
 from ..results import Result
 from .policy import TIERS, Policy, chunk_tiers
 
@@ -18,7 +19,7 @@ RANK = ("error", "contamination", "handoff_defect", "talker_defect", "reference_
         "length_mismatch", "code_divergence", "audio_divergence", "numeric_drift", "identical")
 
 
-STAGES = ("talker_input", "talker", "reference_encoder", "handoff", "vocoder")
+STAGES = FAMILY.stages
 
 
 @dataclass
@@ -207,7 +208,7 @@ def talker_stage(r: Result | None) -> dict | None:
     if r is None or "talker_tokens" not in r.extra:
         return None
     prompt = [int(x) for x in np.asarray(r.extra["talker_prompt"]).reshape(-1)]
-    return {"ref_codes": np.asarray(r.extra["talker_ref_codes"], np.int64).reshape(-1, 16),
+    return {"ref_codes": np.asarray(r.extra["talker_ref_codes"], np.int64).reshape(-1, CODEBOOKS),
             "tokens": np.asarray(r.extra["talker_tokens"], np.int64).reshape(-1),
             "reserved": prompt[0], "built": prompt[1], "ref_code_len": prompt[2]}
 

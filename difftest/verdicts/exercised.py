@@ -35,7 +35,8 @@ least twice when chunking runs.
 
 from __future__ import annotations
 
-from ..suites.voices import SAMPLE_RATE, SAMPLES_PER_FRAME, reference_frames, samples_at_model_rate
+from ..family import SAMPLE_RATE, SAMPLES_PER_FRAME
+from ..suites.voices import reference_frames, samples_at_model_rate
 
 
 def async_chunks(candidate: dict, results: dict) -> dict | None:
@@ -247,7 +248,7 @@ def references(segments, passes: dict | None = None) -> dict | None:
     voices = {s.voice.id: s.voice for s in segments if getattr(s, "voice", None) is not None}
     listed = {}
     for vid, v in voices.items():
-        rate, ch = int(getattr(v, "sample_rate", 24000)), int(getattr(v, "channels", 1))
+        rate, ch = int(getattr(v, "sample_rate", SAMPLE_RATE)), int(getattr(v, "channels", 1))
         listed[vid] = {"sample_rate": rate, "channels": ch, "frames": v.n_samples, "mode": v.mode,
                        "samples_24k": samples_at_model_rate(v.n_samples, rate),
                        "ref_frames": reference_frames(v.n_samples, rate), "converted": (rate, ch) != (SAMPLE_RATE, 1)}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..family import SAMPLES_PER_FRAME
 from . import vocoder_null
 from .evidence import Audio, Evidence, Finding, ranges
 from .policy import Policy
@@ -30,11 +31,11 @@ def vocoder_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> l
     excused = null_excused(ev, audio, cross, policy, comps, mels)
     frame, chunk = audio.first_bad(allowed, policy, excused)
     if audio.length_gap:
-        frames = audio.length_gap / 1920
+        frames = audio.length_gap / SAMPLES_PER_FRAME
         extra = (f"; the extra {frames:.0f} frames equal the reference codes' length: reference audio left in the output?"
                  if len(cand.ref_codes) and round(frames) == len(cand.ref_codes) and cand.codes.size else "")
         if frame is None:  # the common part agrees: the difference starts where one side ends
-            frame = min(audio.len_a, audio.len_b) // 1920
+            frame = min(audio.len_a, audio.len_b) // SAMPLES_PER_FRAME
         return [Finding("vocoder_length",
                          f"candidate audio has {audio.len_b} samples, its codes decode to {audio.len_a}{extra}",
                          frame=frame, chunk=chunk, stage="vocoder")]

@@ -26,12 +26,12 @@ from email import policy
 from email.parser import BytesParser
 from pathlib import Path
 
+from difftest.family import FAMILY, SAMPLE_RATE
 from difftest.suites import wavio
 from difftest.suites.voices import VoiceError, check_voice
 
-SAMPLE_RATE = 24000
-TASK_OF_API = {"Base": "voice_clone", "CustomVoice": "custom_voice", "VoiceDesign": "voice_design"}
-API_OF_TASK = {v: k for k, v in TASK_OF_API.items()}
+TASK_OF_API = {api: task for task, api in FAMILY.tasks.items()}
+API_OF_TASK = dict(FAMILY.tasks)
 RESPONSE_FORMATS = ("wav", "pcm")
 # vLLM-Omni's stage-0 defaults (deploy/qwen3_tts.yaml) when a request does not say.
 DEFAULT_SAMPLING = {"temperature": 0.9, "top_k": 50, "top_p": 1.0, "repetition_penalty": 1.05}

@@ -148,6 +148,8 @@ Where each lives upstream: docs/cpu-engine.md.
 
 from __future__ import annotations
 
+from difftest.family import SAMPLE_RATE
+
 DEFECTS: dict[str, dict] = {
     "ref-leak": {
         "family": ["#4370", "#4373", "#4355"],
@@ -320,7 +322,7 @@ DEFECT_LEFT_CONTEXT = 4
 
 def wrong_rate(sample_rate: int) -> int:
     """The rate ref-audio-rate takes a voice of `sample_rate` for: 22050/24000 of it (22050 for 24 kHz)."""
-    return round(sample_rate * WRONG_RATE / 24000)
+    return round(sample_rate * WRONG_RATE / SAMPLE_RATE)
 
 
 def check(name: str | None) -> str | None:

@@ -33,13 +33,13 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from difftest.family import CODEBOOKS, SAMPLE_RATE, SAMPLES_PER_FRAME, STOP_ID
 from runners.cpu_engine import defects, handoff, held
 from runners.cpu_engine.api import SpeechJob
 from runners.reference.checkpoint import Checkpoint
 from runners.reference.engine import QwenTTSEngine
 
 MODEL_LOCK = threading.Lock()
-FINAL_TOKEN = 2150  # codec_eos_token_id of every Qwen3-TTS 12 Hz checkpoint (and of the tiny ones)
 PROMPT_CACHE_SIZE = 64
 
 
@@ -75,12 +75,12 @@ def talker_side(codes: np.ndarray, ref: np.ndarray | None, inputs: dict) -> dict
     prompt was made of (`inputs`, as qwen-tts's generate got them), its own reference codes and its
     codebook-0 tokens, closed by the final token that never becomes a frame (qwen-tts builds its
     prompt as it goes, so nothing is reserved: reserved = built = 0)."""
-    ref = np.zeros((0, 16), np.int64) if ref is None else np.asarray(ref, np.int64).reshape(-1, 16)
+    ref = np.zeros((0, CODEBOOKS), np.int64) if ref is None else np.asarray(ref, np.int64).reshape(-1, CODEBOOKS)
     # the prompt's rows as the talker got them, without qwen-tts's row labels (the reference's to give)
     inputs = {k: v for k, v in inputs.items() if k != "input_prompt_rows"}
     return {**inputs, "talker_ref_codes": ref,
             "talker_prompt": np.array([0, 0, len(ref) if len(ref) else -1], np.int64),
-            "talker_tokens": np.append(np.asarray(codes, np.int64)[:, 0], FINAL_TOKEN)}
+            "talker_tokens": np.append(np.asarray(codes, np.int64)[:, 0], STOP_ID)}
 
 
 class BatchEngine:
@@ -228,7 +228,7 @@ class BatchEngine:
             # The batched call's own vocoder pass: record what it would decode, return zeros
             # (the vocoder runs later, per request, after the hand-off).
             vocoder_calls.append([int(e["audio_codes"].shape[0]) for e in encoded])
-            return [np.zeros(int(e["audio_codes"].shape[0]) * 1920, np.float32) for e in encoded], 24000
+            return [np.zeros(int(e["audio_codes"].shape[0]) * SAMPLES_PER_FRAME, np.float32) for e in encoded], SAMPLE_RATE
 
         st = tts.model.speech_tokenizer
         st.decode = talker_only_decode  # an instance attribute shadows the bound method

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import numpy as np
 
-CODEBOOKS = 16
+from difftest.family import CODEBOOKS
 
 
 def empty_codes() -> np.ndarray:

@@ -29,6 +29,7 @@ import numpy as np
 
 from difftest.compare.align import lead_of
 from difftest.engines import capture
+from difftest.family import CODEBOOKS
 from difftest.suites import wavio
 from runners.cpu_engine import ENGINE_NAME, LABEL
 from runners.cpu_engine.api import API_OF_TASK, BadRequest, ModelInfo, VoiceStore, parse_speech, parse_voice_upload
@@ -46,7 +47,7 @@ def write_capture(capture_dir: Path, tag: str, codes: np.ndarray, ref_codes: np.
     """`<dir>/<tag>.npz` in the capture schema (difftest/engines/capture.py), with lead_samples (the
     sample qwen-tts's cut can leave before frame 0) and the talker's side; atomic and fsynced
     before the answer goes out."""
-    codes = np.asarray(codes, np.int64).reshape(-1, 16)
+    codes = np.asarray(codes, np.int64).reshape(-1, CODEBOOKS)
     wav = np.asarray(wav, np.float32).reshape(-1)
     return capture.write(Path(capture_dir) / f"{tag}.npz", {
         "codes": codes, "ref_codes": ref_codes, "wav": wav, "lead_samples": lead_of(len(wav), len(codes)),

@@ -22,9 +22,10 @@ from typing import Any
 
 import torch
 
+# the repository is the probe's working folder: difftest.family is standard library only
+from difftest.family import CODEBOOKS as NUM_CODE_GROUPS
 from runners.handoff_probe.adapters import TALKER, Adapter, resolve
 
-NUM_CODE_GROUPS = 16
 HIDDEN = 8
 
 

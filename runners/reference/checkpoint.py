@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
-MANIFEST = "difftest-checkpoint.json"  # written by tiny_checkpoint; not part of the content hash
-TASK_OF_MODEL_TYPE = {"base": "voice_clone", "custom_voice": "custom_voice", "voice_design": "voice_design"}
-MODEL_TYPE_OF_TASK = {task: mtype for mtype, task in TASK_OF_MODEL_TYPE.items()}
+from difftest.family import FAMILY
+
+# the content hash, the tester's: it checks a cached tiny checkpoint with it (difftest/suites/checkpoints.py)
+from difftest.suites.checkpoints import MANIFEST, content_files, hash_files, sha256_file  # noqa: F401
+
+MODEL_TYPE_OF_TASK = dict(FAMILY.checkpoint_types)
+TASK_OF_MODEL_TYPE = {mtype: task for task, mtype in MODEL_TYPE_OF_TASK.items()}
 
 # What Qwen3TTSModel.from_pretrained reads (the weights may also be sharded).
 REQUIRED_FILES = (
@@ -64,32 +67,6 @@ class Checkpoint:
 
     def speakers(self) -> set[str]:
         return {k.lower() for k in (self.config.get("talker_config", {}).get("spk_id", {}) or {})}
-
-
-def sha256_file(path: Path, bufsize: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(bufsize):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def content_files(folder: Path) -> list[str]:
-    """Relative paths of the files that make up a checkpoint (hidden files and the manifest excluded)."""
-    out = []
-    for root, dirs, files in os.walk(folder, followlinks=True):
-        dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-        for name in files:
-            if name.startswith(".") or name.endswith(".tmp"):
-                continue
-            rel = (Path(root) / name).relative_to(folder).as_posix()
-            if rel != MANIFEST:
-                out.append(rel)
-    return sorted(out)
-
-
-def hash_files(folder: Path) -> dict[str, str]:
-    return {rel: sha256_file(folder / rel) for rel in content_files(folder)}
 
 
 def missing_files(folder: Path) -> list[str]:

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
+from difftest.family import CODEBOOKS
 from runners.reference.checkpoint import Checkpoint
 from runners.reference.environment import import_qwen_tts, log
 from runners.reference.prompt_inputs import PromptInputs
@@ -164,7 +165,7 @@ class QwenTTSEngine:
         if capture.codes is None or len(capture.codes) != 1:
             raise RuntimeError("qwen-tts did not call model.generate once; codes were not captured")
         codes = capture.codes[0].numpy()
-        return Synthesis(codes=codes, ref_codes=np.zeros((0, 16), np.int64) if ref_codes is None else ref_codes,
+        return Synthesis(codes=codes, ref_codes=np.zeros((0, CODEBOOKS), np.int64) if ref_codes is None else ref_codes,
                          wav=np.asarray(wavs[0], dtype=np.float32), sample_rate=int(sr), timings=timings,
                          generate_kwargs=kwargs, ref_codes_bf16=ref_codes_bf16, inputs=capture.inputs[0],
                          speaker_embedding_bf16=spk_bf16)
@@ -204,7 +205,7 @@ class QwenTTSEngine:
         out = []
         for u, p, c, w, inputs in zip(utts, prompts, capture.codes, wavs, capture.inputs):
             ref = None if p is None or p[0].ref_code is None else p[0].ref_code.detach().to("cpu").numpy()
-            out.append(Synthesis(codes=c.numpy(), ref_codes=np.zeros((0, 16), np.int64) if ref is None else ref,
+            out.append(Synthesis(codes=c.numpy(), ref_codes=np.zeros((0, CODEBOOKS), np.int64) if ref is None else ref,
                                  wav=np.asarray(w, dtype=np.float32), sample_rate=int(sr),
                                  timings={"generate_s": seconds / len(utts), "batch_size": len(utts)},
                                  generate_kwargs=kwargs, inputs=inputs))

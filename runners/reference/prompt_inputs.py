@@ -28,6 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from difftest.engines.capture import PROMPT_ROWS
+from difftest.family import CODEBOOKS
 
 # qwen-tts's chat templates: "<|im_start|>assistant\n" + text + "<|im_end|>\n<|im_start|>assistant\n" for the
 # text (the prompt takes input_id[:, 3:-5]), "<|im_start|>assistant\n" + text + "<|im_end|>\n" for an
@@ -173,8 +174,8 @@ class PromptInputs:
                 "input_text_ids": _ids(a["input_ids"][i]),
                 "input_instruct_ids": _ids(instruct[i]),
                 "input_ref_text_ids": _ids(a["ref_ids"][i]) if icl else np.zeros(0, np.int64),
-                "input_ref_codes": (_ids(clone["ref_code"][i]).reshape(-1, 16) if icl
-                                    else np.zeros((0, 16), np.int64)),
+                "input_ref_codes": (_ids(clone["ref_code"][i]).reshape(-1, CODEBOOKS) if icl
+                                    else np.zeros((0, CODEBOOKS), np.int64)),
                 "input_codec_prefill": prefills[i],
                 "input_speaker_id": (np.array([next(spk)], np.int64) if clone is None and speakers[i]
                                      else np.zeros(0, np.int64)),

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from difftest.compare.align import lead_of
+from difftest.family import CODEBOOK_SIZE, CODEBOOKS
 from difftest.results import CorruptResult, Result, ResultStore, read_result, write_result
 from difftest.scores import ScoreFile, read_scores, write_scores
 from difftest.suites.suite import DECODE_FIELDS
@@ -422,13 +423,14 @@ def _load_codes(path: Path) -> tuple[np.ndarray, np.ndarray]:
         raise BadInput(f"codes file {path}: no 'codes' array")
     out = []
     for name in ("codes", "ref_codes"):
-        a = arrays.get(name, np.zeros((0, 16), np.int64))
+        a = arrays.get(name, np.zeros((0, CODEBOOKS), np.int64))
         if a.size == 0:
-            a = np.zeros((0, 16), np.int64)
-        if a.ndim != 2 or a.shape[1] != 16 or not np.issubdtype(a.dtype, np.integer):
-            raise BadInput(f"codes file {path}: {name} must be integers of shape (T, 16), got {a.dtype} {a.shape}")
-        if a.size and (a.min() < 0 or a.max() >= 2048):
-            raise BadInput(f"codes file {path}: {name} holds ids outside [0, 2048)")
+            a = np.zeros((0, CODEBOOKS), np.int64)
+        if a.ndim != 2 or a.shape[1] != CODEBOOKS or not np.issubdtype(a.dtype, np.integer):
+            raise BadInput(f"codes file {path}: {name} must be integers of shape (T, {CODEBOOKS}), "
+                           f"got {a.dtype} {a.shape}")
+        if a.size and (a.min() < 0 or a.max() >= CODEBOOK_SIZE):
+            raise BadInput(f"codes file {path}: {name} holds ids outside [0, {CODEBOOK_SIZE})")
         out.append(a.astype(np.int64))
     if out[0].shape[0] == 0:
         raise BadInput(f"codes file {path}: codes are empty")

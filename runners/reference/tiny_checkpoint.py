@@ -41,6 +41,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from difftest.family import CODEBOOK_SIZE, CODEBOOKS, SAMPLE_RATE, SAMPLES_PER_FRAME, STOP_ID
 from runners.reference.checkpoint import MANIFEST, hash_files
 
 BUILDER_VERSION = 1
@@ -71,7 +72,7 @@ PREDICTOR_MASSIVE = 1
 HIDDEN_NORMS = ("input_layernorm", "post_attention_layernorm", "norm")
 
 # The codec ids and language ids of the released checkpoints.
-CODEC_SPECIAL_IDS = dict(codec_pad_id=2148, codec_bos_id=2149, codec_eos_token_id=2150, codec_think_id=2154,
+CODEC_SPECIAL_IDS = dict(codec_pad_id=2148, codec_bos_id=2149, codec_eos_token_id=STOP_ID, codec_think_id=2154,
                          codec_nothink_id=2155, codec_think_bos_id=2156, codec_think_eos_id=2157)
 LANGUAGE_IDS = {"chinese": 2055, "english": 2050, "german": 2053, "spanish": 2054, "japanese": 2058,
                 "french": 2061, "korean": 2064, "russian": 2069, "italian": 2070, "portuguese": 2071}
@@ -141,7 +142,7 @@ def tts_config(tok, model_type: str) -> dict:
             rope_theta=1000000,
             rope_scaling={"interleaved": True, "mrope_section": MROPE_SECTION, "rope_type": "default"},
             attention_bias=False,
-            num_code_groups=16,
+            num_code_groups=CODEBOOKS,
             text_hidden_size=TEXT_HIDDEN,
             text_vocab_size=(len(tok) + 31) // 32 * 32,
             position_id_per_seconds=13,
@@ -150,9 +151,9 @@ def tts_config(tok, model_type: str) -> dict:
             spk_id=dict(SPEAKERS) if custom else {},
             spk_is_dialect={name: False for name in SPEAKERS} if custom else {},
             code_predictor_config=dict(
-                vocab_size=2048, hidden_size=PREDICTOR_HIDDEN, intermediate_size=2 * PREDICTOR_HIDDEN,
+                vocab_size=CODEBOOK_SIZE, hidden_size=PREDICTOR_HIDDEN, intermediate_size=2 * PREDICTOR_HIDDEN,
                 num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=8,
-                max_position_embeddings=64, rope_theta=1000000, rope_scaling=None, num_code_groups=16,
+                max_position_embeddings=64, rope_theta=1000000, rope_scaling=None, num_code_groups=CODEBOOKS,
                 layer_types=["full_attention"],
             ),
         ),
@@ -160,7 +161,7 @@ def tts_config(tok, model_type: str) -> dict:
             mel_dim=128,  # extract_speaker_embedding computes 128 mels, whatever the config says
             enc_dim=TALKER_HIDDEN,  # the x-vector is spliced into the talker input
             enc_channels=[16, 16, 16, 16, 48], enc_kernel_sizes=[5, 3, 3, 3, 1], enc_dilations=[1, 2, 3, 4, 1],
-            enc_attention_channels=8, enc_res2net_scale=2, enc_se_channels=8, sample_rate=24000,
+            enc_attention_channels=8, enc_res2net_scale=2, enc_se_channels=8, sample_rate=SAMPLE_RATE,
         ),
     )
 
@@ -169,18 +170,19 @@ def speech_tokenizer_config() -> dict:
     return dict(
         architectures=["Qwen3TTSTokenizerV2Model"],
         model_type="qwen3_tts_tokenizer_12hz",
-        encoder_valid_num_quantizers=16,
-        input_sample_rate=24000,
-        output_sample_rate=24000,
-        decode_upsample_rate=1920,
-        encode_downsample_rate=1920,
+        encoder_valid_num_quantizers=CODEBOOKS,
+        input_sample_rate=SAMPLE_RATE,
+        output_sample_rate=SAMPLE_RATE,
+        decode_upsample_rate=SAMPLES_PER_FRAME,
+        encode_downsample_rate=SAMPLES_PER_FRAME,
         encoder_config=dict(  # transformers' MimiConfig
-            sampling_rate=24000, frame_rate=12.5, audio_channels=1, hidden_size=16, num_filters=4,
+            sampling_rate=SAMPLE_RATE, frame_rate=SAMPLE_RATE / SAMPLES_PER_FRAME, audio_channels=1, hidden_size=16,
+            num_filters=4,
             num_residual_layers=1,
             upsampling_ratios=[8, 6, 5, 4],  # 960 samples a step (25 Hz), then a stride-2 downsample: 12.5 Hz
             kernel_size=7, last_kernel_size=3, residual_kernel_size=3, dilation_growth_rate=2,
             use_causal_conv=True, pad_mode="constant", compress=2, trim_right_ratio=1.0,
-            codebook_size=2048, codebook_dim=8, num_quantizers=32, vector_quantization_hidden_dimension=8,
+            codebook_size=CODEBOOK_SIZE, codebook_dim=8, num_quantizers=32, vector_quantization_hidden_dimension=8,
             num_semantic_quantizers=1,
             upsample_groups=16,  # must divide hidden_size (Mimi builds an upsampler qwen-tts drops)
             num_hidden_layers=1, intermediate_size=32, num_attention_heads=2, num_key_value_heads=2, head_dim=8,
@@ -189,11 +191,11 @@ def speech_tokenizer_config() -> dict:
             layer_scale_initial_scale=0.01, attention_bias=False,
         ),
         decoder_config=dict(
-            codebook_size=2048, codebook_dim=16, latent_dim=16, hidden_size=16, intermediate_size=32,
+            codebook_size=CODEBOOK_SIZE, codebook_dim=16, latent_dim=16, hidden_size=16, intermediate_size=32,
             num_attention_heads=2, num_key_value_heads=2, head_dim=8, num_hidden_layers=1,
             sliding_window=72, max_position_embeddings=8000, rope_theta=10000, rms_norm_eps=1e-5,
             hidden_act="silu", layer_scale_initial_scale=0.01, attention_bias=False, attention_dropout=0.0,
-            num_quantizers=16,
+            num_quantizers=CODEBOOKS,
             upsample_rates=[8, 5, 4, 3], upsampling_ratios=[2, 2],  # 8*5*4*3*2*2 = 1920 samples a frame
             decoder_dim=32,
         ),
@@ -336,14 +338,14 @@ def plant_hazard_(model, seed: int, ratio: float = HAZARD_RATIO) -> dict:
     with torch.no_grad():
         # the talker's input rows: projected text (or the pad) plus codec embeddings, as qwen-tts sums them
         text = talker.text_projection(talker.model.text_embedding(torch.randint(0, text_vocab, (4, 64), generator=g)))
-        codec = talker.model.codec_embedding(torch.randint(0, 2048, (4, 64), generator=g))
+        codec = talker.model.codec_embedding(torch.randint(0, CODEBOOK_SIZE, (4, 64), generator=g))
         t_in = text + codec
         t_pos = torch.arange(64).view(1, 1, -1).expand(3, 4, -1)
         planted = {"ratio": ratio, "talker": _plant_massive_(
             talker.model, talker.text_projection.linear_fc2.bias, t_in, t_pos, TALKER_MASSIVE, ratio, g)}
         cp = talker.code_predictor
-        rows = torch.cat([talker.model.codec_embedding(torch.randint(0, 2048, (4, 1), generator=g)),
-                          *[e(torch.randint(0, 2048, (4, 1), generator=g)) for e in cp.model.codec_embedding[:15]]], 1)
+        rows = torch.cat([talker.model.codec_embedding(torch.randint(0, CODEBOOK_SIZE, (4, 1), generator=g)),
+                          *[e(torch.randint(0, CODEBOOK_SIZE, (4, 1), generator=g)) for e in cp.model.codec_embedding[:CODEBOOKS - 1]]], 1)
         p_in = cp.small_to_mtp_projection(rows)
         p_pos = torch.arange(p_in.shape[1]).view(1, -1).expand(4, -1)
         planted["code_predictor"] = _plant_massive_(cp.model, cp.small_to_mtp_projection.bias, p_in, p_pos,
@@ -392,7 +394,7 @@ def _build_into(out: Path, seed: int, model_type: str, eos_bias: float, listen: 
     calibrate_vocoder_gain_(speech_tokenizer, seed + 2)
     speech_tokenizer.save_pretrained(str(st_dir))
     _write_json(st_dir / "config.json", {**st_config, **stamp})
-    EncodecFeatureExtractor(feature_size=1, sampling_rate=24000, padding_value=0.0,
+    EncodecFeatureExtractor(feature_size=1, sampling_rate=SAMPLE_RATE, padding_value=0.0,
                             return_attention_mask=True).save_pretrained(str(st_dir))
 
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from difftest.family import SAMPLE_RATE
 from runners.reference.checkpoint import Checkpoint
 from runners.reference.environment import log
 from runners.vllm_omni_offline.prompts import ref_code_length
@@ -170,7 +171,7 @@ def _answer(out) -> Answer:
     audio = mm["audio"]
     if isinstance(audio, list):  # streamed chunks
         audio = np.concatenate([_np(a) for a in audio]) if audio else np.zeros(0, np.float32)
-    sr = mm.get("sr", 24000)
+    sr = mm.get("sr", SAMPLE_RATE)
     sr = sr[-1] if isinstance(sr, list) else sr
     return Answer(str(out.request_id), _np(audio), int(sr.item() if hasattr(sr, "item") else sr))
 

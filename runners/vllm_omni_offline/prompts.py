@@ -22,10 +22,12 @@ from pathlib import Path
 
 import numpy as np
 
+from difftest.family import FAMILY, SAMPLE_RATE, SAMPLES_PER_FRAME
 from difftest.suites import wavio
 
-API_TASK = {"voice_clone": "Base", "custom_voice": "CustomVoice", "voice_design": "VoiceDesign"}
-CODEC_FRAME_RATE = 12.5  # Qwen3-TTS 12 Hz tokenizer
+API_TASK = FAMILY.tasks
+# 12.5 frames a second, exactly: vLLM-Omni computes a reference's code length from seconds
+CODEC_FRAME_RATE = SAMPLE_RATE / SAMPLES_PER_FRAME
 
 
 def ref_code_length(samples: int, sample_rate: int) -> int:

@@ -23,6 +23,7 @@ import numpy as np
 
 from difftest.engines import capture
 from difftest.engines.capture import Capture, CaptureError
+from difftest.family import CODEBOOKS
 from difftest.results import CorruptResult, Result, ResultStore, reusable_together, write_result
 from runners.reference.checkpoint import MODEL_TYPE_OF_TASK, Checkpoint
 from runners.reference.environment import log
@@ -147,7 +148,7 @@ class OfflineService:
 
     def _write(self, seg, utt, voice, ans, batch_ids, seconds, out_dir, concurrency, task):
         cap = self._capture(ans.request_id, utt.decode.get("max_new_tokens"))
-        empty = np.zeros((0, 16), np.int64)
+        empty = np.zeros((0, CODEBOOKS), np.int64)
         ckpt = self.checkpoints[task]
         extra = {"capture_wav": cap.wav, **cap.stage_arrays()} if cap is not None else {}
         result = Result(

@@ -52,14 +52,14 @@ from pathlib import Path
 
 import numpy as np
 
-from runners.vllm_omni.difftest_capture.difftest_capture import TAG_KEY, UNTAGGED_ENV, request_id_tag
-from runners.vllm_omni.difftest_capture.difftest_capture import prompt_inputs
+from difftest.family import CODEBOOKS as NUM_CODE_GROUPS
+from difftest.family import SAMPLE_RATE
+from runners.vllm_omni.difftest_capture.difftest_capture import TAG_KEY, UNTAGGED_ENV, prompt_inputs, request_id_tag
 from runners.vllm_omni.difftest_capture.difftest_capture.cost import COST
 from runners.vllm_omni.difftest_capture.difftest_capture.store import TOP_K, CaptureStore, valid_tag
 
 logger = logging.getLogger("vllm.difftest_capture")
 
-NUM_CODE_GROUPS = 16  # Qwen3-TTS 12 Hz: 16 codebooks per frame
 OPEN_REQUESTS = 512  # per-request state kept at most (a request that never says "finished" is dropped last-used)
 PROMPTS_FILED = 8192  # request ids whose prompt rows were filed: a resume of one of these is not filed again
 MARK = "__difftest_capture__"
@@ -454,7 +454,7 @@ class Capture:
                 whole = np.concatenate(chunks)
                 if last:
                     self.wavs.pop(tag, None)
-            self.store.update(tag, wav=whole, sample_rate=np.array(int(getattr(model, "_output_sample_rate", 24000))))
+            self.store.update(tag, wav=whole, sample_rate=np.array(int(getattr(model, "_output_sample_rate", SAMPLE_RATE))))
 
 
 def _in_graph() -> bool:

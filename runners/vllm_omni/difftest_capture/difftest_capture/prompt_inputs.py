@@ -27,6 +27,7 @@ import time
 
 import numpy as np
 
+from difftest.family import CODEBOOKS
 from runners.vllm_omni.difftest_capture.difftest_capture.cost import COST
 
 MARK = "_difftest_inputs"
@@ -75,7 +76,7 @@ class _Recording:
         instruct = template(USER, END)
         out = {"input_text_ids": text, "input_instruct_ids": _empty() if instruct is None else instruct,
                "input_codec_prefill": self.codec[0][0], "input_speaker_id": _empty(),
-               "input_ref_text_ids": _empty(), "input_ref_codes": np.zeros((0, 16), np.int64),
+               "input_ref_text_ids": _empty(), "input_ref_codes": np.zeros((0, CODEBOOKS), np.int64),
                "input_speaker_embedding": np.zeros(0, np.float32), "input_speaker_dtype": np.array("")}
         if self.task_type == "CustomVoice":
             if len(self.codec) < 3 or len(self.codec[2][0]) != 1:
@@ -168,7 +169,7 @@ def observe_builder(cls, module) -> bool:
             return out
 
         def icl_prompt(*a, **kw):
-            rec.icl = {"ref_codes": _ids(kw["ref_code"]).reshape(-1, 16), "non_streaming": bool(kw["non_streaming_mode"])}
+            rec.icl = {"ref_codes": _ids(kw["ref_code"]).reshape(-1, CODEBOOKS), "non_streaming": bool(kw["non_streaming_mode"])}
             return inner["_generate_icl_prompt"](*a, **kw)
 
         self.get_text_tokenizer = lambda: _Tokenizer(inner["get_text_tokenizer"](), rec)
