@@ -5,14 +5,10 @@ The heatmap switches views without JavaScript: a radio input per view precedes t
 `#view-X:checked ~ .heat .cell.X3` picks the colours of view X from each cell's classes.
 """
 
+from difftest.verdicts.catalogue import COLOURS
 from difftest.verdicts.policy import TIERS
 
-VERDICT_COLOURS = {
-    "identical": "#2e7d32", "numeric_drift": "#7cb342", "code_divergence": "#f9a825",
-    "audio_divergence": "#ffb300", "length_mismatch": "#ef6c00", "concurrency_defect": "#d84315",
-    "vocoder_defect": "#ad1457", "talker_defect": "#6a1b9a", "sampling_defect": "#4a148c", "reference_encoder_defect": "#880e4f", "history_defect": "#e65100", "handoff_defect": "#b71c1c", "contamination": "#c62828",
-    "error": "#37474f",
-}
+VERDICT_COLOURS = COLOURS
 RUN_COLOURS = {"pass": "#2e7d32", "fail": "#c62828", "error": "#37474f"}
 TIER_COLOURS = ("#2e7d32", "#9ccc65", "#ffd54f", "#d32f2f")  # identical, within_quantisation, close, diverged
 LOGMEL_COLOURS = ("#2e7d32", "#a5d6a7", "#e6ee9c", "#fff176", "#ffb74d", "#f4511e", "#b71c1c")

@@ -8,11 +8,10 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from difftest.verdicts.catalogue import CLEAN, FAILS
 from difftest.verdicts.policy import TIERS
 
-CLEAN = ("identical", "numeric_drift")
-DEFAULT_FAIL_ON = ("concurrency_defect", "history_defect", "vocoder_defect", "contamination", "handoff_defect", "talker_defect",
-                   "reference_encoder_defect", "sampling_defect", "length_mismatch", "error")
+DEFAULT_FAIL_ON = FAILS  # a report without its policy's fail_on (difftest's default policy)
 # report.json `comparisons` with per-chunk audio tiers and metrics; with per-chunk code agreement
 AUDIO_COMPARISONS = ("audio", "concurrency", "vocoder")
 CODE_COMPARISONS = ("codes", "concurrency_codes")

@@ -16,6 +16,7 @@ from dashboards.assets import VERDICT_COLOURS, VIEWS
 from dashboards.html import fmt_num, fmt_pct, href
 from dashboards.media import STEP_24
 from difftest.records.segment_media import safe_name
+from difftest.verdicts.catalogue import BY_NAME, RANK
 from difftest.verdicts.null import counted
 from difftest.verdicts.policy import TIERS, VERDICTS
 from difftest.verdicts.where import donor_text, where
@@ -31,9 +32,7 @@ SEGMENT_ROLES = (  # audio role -> (title, what it is)
     ("difference", "difference", "candidate minus reference, sample by sample"),
 )
 # where_groups: the most serious first
-SERIOUSNESS = ("error", "contamination", "handoff_defect", "talker_defect", "reference_encoder_defect", "vocoder_defect",
-               "concurrency_defect",
-               "history_defect", "length_mismatch", "code_divergence", "audio_divergence")
+SERIOUSNESS = tuple(v for v in RANK if not BY_NAME[v].clean and not BY_NAME[v].reported_as)
 TIER_CELL_COLOURS = ("#c8e6c9", "#dcedc8", "#fff9c4", "#ffcdd2")  # the per-chunk table, by tier
 
 

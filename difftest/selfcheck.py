@@ -29,7 +29,6 @@ from .suites.voices import reference_frames
 from .verdicts.policy import Policy
 from .verdicts.talker_input import DONOR_KIND
 
-CLEAN = {"identical", "numeric_drift"}
 POWER_TOKENS = 1920  # the `power` variant's talker tokens (sampled-power's; bench_sampling_power.py measures)
 
 

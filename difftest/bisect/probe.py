@@ -35,8 +35,6 @@ from ..verdicts.where import where
 from .builds import BuildFailed, LaunchContext, Recipe, Worktrees, commit_info, prepare
 from .search import BAD, GOOD, SKIP, Vote, agreement, vote
 
-CLEAN = ("identical", "numeric_drift")
-
 
 @dataclass
 class ProbeSettings:

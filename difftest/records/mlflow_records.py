@@ -39,7 +39,8 @@ import math
 import re
 
 from ..compare.audio import SNR_CAP_DB
-from ..verdicts.policy import TIERS, VERDICTS
+from ..verdicts.catalogue import CLEAN, VERDICTS
+from ..verdicts.policy import TIERS
 
 MAX_METRICS_PER_BATCH = 1000  # mlflow/utils/validation.py
 MAX_PARAMS_TAGS_PER_BATCH = 100
@@ -48,7 +49,6 @@ MAX_TAG_VALUE = 5000  # MLflow allows 8000 for tags, 6000 for params: keep under
 MAX_FLAT_TAGS = 300  # provenance leaves kept as tags; the rest is in report.json
 METRIC_CAP = 1e30  # a stand-in for infinity in anything but SNR (MLflow stores inf as 1.8e308)
 
-CLEAN = ("identical", "numeric_drift")
 KIND = "difftest.kind"
 # Parent tag: which segments have a child run. "not_clean": only those whose verdict is not in CLEAN
 # (a clean segment's numbers are in the parent's report.json and segments.json); runs logged before

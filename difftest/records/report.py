@@ -11,8 +11,9 @@ from pathlib import Path
 from .. import __version__
 from ..errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput
 from ..results import atomic_write
+from ..verdicts.catalogue import CLEAN, VERDICTS
 from ..verdicts.classify import SegmentVerdict
-from ..verdicts.policy import RUN_VERDICTS, VERDICTS, Policy
+from ..verdicts.policy import RUN_VERDICTS, Policy
 from ..verdicts.where import donor_text, where
 
 FORMAT = "difftest.report/1"
@@ -141,7 +142,7 @@ def summary_lines(report: dict, limit: int = 20) -> list[str]:
             lines.append(f"  {name}: {null['verdict']}: {null['summary']}")
     shown = 0
     for s in segs:
-        if s["verdict"] in ("identical", "numeric_drift"):
+        if s["verdict"] in CLEAN:
             continue
         if shown == limit:
             lines.append(f"  ... {sum(1 for x in segs if x['verdict'] not in ('identical', 'numeric_drift')) - limit} more in report.json")
@@ -168,7 +169,7 @@ def print_summary(report: dict, out: Path, stream=sys.stdout) -> None:
     print("\n".join(summary_lines(report)), file=stream)
     one = report.get("at_concurrency_1")
     if one and report.get("concurrency", 1) > 1:
-        bad = [s["id"] for s in one["segments"] if s["verdict"] not in ("identical", "numeric_drift")]
+        bad = [s["id"] for s in one["segments"] if s["verdict"] not in CLEAN]
         print(f"  at concurrency 1 alone: {one['verdict']}" + (f" ({', '.join(bad)} not clean)" if bad else ""),
               file=stream)
     print(f"report: {Path(out) / 'report.json'}", file=stream)

@@ -31,10 +31,11 @@ from ..errors import BadInput, InfraError
 from ..results import atomic_write
 from ..suites import wavio
 from ..suites.suite import Segment, Suite, content_hash, load_suite
+from ..verdicts.catalogue import BY_NAME, SEGMENT_VERDICTS
 from .shrink import Case
 
 JUDGE = 2  # how a probe's outcome is read from its report; a change makes earlier outcomes stale
-CONCURRENCY_FREE = ("identical", "numeric_drift", "code_divergence", "audio_divergence")
+CONCURRENCY_FREE = tuple(v for v in SEGMENT_VERDICTS if not BY_NAME[v].fails)  # a segment at 1 with one: nothing failed
 
 
 @dataclass

@@ -23,9 +23,10 @@ from ..compare import align
 from ..compare.audio import non_finite
 from ..compare.codes import diff_codes
 from ..family import SAMPLE_RATE, SAMPLES_PER_FRAME
+from .catalogue import RANK, reported
 from .concurrency import concurrency_findings
 from .encoder import encoder_finding
-from .evidence import RANK, STAGES, Audio, Evidence, Finding, SegmentVerdict, chunk_of, code_json, same, talker_stage
+from .evidence import STAGES, Audio, Evidence, Finding, SegmentVerdict, chunk_of, code_json, same, talker_stage
 from .handoff import handoff_findings, stage_findings
 from .history import history_findings
 from .policy import TIERS, Policy
@@ -218,9 +219,8 @@ def classify(ev: Evidence, policy: Policy) -> SegmentVerdict:
         if abs(len(ev.reference.grid_wav) - len(cand.grid_wav)) == align.TRAILING_SAMPLES:
             notes.append("one trailing sample of difference in length")
     top = min(findings, key=lambda f: RANK.index(f.kind))
-    verdict = "length_mismatch" if top.kind == "vocoder_length" else top.kind
-    others = sorted({("length_mismatch" if f.kind == "vocoder_length" else f.kind)
-                     for f in findings if f is not top} - {verdict})
+    verdict = reported(top.kind)
+    others = sorted({reported(f.kind) for f in findings if f is not top} - {verdict})
     if others:
         notes.append("also: " + ", ".join(others))
     chunk = top.chunk

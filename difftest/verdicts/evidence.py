@@ -13,12 +13,6 @@ from ..family import CODEBOOKS, FAMILY
 from ..results import Result
 from .policy import TIERS, Policy, chunk_tiers
 
-RANK = ("error", "contamination", "handoff_defect", "talker_defect", "reference_encoder_defect", "vocoder_length",
-        "vocoder_defect",
-        "concurrency_defect", "history_defect",
-        "length_mismatch", "code_divergence", "audio_divergence", "numeric_drift", "identical")
-
-
 STAGES = FAMILY.stages
 
 
@@ -84,7 +78,7 @@ class SegmentVerdict:
 
 @dataclass
 class Finding:
-    kind: str  # one of RANK
+    kind: str  # one of catalogue.RANK
     summary: str
     frame: int | None = None
     chunk: int | None = None

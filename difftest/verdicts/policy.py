@@ -15,17 +15,13 @@ from .. import yamlfile
 from ..compare.audio import ChunkMetrics
 from ..compare.forced import ForcedPolicy
 from ..errors import BadInput
+from .catalogue import FAILS, VERDICTS
 from .null import NullPolicy
 from .numerics import NumericsPolicy
 
 DEFAULT_POLICY = Path(__file__).with_name("default_policy.yaml")
 
 TIERS = ("identical", "within_quantisation", "close", "diverged")
-VERDICTS = (
-    "identical", "numeric_drift", "code_divergence", "audio_divergence", "length_mismatch",
-    "concurrency_defect", "history_defect", "vocoder_defect", "talker_defect", "handoff_defect", "contamination", "error",
-    "reference_encoder_defect", "sampling_defect",  # run-level only: report.json's `sampling` (difftest/verdicts/sampling.py)
-)
 RUN_VERDICTS = ("pass", "fail", "error")  # a report's overall verdict
 
 
@@ -169,8 +165,7 @@ BOUNDS = {
 INTEGERS = {f"forced.{k}" for k, v in ForcedPolicy().__dict__.items() if isinstance(v, int)}
 # The verdicts that name something wrong with the candidate: the default policy fails on each; a
 # policy whose fail_on leaves one out is allowed, loudly (Policy.warnings).
-DEFECTS = ("concurrency_defect", "history_defect", "vocoder_defect", "talker_defect", "handoff_defect",
-           "contamination", "reference_encoder_defect", "sampling_defect", "length_mismatch", "error")
+DEFECTS = FAILS
 
 
 def _in_range(x: float, text: str) -> bool:
