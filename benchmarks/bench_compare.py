@@ -66,9 +66,11 @@ def main():
     t0 = time.process_time()
     verdicts = {}
     for i, (codes, ref, wav, drift) in enumerate(segs):
-        ev = Evidence(f"s{i}", mk("r", codes, ref, wav), mk("c", codes, ref, drift), mk("k", codes, ref, drift),
-                      mk("x", codes, ref, wav), {"p1": mk("p1", codes, ref, wav), "p2": mk("p2", codes, ref, wav)},
-                      {"p1": ref[:5], "p2": ref[:7]})
+        ev = Evidence(segment_id=f"s{i}", reference=mk("r", codes, ref, wav), candidate=mk("c", codes, ref, drift),
+                      control=mk("k", codes, ref, drift),
+                      cross_own=mk("x", codes, ref, wav),
+                      cross_donors={"p1": mk("p1", codes, ref, wav), "p2": mk("p2", codes, ref, wav)},
+                      peer_ref_codes={"p1": ref[:5], "p2": ref[:7]})
         v = classify(ev, policy)
         verdicts[v.verdict] = verdicts.get(v.verdict, 0) + 1
     full = time.process_time() - t0
@@ -86,9 +88,11 @@ def main():
         cw = pcm16(wav) if quant else wav
         r = mkq("r", codes, ref, wav)
         common_evs.append(Evidence(  # the peers are never compared here (no bad chunk): the reference's array
-            f"s{i}", r, mkq("c", codes, ref, cw, quant), mkq("k", codes, ref, cw, quant),
-            mkq("x", codes, ref, wav), {"p1": mk("p1", codes, ref, r.wav), "p2": mk("p2", codes, ref, r.wav)},
-            {"p1": ref[:5], "p2": ref[:7]}))
+            segment_id=f"s{i}", reference=r, candidate=mkq("c", codes, ref, cw, quant),
+            control=mkq("k", codes, ref, cw, quant),
+            cross_own=mkq("x", codes, ref, wav),
+            cross_donors={"p1": mk("p1", codes, ref, r.wav), "p2": mk("p2", codes, ref, r.wav)},
+            peer_ref_codes={"p1": ref[:5], "p2": ref[:7]}))
     t0 = time.process_time()
     common_verdicts = {}
     for ev in common_evs:

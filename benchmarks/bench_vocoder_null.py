@@ -87,7 +87,8 @@ def main(argv=None) -> int:
             art = s["artifacts"]
             cand, cross, null = (read_result(art[k]) for k in ("candidate", "cross_own", "vocoder_null"))
             for name, wav in planted(cand.wav).items():
-                ev = Evidence(s["id"], candidate=replace(cand, wav=np.asarray(wav, np.float32)), cross_own=cross,
+                ev = Evidence(segment_id=s["id"], candidate=replace(cand, wav=np.asarray(wav, np.float32)),
+                              cross_own=cross,
                               initial_frames=suite.chunks["initial_frames"], chunk_frames=suite.chunks["frames"],
                               vocoder_null=null, vocoder_dtype=report["vocoder_numerics"]["dtype"])
                 found = vocoder_findings(ev, policy, {}, {})

@@ -479,16 +479,18 @@ def _judge(suite: Suite, ref_run, cand, ctrl, vocoder: _Vocoder, policy: Policy,
                            "message": null})
             null = None
         peers = peers_of.get(sid, [])
-        return Evidence(sid, ref_run.results.get(sid), cand.results.get(sid), ctrl.results.get(sid), x,
-                        donors or {}, {p: own_ref(p) for p in peers},
-                        {p: own_ref(p) for p in cand.results if p != sid and talker_stage(cand.results[p])},
-                        {p: t["tokens"] for p in peers if (t := talker_stage(cand.results.get(p)))},
-                        errors, suite.chunks["initial_frames"], suite.chunks["frames"],
-                        again.results.get(sid) if again is not None else None,
-                        {role: got[sid] for role, got in score_ok.items() if sid in got},
-                        {p: i for p, i in ref_inputs.items() if p != sid}, noise, support,
-                        vocoder_null=null, vocoder_dtype=null_vocoder.dtype if null_vocoder is not None else None,
-                        numerics=numerics, noise_model=noise_model)
+        return Evidence(
+            segment_id=sid, reference=ref_run.results.get(sid), candidate=cand.results.get(sid),
+            control=ctrl.results.get(sid), cross_own=x, cross_donors=donors or {},
+            peer_ref_codes={p: own_ref(p) for p in peers},
+            history_ref_codes={p: own_ref(p) for p in cand.results if p != sid and talker_stage(cand.results[p])},
+            peer_tokens={p: t["tokens"] for p in peers if (t := talker_stage(cand.results.get(p)))},
+            errors=errors, initial_frames=suite.chunks["initial_frames"], chunk_frames=suite.chunks["frames"],
+            repeat=again.results.get(sid) if again is not None else None,
+            scores={role: got[sid] for role, got in score_ok.items() if sid in got},
+            other_inputs={p: i for p, i in ref_inputs.items() if p != sid}, batch_noise=noise, support_noise=support,
+            vocoder_null=null, vocoder_dtype=null_vocoder.dtype if null_vocoder is not None else None,
+            numerics=numerics, noise_model=noise_model)
 
     ref_inputs = {sid: i for sid, r in ref_run.results.items() if (i := inputs_of(r)) is not None}
     verdicts = {s.id: classify(evidence(s.id), policy) for s in suite.segments}
@@ -631,7 +633,8 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
     sampling_roles = {**scores[0], **({"null": alone[1]} if alone and not numerics["exact"] else {})}
     # The candidate at concurrency 1 judged on its own against the reference: a defect that only
     # concurrency causes must leave this clean (no extra model work: every input is already here).
-    at_one = [classify(Evidence(s.id, ref_run.results.get(s.id), ctrl.results.get(s.id),
+    at_one = [classify(Evidence(segment_id=s.id, reference=ref_run.results.get(s.id),
+                                candidate=ctrl.results.get(s.id),
                                 errors=[{**ctrl.errors[s.id], "source": "control"}] if s.id in ctrl.errors else [],
                                 initial_frames=suite.chunks["initial_frames"], chunk_frames=suite.chunks["frames"],
                                 scores={"candidate": scores[0]["control"][s.id]}

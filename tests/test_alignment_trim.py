@@ -55,7 +55,7 @@ def test_smoke_03_one_lead_sample_is_not_a_vocoder_defect(policy):
     reference = toy_result("s", codes, ref, wav=cross_wav, meta={"lead_samples": lead})
     cross = toy_result("s", codes, ref, wav=cross_wav, meta={"lead_samples": lead})
     cand = toy_result("s", codes, ref, wav=cand_wav)
-    v = classify(Evidence("s", reference, cand, cand, cross), policy)
+    v = classify(Evidence(segment_id="s", reference=reference, candidate=cand, control=cand, cross_own=cross), policy)
     assert v.verdict == "identical", v.summary
     assert v.comparisons["vocoder"]["worst_tier"] == "identical"
     assert v.comparisons["vocoder"]["samples"] == [23040, 23040]
@@ -67,7 +67,8 @@ def test_without_the_record_the_shift_is_seen(policy):
     cross_wav, _ = qwen_tts_style(codes, ref)
     cand = toy_result("s", codes, ref, wav=vllm_omni_style(codes, ref))
     cross = toy_result("s", codes, ref, wav=cross_wav)
-    v = classify(Evidence("s", toy_result("s", codes, ref), cand, cand, cross), policy)
+    v = classify(Evidence(segment_id="s", reference=toy_result("s", codes, ref), candidate=cand, control=cand,
+                          cross_own=cross), policy)
     assert v.verdict in ("vocoder_defect", "length_mismatch")
 
 
@@ -81,5 +82,6 @@ def test_a_decode_against_itself_shifted_by_the_trim_is_identical(ref_frames, ge
     q = toy_result("s", codes, ref, wav=q_wav, meta={"lead_samples": lead})
     v = toy_result("s", codes, ref, wav=v_wav)
     for reference, candidate in ((q, v), (v, q), (q, q)):
-        verdict = classify(Evidence("s", reference, candidate, candidate, reference), POLICY)
+        verdict = classify(Evidence(segment_id="s", reference=reference, candidate=candidate, control=candidate,
+                                    cross_own=reference), POLICY)
         assert verdict.verdict == "identical", (ref_frames, gen_frames, lead, verdict.summary)

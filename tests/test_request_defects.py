@@ -22,7 +22,8 @@ def over_length_error() -> dict:
 def test_generation_past_max_new_tokens_is_a_talker_input_defect_that_fails(policy):
     err = over_length_error()
     assert (err["defect"], err["stage"]) == ("talker_defect", "talker_input")
-    v = classify(Evidence("a", toy_result("a", toy_codes(8, 1), toy_codes(4, 2)), None, errors=[err]), policy)
+    v = classify(Evidence(segment_id="a", reference=toy_result("a", toy_codes(8, 1), toy_codes(4, 2)), candidate=None,
+                          errors=[err]), policy)
     assert (v.verdict, v.stage, v.first_divergent_chunk) == ("talker_defect", "talker_input", 0)
     assert "40 frames, more than the request's max_new_tokens (8) allows: the engine did not apply the request's " \
            "max_new_tokens" in v.summary
@@ -34,7 +35,8 @@ def test_other_unusable_captures_stay_errors(policy):
         capture.validate({"codes": np.full((3, 16), 5000, np.int64)}, Path("a.npz"))
     assert capture.defect_of(e.value) == {}
     err = {"source": "candidate", "kind": "candidate", "message": str(e.value)}
-    v = classify(Evidence("a", toy_result("a", toy_codes(8, 1), toy_codes(4, 2)), None, errors=[err]), policy)
+    v = classify(Evidence(segment_id="a", reference=toy_result("a", toy_codes(8, 1), toy_codes(4, 2)), candidate=None,
+                          errors=[err]), policy)
     assert (v.verdict, v.error_kind) == ("error", "candidate")
 
 

@@ -18,8 +18,9 @@ def ev(cand, control=None, cross=True, donors=True, reference=None, **kw):
     reference = reference or toy_result("a", CODES, REF_A)
     cross_own = toy_result("a", cand.codes, REF_A) if cross else None
     cross_donors = {"b": toy_result("a", cand.codes, REF_B), "c": toy_result("a", cand.codes, REF_C)} if donors else {}
-    return Evidence("a", reference, cand, control, cross_own, cross_donors,
-                    {"b": REF_B, "c": REF_C}, **kw)
+    return Evidence(segment_id="a", reference=reference, candidate=cand, control=control, cross_own=cross_own,
+                    cross_donors=cross_donors,
+                    peer_ref_codes={"b": REF_B, "c": REF_C}, **kw)
 
 
 def test_identical(policy):
@@ -79,7 +80,8 @@ def test_reference_encoder_divergence(policy):
     other_ref = REF_A.copy()
     other_ref[-1, 0] += 1
     cand = toy_result("a", CODES, other_ref)
-    v = classify(Evidence("a", toy_result("a", CODES, REF_A), cand, toy_result("a", CODES, other_ref)), policy)
+    v = classify(Evidence(segment_id="a", reference=toy_result("a", CODES, REF_A), candidate=cand,
+                          control=toy_result("a", CODES, other_ref)), policy)
     assert (v.verdict, v.stage) == ("code_divergence", "reference_encoder")
 
 
@@ -104,7 +106,8 @@ def test_concurrency_defect_audio_only(policy):
     bad[30 * 1920:31 * 1920] *= 0.5
     cand = toy_result("a", CODES, REF_A, wav=bad, has_codes=False)
     ctrl = toy_result("a", CODES, REF_A, wav=wav, has_codes=False)
-    v = classify(Evidence("a", toy_result("a", CODES, REF_A), cand, ctrl), policy)
+    v = classify(Evidence(segment_id="a", reference=toy_result("a", CODES, REF_A), candidate=cand,
+                          control=ctrl), policy)
     assert (v.verdict, v.first_divergent_frame, v.first_divergent_chunk, v.stage) == ("concurrency_defect", 30, 2, None)
     assert any("no codes" in n for n in v.notes)
 
@@ -148,7 +151,8 @@ def test_reference_left_in_output(policy):
 
 def test_trailing_sample_is_not_a_mismatch(policy):
     wav = np.append(toy_decode(CODES, REF_A), np.float32(0.01))
-    v = classify(Evidence("a", toy_result("a", CODES, REF_A, wav=wav), toy_result("a", CODES, REF_A)), policy)
+    v = classify(Evidence(segment_id="a", reference=toy_result("a", CODES, REF_A, wav=wav),
+                          candidate=toy_result("a", CODES, REF_A)), policy)
     assert v.verdict == "identical"
     assert any("trailing sample" in n for n in v.notes)
 
@@ -156,8 +160,10 @@ def test_trailing_sample_is_not_a_mismatch(policy):
 @pytest.mark.parametrize("make, kind, text", [
     (lambda: ev(toy_result("a", CODES, REF_A, wav=np.full(40 * 1920, np.nan, np.float32))), "candidate",
      "candidate audio holds NaN or infinity at sample 0"),
-    (lambda: Evidence("a", toy_result("a", CODES, REF_A), None), "infrastructure", "no candidate result"),
-    (lambda: Evidence("a", toy_result("a", CODES, REF_A), toy_result("a", CODES, REF_A),
+    (lambda: Evidence(segment_id="a", reference=toy_result("a", CODES, REF_A),
+                      candidate=None), "infrastructure", "no candidate result"),
+    (lambda: Evidence(segment_id="a", reference=toy_result("a", CODES, REF_A),
+                      candidate=toy_result("a", CODES, REF_A),
                       errors=[{"source": "candidate", "kind": "candidate", "message": "HTTP 500"}]),
      "candidate", "candidate: HTTP 500"),
 ])
@@ -173,7 +179,7 @@ def test_overall_and_policy(policy, tmp_path):
     c[3, 3] += 1
     div = classify(ev(toy_result("a", c, REF_A), toy_result("a", c, REF_A)), policy)
     leak = classify(ev(toy_result("a", CODES, REF_A, wav=toy_decode(CODES, REF_B))), policy)
-    infra = classify(Evidence("a", toy_result("a", CODES, REF_A), None), policy)
+    infra = classify(Evidence(segment_id="a", reference=toy_result("a", CODES, REF_A), candidate=None), policy)
     assert overall([ok], policy) == ("pass", 0)
     assert overall([ok, div], policy) == ("pass", 0)  # code divergence alone is reported, not failed
     assert overall([ok, div, leak], policy) == ("fail", 1)

@@ -69,8 +69,9 @@ def res(wav=None, codes=CODES, ref=REF_A, **kw):
 
 def evidence(cand, control=None, reference=None, cross=None, repeat=None, donors=True):
     cross_donors = {"b": res(toy_decode(CODES, REF_B)), "c": res(toy_decode(CODES, REF_C))} if donors else {}
-    return Evidence("a", reference or res(), cand, control, cross or res(), cross_donors,
-                    {"b": REF_B, "c": REF_C}, repeat=repeat)
+    return Evidence(segment_id="a", reference=reference or res(), candidate=cand, control=control,
+                    cross_own=cross or res(), cross_donors=cross_donors,
+                    peer_ref_codes={"b": REF_B, "c": REF_C}, repeat=repeat)
 
 
 def garbled(from_frame=28):
@@ -81,7 +82,7 @@ def garbled(from_frame=28):
 
 def shared(r):
     """Every role the same result: the same arrays."""
-    return Evidence("a", r, r, r, r, repeat=r)
+    return Evidence(segment_id="a", reference=r, candidate=r, control=r, cross_own=r, repeat=r)
 
 
 DRIFT = WAV + np.float32(3e-5)
@@ -98,12 +99,14 @@ SCENARIOS = {
     "bf16-like drift": lambda: evidence(res(BF16), res(BF16), repeat=res(BF16)),
     "vocoder defect": lambda: evidence(res(garbled()), res()),
     "contamination": lambda: evidence(res(toy_decode(CODES, REF_B)), res()),
-    "concurrency defect, audio only": lambda: Evidence("a", res(), res(HALVED, has_codes=False),
-                                                       res(has_codes=False)),
+    "concurrency defect, audio only": lambda: Evidence(segment_id="a", reference=res(),
+                                                       candidate=res(HALVED, has_codes=False),
+                                                       control=res(has_codes=False)),
     "history defect": lambda: evidence(res(), res(), repeat=res(HALVED)),
     "reference left in the output": lambda: evidence(
         res(np.concatenate([np.zeros(len(REF_A) * 1920, np.float32), WAV]))),
-    "trailing sample": lambda: Evidence("a", res(np.append(WAV, np.float32(0.01))), res()),
+    "trailing sample": lambda: Evidence(segment_id="a", reference=res(np.append(WAV, np.float32(0.01))),
+                                        candidate=res()),
     "lead sample": lambda: evidence(res(), res(), reference=res(np.insert(WAV, 0, np.float32(0.2)),
                                                                  meta={"lead_samples": 1})),
     "shorter audio": lambda: evidence(res(WAV[:-1000]), res(WAV[:-1000])),
@@ -181,9 +184,10 @@ def test_any_mix_reports_as_without_the_fast_path(seed, k_cand, k_ctrl, k_rep, k
 
     def make():
         q = k_cand == "quantised"
-        return Evidence("a", res(), res(cand, quantised=q), res(ctrl), res(cross),
-                        {"b": res(toy_decode(CODES, REF_B)), "c": res(toy_decode(CODES, REF_C))},
-                        {"b": REF_B, "c": REF_C}, repeat=res(rep), initial_frames=schedule[0],
+        return Evidence(segment_id="a", reference=res(), candidate=res(cand, quantised=q), control=res(ctrl),
+                        cross_own=res(cross),
+                        cross_donors={"b": res(toy_decode(CODES, REF_B)), "c": res(toy_decode(CODES, REF_C))},
+                        peer_ref_codes={"b": REF_B, "c": REF_C}, repeat=res(rep), initial_frames=schedule[0],
                         chunk_frames=schedule[1])
 
     assert judged(make(), policy) == judged(make(), policy, full=True)

@@ -44,7 +44,8 @@ def evidence(cand_codes=CODES, ctrl_codes=None, cand_scores=None, ctrl_scores=No
     cand = toy_result("a", cand_codes, REF)
     ctrl = toy_result("a", ctrl_codes, REF) if ctrl_codes is not None else None
     s = {k: v for k, v in (("candidate", cand_scores), ("control", ctrl_scores)) if v is not None}
-    return Evidence("a", ref, cand, ctrl, toy_result("a", cand_codes, REF), scores=s)
+    return Evidence(segment_id="a", reference=ref, candidate=cand, control=ctrl,
+                    cross_own=toy_result("a", cand_codes, REF), scores=s)
 
 
 def test_a_plausible_stream_keeps_its_code_divergence_and_says_why(policy):

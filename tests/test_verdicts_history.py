@@ -13,7 +13,8 @@ EARLIER = toy_codes(24, 3)  # the reference codes of a segment served before the
 
 def ev(repeat, history=None):
     first = toy_result("a", CODES, OWN)
-    return Evidence("a", toy_result("a", CODES, OWN), first, first, toy_result("a", CODES, OWN),
+    return Evidence(segment_id="a", reference=toy_result("a", CODES, OWN), candidate=first, control=first,
+                    cross_own=toy_result("a", CODES, OWN),
                     history_ref_codes=history or {}, repeat=repeat)
 
 

@@ -23,7 +23,8 @@ def ev(used, own=OWN, peers=PEERS, control=True, cross=True, donors=True):
     ctrl = toy_result("a", CODES, own) if control else None
     cross_own = toy_result("a", CODES, own) if cross else None
     cross_donors = {p: toy_result("a", CODES, rc) for p, rc in peers.items() if len(rc)} if donors else {}
-    return Evidence("a", toy_result("a", CODES, own), cand, ctrl, cross_own, cross_donors, dict(peers))
+    return Evidence(segment_id="a", reference=toy_result("a", CODES, own), candidate=cand, control=ctrl,
+                    cross_own=cross_own, cross_donors=cross_donors, peer_ref_codes=dict(peers))
 
 
 def test_cut_to_a_peers_length_names_it(policy):
@@ -60,8 +61,10 @@ def test_codes_donor_keeps_its_kind(policy):
     v = classify(ev(PEERS["c"]), policy)
     assert (v.verdict, v.donor, v.donor_kind) == ("contamination", "c", "codes")
     leaked = toy_result("a", CODES, OWN, wav=toy_decode(CODES, PEERS["b"]))
-    v = classify(Evidence("a", toy_result("a", CODES, OWN), leaked, toy_result("a", CODES, OWN),
-                          toy_result("a", CODES, OWN), {"b": toy_result("a", CODES, PEERS["b"])}, {"b": PEERS["b"]}),
+    v = classify(Evidence(segment_id="a", reference=toy_result("a", CODES, OWN), candidate=leaked,
+                          control=toy_result("a", CODES, OWN),
+                          cross_own=toy_result("a", CODES, OWN), cross_donors={"b": toy_result("a", CODES, PEERS["b"])},
+                          peer_ref_codes={"b": PEERS["b"]}),
                  policy)
     assert (v.verdict, v.donor, v.donor_kind) == ("contamination", "b", "codes")  # the audio route
 
@@ -114,8 +117,9 @@ def test_the_real_vllm_omni_0_30_0_wave(policy):
     for sid in wave:
         own, used = data[f"c1.{sid}"], data[f"c4.{sid}"]
         peers = {p: data[f"c1.{p}"] for p in wave if p != sid}
-        e = Evidence(sid, toy_result(sid, CODES, own), toy_result(sid, CODES, used), toy_result(sid, CODES, own),
-                     None, {}, peers)
+        e = Evidence(segment_id=sid, reference=toy_result(sid, CODES, own), candidate=toy_result(sid, CODES, used),
+                     control=toy_result(sid, CODES, own),
+                     cross_own=None, cross_donors={}, peer_ref_codes=peers)
         v = classify(e, policy)
         found[sid] = (v.verdict, v.donor, v.donor_kind)
     assert found["vcc-17-zh-cross-lingual"] == ("contamination", "vcc-20-auto", "length")

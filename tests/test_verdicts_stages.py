@@ -23,8 +23,10 @@ def ev(handed_ref, handed_codes=CODES, stage=None, control=None, peers=None, his
     got `handed_ref` + `handed_codes` and made audio of it. qwen-tts's encoder gave `encoder`."""
     cand = toy_result("a", handed_codes, handed_ref, extra=talker(OWN) if stage is None else stage)
     cross_own = toy_result("a", handed_codes, OWN)  # the reference vocoder with the talker's own reference
-    return Evidence("a", toy_result("a", CODES, encoder), cand, control, cross_own, {},
-                    peers if peers is not None else {"b": OTHER}, history or {}, peer_tokens or {})
+    return Evidence(segment_id="a", reference=toy_result("a", CODES, encoder), candidate=cand, control=control,
+                    cross_own=cross_own, cross_donors={},
+                    peer_ref_codes=peers if peers is not None else {"b": OTHER}, history_ref_codes=history or {},
+                    peer_tokens=peer_tokens or {})
 
 
 def test_a_clean_handoff_passes_the_stage_checks(policy):
@@ -79,8 +81,9 @@ def preempted(handed_codes, at, tokens=None, control_tokens=None):
     cand = toy_result("a", handed_codes, OWN, extra=talker(OWN, tokens=tokens), meta={"preempted_at": [at]})
     control = (toy_result("a", CODES, OWN, extra=talker(OWN, tokens=control_tokens))
                if control_tokens is not None else None)
-    return Evidence("a", toy_result("a", CODES, OWN), cand, control, toy_result("a", handed_codes, OWN), {},
-                    {"b": OTHER}, {}, {})
+    return Evidence(segment_id="a", reference=toy_result("a", CODES, OWN), candidate=cand, control=control,
+                    cross_own=toy_result("a", handed_codes, OWN), cross_donors={},
+                    peer_ref_codes={"b": OTHER}, history_ref_codes={}, peer_tokens={})
 
 
 def test_the_frame_lost_at_a_resume_is_the_talkers_not_the_handoffs(policy):
@@ -155,7 +158,8 @@ def test_the_talkers_reference_at_n_against_at_1_names_a_donor(policy):
 
 def test_without_the_talker_stage_the_old_judgement_says_so(policy):
     cand = toy_result("a", CODES, OWN)
-    v = classify(Evidence("a", toy_result("a", CODES, OWN), cand, None, toy_result("a", CODES, OWN)), policy)
+    v = classify(Evidence(segment_id="a", reference=toy_result("a", CODES, OWN), candidate=cand, control=None,
+                          cross_own=toy_result("a", CODES, OWN)), policy)
     assert v.verdict == "identical"
     assert any("no talker stage in the capture" in n for n in v.notes)
 
@@ -213,7 +217,9 @@ def test_exact_codes_with_a_cut_reference_at_the_vocoder_are_the_handoffs_not_th
     cut = OWN[:19]
     cand = toy_result("a", CODES, cut)
     control = toy_result("a", CODES, cut)
-    e = Evidence("a", toy_result("a", CODES, OWN), cand, control, toy_result("a", CODES, cut), {}, {}, {}, {})
+    e = Evidence(segment_id="a", reference=toy_result("a", CODES, OWN), candidate=cand, control=control,
+                 cross_own=toy_result("a", CODES, cut), cross_donors={}, peer_ref_codes={}, history_ref_codes={},
+                 peer_tokens={})
     v = classify(e, policy)
     assert (v.verdict, v.stage) == ("handoff_defect", "handoff")
     assert v.summary == ("the candidate's codes are qwen-tts's exactly, but the reference the vocoder got is qwen-tts's "
@@ -225,5 +231,7 @@ def test_exact_codes_with_a_cut_reference_at_the_vocoder_are_the_handoffs_not_th
     # with the talker's side captured, or codes that are not qwen-tts's, the talker finding stands
     other = CODES.copy()
     other[5, 0] = (other[5, 0] + 1) % 2048
-    e2 = Evidence("a", toy_result("a", CODES, OWN), toy_result("a", other, cut), None, None, {}, {}, {}, {})
+    e2 = Evidence(segment_id="a", reference=toy_result("a", CODES, OWN), candidate=toy_result("a", other, cut),
+                  control=None, cross_own=None, cross_donors={}, peer_ref_codes={}, history_ref_codes={},
+                  peer_tokens={})
     assert talker_cleared(e2, [forced], []) == [forced]

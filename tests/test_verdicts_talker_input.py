@@ -35,7 +35,8 @@ def ev(mine, control=None, others=None, peers=("b",), theirs=None):
     ref = toy_result("a", CODES, OWN, extra=inputs() if theirs is None else theirs)
     cand = toy_result("a", CODES, OWN, extra={**talker(), **mine})
     ctrl = None if control is None else toy_result("a", CODES, OWN, extra={**talker(), **control})
-    return Evidence("a", ref, cand, ctrl, toy_result("a", CODES, OWN), {}, {p: OWN for p in peers},
+    return Evidence(segment_id="a", reference=ref, candidate=cand, control=ctrl,
+                    cross_own=toy_result("a", CODES, OWN), cross_donors={}, peer_ref_codes={p: OWN for p in peers},
                     other_inputs=others or {})
 
 
@@ -65,8 +66,9 @@ def test_a_voice_both_encoders_got_wrong_is_placed_at_the_reference_encoder(poli
     other = toy_codes(21, 5)
     mine = {**inputs(ref=other), "input_speaker_embedding": inputs(emb_seed=3)["input_speaker_embedding"]}
     cand = toy_result("a", CODES, other, extra={**talker(other), **mine})
-    v = classify(Evidence("a", toy_result("a", CODES, OWN, extra=inputs()), cand, None, toy_result("a", CODES, other),
-                          {}, {"b": OWN}), policy)
+    v = classify(Evidence(segment_id="a", reference=toy_result("a", CODES, OWN, extra=inputs()), candidate=cand,
+                          control=None, cross_own=toy_result("a", CODES, other),
+                          cross_donors={}, peer_ref_codes={"b": OWN}), policy)
     assert (v.verdict, v.stage) == ("reference_encoder_defect", "reference_encoder"), v.summary
     assert v.comparisons["talker_input"]["differ"] == ["input_speaker_embedding"]  # the codes: the encoder's
 
@@ -103,8 +105,9 @@ def test_a_speaker_embedding_in_another_dtype_is_not_judged_and_the_notes_say_so
 
 
 def test_without_a_captured_input_nothing_is_compared_and_the_notes_say_so(policy):
-    v = classify(Evidence("a", toy_result("a", CODES, OWN, extra=inputs()), toy_result("a", CODES, OWN, extra=talker()),
-                          None, toy_result("a", CODES, OWN)), policy)
+    v = classify(Evidence(segment_id="a", reference=toy_result("a", CODES, OWN, extra=inputs()),
+                          candidate=toy_result("a", CODES, OWN, extra=talker()),
+                          control=None, cross_own=toy_result("a", CODES, OWN)), policy)
     assert v.verdict == "identical" and "talker_input" not in v.comparisons
     assert any(n.startswith("the talker's input was not captured") for n in v.notes)
 
@@ -182,6 +185,7 @@ def test_a_scaled_bf16_x_vector_beside_bf16_encoder_codes_is_the_talker_input_no
               "input_speaker_embedding": _bf16(theirs["input_speaker_embedding"] * 0.9)}
     cand = toy_result("a", CODES, near, extra={**talker(near), **scaled})
     ref = toy_result("a", CODES, OWN, extra=theirs)
-    v = classify(Evidence("a", ref, cand, None, toy_result("a", CODES, near), {}, {"b": OWN}), policy)
+    v = classify(Evidence(segment_id="a", reference=ref, candidate=cand, control=None,
+                          cross_own=toy_result("a", CODES, near), cross_donors={}, peer_ref_codes={"b": OWN}), policy)
     assert (v.verdict, v.stage) == ("talker_defect", "talker_input"), v.summary
     assert "speaker embedding" in v.summary

@@ -157,8 +157,10 @@ def test_rows_holding_another_encoders_reference_frames_are_left_to_the_encoder_
         mine = prompt(embeds, ref=near)
         cand = toy_result("a", CODES, near, extra={"talker_ref_codes": near, "talker_prompt": np.array([0, 0, 20]),
                                                    "talker_tokens": np.append(CODES[:, 0], 2150), **mine})
-        return classify(Evidence("a", toy_result("a", CODES, OWN, extra=prompt()), cand, None,
-                                 toy_result("a", CODES, near), {}, {"b": OWN}), policy)
+        return classify(Evidence(segment_id="a", reference=toy_result("a", CODES, OWN, extra=prompt()),
+                                 candidate=cand, control=None,
+                                 cross_own=toy_result("a", CODES, near), cross_donors={},
+                                 peer_ref_codes={"b": OWN}), policy)
 
     v = judged(e)
     assert v.stage != "talker_input", v.summary

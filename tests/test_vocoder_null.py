@@ -25,7 +25,8 @@ def noise(seed: int, level: float = LEVEL) -> np.ndarray:
 def ev(cand_wav, null_wav=None, dtype="bfloat16"):
     cand = toy_result("a", CODES, OWN, wav=np.asarray(cand_wav, np.float32))
     null = None if null_wav is None else toy_result("a", CODES, OWN, wav=np.asarray(null_wav, np.float32))
-    return Evidence("a", toy_result("a", CODES, OWN), cand, cand, toy_result("a", CODES, OWN),
+    return Evidence(segment_id="a", reference=toy_result("a", CODES, OWN), candidate=cand, control=cand,
+                    cross_own=toy_result("a", CODES, OWN),
                     vocoder_null=null, vocoder_dtype=dtype if null is not None else None)
 
 

@@ -45,7 +45,7 @@ def compare_result_sets(reference_dir, candidate_dir, policy: Policy, *, control
                for sid in refs}
     verdicts = []
     for sid in sorted(set(refs) | set(cands)):
-        ev = Evidence(sid, refs.get(sid), cands.get(sid), ctrls.get(sid),
+        ev = Evidence(segment_id=sid, reference=refs.get(sid), candidate=cands.get(sid), control=ctrls.get(sid),
                       peer_ref_codes={p: rc for p, rc in own_ref.items() if p != sid},
                       peer_tokens={p: t["tokens"] for p, t in stages.items() if p != sid},
                       other_inputs={p: i for p, r in refs.items() if p != sid and (i := inputs_of(r)) is not None},

@@ -16,9 +16,9 @@ from .policy import TIERS, Policy, chunk_tiers
 STAGES = FAMILY.stages
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Evidence:
-    """Everything known about one segment."""
+    """Everything known about one segment: named, never by position (its fields are many and alike)."""
 
     segment_id: str
     reference: Result | None = None
