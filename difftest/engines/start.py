@@ -19,6 +19,7 @@ import subprocess
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 from urllib.parse import urlsplit
 
 from ..errors import BadInput, InfraError
@@ -42,24 +43,19 @@ CPU_ENGINE_LABEL = "difftest CPU test engine (not vLLM-Omni)"
 
 @dataclass(frozen=True)
 class CandidateKind:
-    """What a kind of candidate is, for the commands that treat kinds differently: they ask these,
-    never the kind's name (issue 59: one place for each fact)."""
+    """What a kind of candidate is and does: the commands ask these, never the kind's name (issue 59:
+    one place for each fact). A new kind is one record in KINDS (below) and its four functions."""
 
     name: str
     started_here: bool  # difftest starts (and stops) it; else a server elsewhere, re-checked before reuse
     deploy_file: bool  # serves a vLLM-Omni deploy file: --engine-arg, --matrix, a cell's `production:`
     one_batch_per_wave: bool  # each wave of N is one batch with its voices inline (no arrival patterns)
     planted_defects: bool  # takes a planted defect (`:DEFECT`); its clean control is the same without it
-
-
-KINDS = {k.name: k for k in (
-    CandidateKind(VLLM_OMNI, started_here=True, deploy_file=True, one_batch_per_wave=False, planted_defects=False),
-    CandidateKind(VLLM_OMNI_OFFLINE, started_here=True, deploy_file=True, one_batch_per_wave=True,
-                  planted_defects=False),
-    CandidateKind(CPU_ENGINE, started_here=True, deploy_file=False, one_batch_per_wave=False, planted_defects=True),
-    CandidateKind(URL, started_here=False, deploy_file=False, one_batch_per_wave=False, planted_defects=False),
-)}
-DEPLOY_FILE_KINDS = tuple(k for k, v in KINDS.items() if v.deploy_file)
+    parse: Callable  # (text, capture_dir) -> CandidateSpec of this kind, or None: not this kind's text
+    label: Callable  # (spec) -> str: how reports and logs name it
+    identity: Callable  # (spec, setup) -> dict: what decides its results, known before it starts
+    start: Callable  # (spec, setup, stack, http options) -> Engine, stopped when `stack` closes
+    usage: str  # how --candidate names it
 
 
 @dataclass
@@ -87,33 +83,15 @@ class CandidateSpec:
 
     @classmethod
     def parse(cls, text: str, capture_dir: str | None = None) -> "CandidateSpec":
-        if text == CPU_ENGINE or text.startswith(CPU_ENGINE + ":"):
-            defect = text.split(":", 1)[1] if ":" in text else None
-            return cls(CPU_ENGINE, defect=defect or None)
-        if text == VLLM_OMNI:
-            return cls(text)
-        if text == VLLM_OMNI_OFFLINE or text.startswith(VLLM_OMNI_OFFLINE + ":"):
-            api = text.split(":", 1)[1] if ":" in text else "batch"
-            if api not in ("batch", "async"):
-                raise BadInput(f"--candidate {text!r}: the offline API is batch (vllm_omni.Omni) or async "
-                               f"(vllm_omni.AsyncOmni)")
-            return cls(VLLM_OMNI_OFFLINE, api=api)
-        if text.startswith(("http://", "https://")):
-            check_url(text, "--candidate")
-            return cls(URL, url=text.rstrip("/"), capture_dir=Path(capture_dir) if capture_dir else None)
-        raise BadInput(f"--candidate {text!r}: expected a server URL (http://host:port), {VLLM_OMNI} "
-                       f"(vLLM-Omni's server started here), {VLLM_OMNI_OFFLINE}[:async] (its offline API, float32 "
-                       f"audio) or {CPU_ENGINE}[:DEFECT] (the CPU test engine, not vLLM-Omni)")
+        for kind in KINDS.values():
+            if (spec := kind.parse(text, capture_dir)) is not None:
+                return spec
+        usage = [KINDS[URL].usage, *(k.usage for k in KINDS.values() if k.name != URL)]
+        raise BadInput(f"--candidate {text!r}: expected {', '.join(usage[:-1])} or {usage[-1]}")
 
     @property
     def label(self) -> str:
-        if self.kind == VLLM_OMNI:
-            return self.kind
-        if self.kind == VLLM_OMNI_OFFLINE:
-            return self.kind + (":async" if self.api == "async" else "")
-        if self.kind == CPU_ENGINE:
-            return "difftest-cpu-engine" + (f":{self.defect}" if self.defect else "")
-        return self.url
+        return self.is_.label(self)
 
 
 def check_url(text: str, what: str) -> None:
@@ -206,36 +184,48 @@ def _gpu_placement(settings: dict, setup: Setup) -> dict:
 def engine_identity(spec: CandidateSpec, setup: Setup) -> dict:
     """Everything about the engine that decides its results, known before it starts. BadInput for a
     candidate that cannot be (an unknown planted defect, a missing environment)."""
-    checkpoints = setup.reference_fingerprint.get("checkpoints")
-    extra = {"declared": spec.declared} if spec.declared is not None else {}
-    if spec.kind == CPU_ENGINE:
-        vo = getattr(setup.opts, "vllm_omni", None) or {}
-        stages = {0: "talker.", 1: "vocoder."}
-        given = [f"--engine-arg {stages.get(stage, '')}{k}" for stage, kv in
-                 [(None, vo.get("deploy_overrides") or {}), *(vo.get("stage_overrides") or {}).items()] for k in kv]
-        given += ["--deploy-config"] * bool(vo.get("deploy_base")) + ["--async-chunk"] * bool(vo.get("async_chunk"))
-        if given:  # ignored, the run would pass as if that configuration had been tested
-            raise BadInput(f"{', '.join(given)}: vLLM-Omni settings; the CPU test engine ({spec.label}) has none "
-                           f"(use --candidate vllm-omni)")
-        known = cpu_engine_defects(Path(spec.python or setup.python))
-        if spec.defect is not None and spec.defect not in known:
-            raise BadInput(f"--candidate {spec.label}: the CPU test engine has no defect {spec.defect!r} "
-                           f"(known: {', '.join(known)})")
-        return {"kind": CPU_ENGINE, "defect": spec.defect, "code": ident.code_hash(*CPU_ENGINE_CODE),
-                "versions": setup.reference_fingerprint.get("versions"), "checkpoints": checkpoints,
-                "device": "cpu", "dtype": _option(spec.engine_args, "--talker-dtype") or "float32",
-                "engine_args": list(spec.engine_args),
-                "subtalker_sampling": _subtalker_sampling(setup.suite), **extra}
-    if spec.kind in (VLLM_OMNI, VLLM_OMNI_OFFLINE):
-        from .vllm_omni import describe
+    return spec.is_.identity(spec, setup)
 
-        opts, _ = _vllm_omni_options(spec, setup)
-        tasks = {s.task for s in setup.suite.segments}
-        api = "server" if spec.kind == VLLM_OMNI else f"offline-{spec.api}"
-        return {**describe(setup.models, opts, tasks, api), "plugins": ident.code_hash(*VLLM_OMNI_PLUGINS),
-                "checkpoints": checkpoints, **extra}
+
+def _declared(spec: CandidateSpec) -> dict:
+    return {"declared": spec.declared} if spec.declared is not None else {}
+
+
+def _cpu_engine_identity(spec: CandidateSpec, setup: Setup) -> dict:
+    vo = getattr(setup.opts, "vllm_omni", None) or {}
+    stages = {0: "talker.", 1: "vocoder."}
+    given = [f"--engine-arg {stages.get(stage, '')}{k}" for stage, kv in
+             [(None, vo.get("deploy_overrides") or {}), *(vo.get("stage_overrides") or {}).items()] for k in kv]
+    given += ["--deploy-config"] * bool(vo.get("deploy_base")) + ["--async-chunk"] * bool(vo.get("async_chunk"))
+    if given:  # ignored, the run would pass as if that configuration had been tested
+        raise BadInput(f"{', '.join(given)}: vLLM-Omni settings; the CPU test engine ({spec.label}) has none "
+                       f"(use --candidate vllm-omni)")
+    known = cpu_engine_defects(Path(spec.python or setup.python))
+    if spec.defect is not None and spec.defect not in known:
+        raise BadInput(f"--candidate {spec.label}: the CPU test engine has no defect {spec.defect!r} "
+                       f"(known: {', '.join(known)})")
+    return {"kind": CPU_ENGINE, "defect": spec.defect, "code": ident.code_hash(*CPU_ENGINE_CODE),
+            "versions": setup.reference_fingerprint.get("versions"),
+            "checkpoints": setup.reference_fingerprint.get("checkpoints"),
+            "device": "cpu", "dtype": _option(spec.engine_args, "--talker-dtype") or "float32",
+            "engine_args": list(spec.engine_args),
+            "subtalker_sampling": _subtalker_sampling(setup.suite), **_declared(spec)}
+
+
+def _vllm_omni_identity(spec: CandidateSpec, setup: Setup) -> dict:
+    from .vllm_omni import describe
+
+    opts, _ = _vllm_omni_options(spec, setup)
+    tasks = {s.task for s in setup.suite.segments}
+    api = "server" if spec.kind == VLLM_OMNI else f"offline-{spec.api}"
+    return {**describe(setup.models, opts, tasks, api), "plugins": ident.code_hash(*VLLM_OMNI_PLUGINS),
+            "checkpoints": setup.reference_fingerprint.get("checkpoints"), **_declared(spec)}
+
+
+def _url_identity(spec: CandidateSpec, setup: Setup) -> dict:
     if spec.declared is not None:  # the caller started it and says what it is; its port is incidental
-        return {"kind": URL, "capture": spec.capture_dir is not None, "checkpoints": checkpoints, **extra}
+        return {"kind": URL, "capture": spec.capture_dir is not None,
+                "checkpoints": setup.reference_fingerprint.get("checkpoints"), **_declared(spec)}
     servers = {}
     for task, url in (spec.routes or {"": spec.url}).items():
         client = SpeechClient(url, connect_retries=1)
@@ -262,38 +252,97 @@ def _option(argv, name: str) -> str | None:
 def start_candidate(spec: CandidateSpec, setup: Setup, stack: ExitStack, run_tag: str = "") -> Engine:
     """Start (or reach) the candidate; it stops when `stack` closes. The one way every command
     (run, bisect, selfcheck) starts one. Returns it behind the Engine surface (engines/base.py)."""
-    out, opts = setup.out, setup.opts
+    opts = setup.opts
     http = {"pattern": opts.pattern, "order": opts.order, "voice_mode": opts.voice_mode, "run_tag": run_tag}
-    if spec.kind in (VLLM_OMNI, VLLM_OMNI_OFFLINE):
-        from .vllm_omni import start_vllm_omni, start_vllm_omni_offline
+    return spec.is_.start(spec, setup, stack, http)
 
-        vo_opts, warnings = _vllm_omni_options(spec, setup)
-        tasks = {s.task for s in setup.suite.segments}
-        if spec.kind == VLLM_OMNI_OFFLINE:
-            runner, info = start_vllm_omni_offline(out, setup.models, vo_opts, stack, tasks=tasks, api=spec.api)
-            return RunnerCandidate(runner, spec.label, {**info, "warnings": warnings}, order=opts.order,
-                                   timeout=vo_opts.health_timeout)
-        client, capture, info = start_vllm_omni(out, setup.models, vo_opts, stack, tasks=tasks)
-        return HttpCandidate(client, capture, spec.label, {**info, "warnings": warnings}, **http)
-    if spec.kind == URL:
-        client = SpeechClient(spec.url, timeout=opts.request_timeout)
-        if spec.routes:
-            from .vllm_omni import RoutingSpeechClient
 
-            client = RoutingSpeechClient({task: SpeechClient(url, timeout=opts.request_timeout)
-                                          for task, url in spec.routes.items()})
-        if not client.health():
-            raise InfraError(f"candidate {spec.url} is not healthy (GET /health)")
-        info = {"label": spec.label, "url": spec.url}
-        if spec.declared:
-            info.update({k: v for k, v in spec.declared.items() if k in ("label", "engine", "defect", "versions")})
-        return HttpCandidate(client, spec.capture_dir, spec.label, info, **http)
+def _start_vllm_omni(spec: CandidateSpec, setup: Setup, stack: ExitStack, http: dict) -> Engine:
+    from .vllm_omni import start_vllm_omni, start_vllm_omni_offline
+
+    vo_opts, warnings = _vllm_omni_options(spec, setup)
+    tasks = {s.task for s in setup.suite.segments}
+    if spec.kind == VLLM_OMNI_OFFLINE:
+        runner, info = start_vllm_omni_offline(setup.out, setup.models, vo_opts, stack, tasks=tasks, api=spec.api)
+        return RunnerCandidate(runner, spec.label, {**info, "warnings": warnings}, order=setup.opts.order,
+                               timeout=vo_opts.health_timeout)
+    client, capture, info = start_vllm_omni(setup.out, setup.models, vo_opts, stack, tasks=tasks)
+    return HttpCandidate(client, capture, spec.label, {**info, "warnings": warnings}, **http)
+
+
+def _start_url(spec: CandidateSpec, setup: Setup, stack: ExitStack, http: dict) -> Engine:
+    timeout = setup.opts.request_timeout
+    client = SpeechClient(spec.url, timeout=timeout)
+    if spec.routes:
+        from .vllm_omni import RoutingSpeechClient
+
+        client = RoutingSpeechClient({task: SpeechClient(url, timeout=timeout) for task, url in spec.routes.items()})
+    if not client.health():
+        raise InfraError(f"candidate {spec.url} is not healthy (GET /health)")
+    info = {"label": spec.label, "url": spec.url}
+    if spec.declared:
+        info.update({k: v for k, v in spec.declared.items() if k in ("label", "engine", "defect", "versions")})
+    return HttpCandidate(client, spec.capture_dir, spec.label, info, **http)
+
+
+def _start_cpu_engine(spec: CandidateSpec, setup: Setup, stack: ExitStack, http: dict) -> Engine:
     urls, capture, srv = _cpu_engines(setup, stack, {spec.defect: None}, python=spec.python,
                                       engine_args=spec.engine_args, name=f"cpu-engine-{spec.defect or 'clean'}")
     info = {"label": spec.label, "engine": CPU_ENGINE_LABEL, "defect": spec.defect,
             "start_seconds": round(srv.started_s or 0.0, 2)}
-    return HttpCandidate(SpeechClient(urls[spec.defect], timeout=opts.request_timeout), capture, spec.label, info,
-                         **http)
+    return HttpCandidate(SpeechClient(urls[spec.defect], timeout=setup.opts.request_timeout), capture, spec.label,
+                         info, **http)
+
+
+def _parse_vllm_omni(text: str, capture_dir) -> CandidateSpec | None:
+    return CandidateSpec(VLLM_OMNI) if text == VLLM_OMNI else None
+
+
+def _parse_offline(text: str, capture_dir) -> CandidateSpec | None:
+    if text != VLLM_OMNI_OFFLINE and not text.startswith(VLLM_OMNI_OFFLINE + ":"):
+        return None
+    api = text.split(":", 1)[1] if ":" in text else "batch"
+    if api not in ("batch", "async"):
+        raise BadInput(f"--candidate {text!r}: the offline API is batch (vllm_omni.Omni) or async "
+                       f"(vllm_omni.AsyncOmni)")
+    return CandidateSpec(VLLM_OMNI_OFFLINE, api=api)
+
+
+def _parse_cpu_engine(text: str, capture_dir) -> CandidateSpec | None:
+    if text != CPU_ENGINE and not text.startswith(CPU_ENGINE + ":"):
+        return None
+    defect = text.split(":", 1)[1] if ":" in text else None
+    return CandidateSpec(CPU_ENGINE, defect=defect or None)
+
+
+def _parse_url(text: str, capture_dir) -> CandidateSpec | None:
+    if not text.startswith(("http://", "https://")):
+        return None
+    check_url(text, "--candidate")
+    return CandidateSpec(URL, url=text.rstrip("/"), capture_dir=Path(capture_dir) if capture_dir else None)
+
+
+def _cpu_engine_label(spec: CandidateSpec) -> str:
+    return "difftest-cpu-engine" + (f":{spec.defect}" if spec.defect else "")
+
+
+KINDS = {k.name: k for k in (
+    CandidateKind(VLLM_OMNI, started_here=True, deploy_file=True, one_batch_per_wave=False, planted_defects=False,
+                  parse=_parse_vllm_omni, label=lambda spec: VLLM_OMNI, identity=_vllm_omni_identity,
+                  start=_start_vllm_omni, usage=f"{VLLM_OMNI} (vLLM-Omni's server started here)"),
+    CandidateKind(VLLM_OMNI_OFFLINE, started_here=True, deploy_file=True, one_batch_per_wave=True,
+                  planted_defects=False, parse=_parse_offline,
+                  label=lambda spec: VLLM_OMNI_OFFLINE + (":async" if spec.api == "async" else ""),
+                  identity=_vllm_omni_identity, start=_start_vllm_omni,
+                  usage=f"{VLLM_OMNI_OFFLINE}[:async] (its offline API, float32 audio)"),
+    CandidateKind(CPU_ENGINE, started_here=True, deploy_file=False, one_batch_per_wave=False, planted_defects=True,
+                  parse=_parse_cpu_engine, label=_cpu_engine_label, identity=_cpu_engine_identity,
+                  start=_start_cpu_engine, usage=f"{CPU_ENGINE}[:DEFECT] (the CPU test engine, not vLLM-Omni)"),
+    CandidateKind(URL, started_here=False, deploy_file=False, one_batch_per_wave=False, planted_defects=False,
+                  parse=_parse_url, label=lambda spec: spec.url, identity=_url_identity, start=_start_url,
+                  usage="a server URL (http://host:port)"),
+)}
+DEPLOY_FILE_KINDS = tuple(k for k, v in KINDS.items() if v.deploy_file)
 
 
 def start_cpu_engines(defects: list[str | None], setup: Setup, stack: ExitStack) -> dict:
