@@ -96,7 +96,7 @@ def _summary(parts: list[dict]) -> dict:
 
 def main(argv=None) -> int:
     from difftest.engines.reference import ReferenceOptions, reference_python, runner_argv, tiny_checkpoints
-    from difftest.engines.runner_client import RunnerProcess
+    from difftest.process.runner_client import RunnerProcess
     from difftest.suites.suite import load_suite
     from difftest.verdicts.null import greedy
 

@@ -97,7 +97,7 @@ def main(argv=None) -> int:
 
     import numpy as np
 
-    from difftest.engines.runner_client import RunnerProcess
+    from difftest.process.runner_client import RunnerProcess
     from difftest.suites import wavio
     from difftest.suites.suite import DECODE_DEFAULTS, Segment, Voice, content_hash
 

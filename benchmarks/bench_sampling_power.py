@@ -63,9 +63,9 @@ def variant_decode(d: dict, name: str) -> dict:
 
 def main(argv=None) -> int:
     from difftest.engines.reference import ReferenceOptions, reference_python, runner_argv, tiny_checkpoints
-    from difftest.engines.runner_client import RunnerProcess
+    from difftest.engines.scorer import ScoreItem, Scorer
+    from difftest.process.runner_client import RunnerProcess
     from difftest.results import read_result
-    from difftest.engines.scorer import Scorer, ScoreItem
     from difftest.suites.suite import content_hash, load_suite
     from difftest.verdicts import sampling
 

@@ -29,7 +29,7 @@ TARGET = 0.3
 
 def main(argv=None) -> int:
     from difftest.engines.reference import ReferenceOptions, reference_python, runner_argv, tiny_checkpoints
-    from difftest.engines.runner_client import RunnerProcess
+    from difftest.process.runner_client import RunnerProcess
     from difftest.results import read_result
     from difftest.scores import read_scores
     from difftest.suites.suite import content_hash, load_suite

@@ -21,8 +21,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-from difftest.engines import reference, zygote  # noqa: E402
-from difftest.engines.runner_client import RunnerProcess  # noqa: E402
+from difftest.engines import reference  # noqa: E402
+from difftest.process import zygote  # noqa: E402
+from difftest.process.runner_client import RunnerProcess  # noqa: E402
 from difftest.suites.suite import load_suite  # noqa: E402
 
 SUITE = """\

@@ -35,7 +35,6 @@ from .engines.reference import (
     runner_env,
     tiny_checkpoints,
 )
-from .engines.runner_client import RunnerDied, RunnerProcess, item_answers
 from .engines.scorer import ScoreItem, Scorer
 from .engines.start import (
     CPU_ENGINE,
@@ -49,6 +48,7 @@ from .engines.start import (
 )
 from .errors import BadInput, InfraError, no_space
 from .family import CODEBOOKS
+from .process.runner_client import RunnerDied, RunnerProcess, item_answers
 from .progress import Progress
 from .records.report import build_report, overall, write_report
 from .results import CorruptResult, Result, ResultStore, _ext, atomic_write, prepare_out, read_result

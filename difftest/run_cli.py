@@ -8,10 +8,10 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from .engines.placement import device_arg
 from .engines.reference import ReferenceOptions
 from .engines.start import CandidateSpec
 from .errors import BadInput
+from .process.placement import device_arg
 from .records.report import print_summary
 from .run import RunOptions, run
 from .suites.suite import TINY_MODELS
@@ -25,7 +25,7 @@ def vllm_omni_settings(args, engine_args=None) -> dict:
     from .engines.engine_args import parse
 
     top, stages = parse(getattr(args, "engine_arg", None) if engine_args is None else engine_args)
-    from .engines.placement import parse_device, parse_gpus
+    from .process.placement import parse_device, parse_gpus
 
     gpus = parse_gpus(getattr(args, "candidate_devices", None))
     device = getattr(args, "candidate_device", None)
@@ -69,7 +69,7 @@ def add_engine_arguments(p) -> None:
 
 
 def cmd_run(args) -> int:
-    from .engines.lifeline import report_stale
+    from .process.lifeline import report_stale
     from .suites.suite import load_suite
     from .verdicts.policy import load_policy
 

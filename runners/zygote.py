@@ -4,7 +4,7 @@ process instead of a fresh interpreter, which spends 6-15 s on two cores importi
 
     python -m runners.zygote --socket PATH
 
-The tester's side is difftest/engines/zygote.py (docs/ci.md says when it is used). One request per
+The tester's side is difftest/process/zygote.py (docs/ci.md says when it is used). One request per
 connection on a Unix socket: a JSON object {argv, env, cwd, new_session} sent with three file
 descriptors (the child's stdin, stdout, stderr). The answer is a JSON line {"pid": N} (or
 {"refused": why}), then, when the child has exited, {"exit": code} (negative: killed by that
@@ -157,7 +157,7 @@ def _become_overlay(python: str, overlay: dict) -> None:
 
 def _retitle(argv: list[str], env: dict) -> None:
     """Make /proc/PID/cmdline and /proc/PID/environ say what a fresh `python -m ...` would: tools and
-    difftest's own stray report (difftest.engines.lifeline) read them. They show the memory the
+    difftest's own stray report (difftest.process.lifeline) read them. They show the memory the
     zygote's exec laid out (its argv and environment, padded with ROOM for this), rewritten here;
     what does not fit is cut (the owner tag first, so it is never the part cut)."""
     import ctypes

@@ -108,7 +108,7 @@ def _vllm_omni_installed(request):
         wait_for_install()
 
 
-# A zygote for the qwen-tts environment (runners/zygote.py, difftest/engines/zygote.py): every
+# A zygote for the qwen-tts environment (runners/zygote.py, difftest/process/zygote.py): every
 # runner and CPU engine the tests start, in this process or in a `difftest` they run, is forked from
 # it instead of importing torch, transformers and qwen-tts again (6-15 s each on two cores, about a
 # hundred times a session). Started in the background: a runner started meanwhile waits for it.
@@ -124,6 +124,6 @@ def _qwen_tts_zygote(tmp_path_factory):
 @pytest.fixture
 def plain_processes(monkeypatch):
     """Runners and engines started as fresh interpreters, children of whoever starts them."""
-    from difftest.engines.zygote import ENV
+    from difftest.process.zygote import ENV
 
     monkeypatch.delenv(ENV, raising=False)

@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from difftest.engines import zygote
-from difftest.engines.runner_client import RunnerProcess
+from difftest.process import zygote
+from difftest.process.runner_client import RunnerProcess
 from difftest.suites import wavio
 from difftest.suites.suite import DECODE_DEFAULTS, Segment, Voice, content_hash
 

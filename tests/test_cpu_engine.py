@@ -38,8 +38,8 @@ from reference_support import (
 from difftest.compare import align
 from difftest.engines import capture
 from difftest.engines.http import run_candidate
-from difftest.engines.launcher import ServerProcess, free_port, free_ports
 from difftest.engines.speech_client import SpeechClient, SpeechError, speech_request
+from difftest.process.launcher import ServerProcess, free_port, free_ports
 from difftest.results import read_result
 from difftest.suites import wavio
 from difftest.suites.suite import DECODE_DEFAULTS

@@ -4,13 +4,12 @@ import os
 import sys
 import textwrap
 import time
+from contextlib import ExitStack
 
 import pytest
 
-from contextlib import ExitStack
-
-from difftest.engines.launcher import ServerProcess, free_port, free_ports, start_together
 from difftest.errors import InfraError
+from difftest.process.launcher import ServerProcess, free_port, free_ports, start_together
 
 HEALTHY = textwrap.dedent("""
     import subprocess, sys
@@ -80,7 +79,7 @@ def test_never_healthy(tmp_path):
 def test_free_ports_lie_below_the_kernels_ephemeral_range():
     """Ports the kernel hands to outgoing connections are not offered to servers: on a busy machine
     a client socket took one between free_port() and the server's bind (EADDRINUSE)."""
-    from difftest.engines.launcher import _ephemeral_range
+    from difftest.process.launcher import _ephemeral_range
 
     lo, _ = _ephemeral_range()
     ports = {free_port() for _ in range(20)}
@@ -92,7 +91,7 @@ def test_ports_drawn_together_are_distinct_even_when_the_draw_repeats(monkeypatc
     drawn again (forced here: the generator offers the same two ports over and over)."""
     import random
 
-    from difftest.engines import launcher
+    from difftest.process import launcher
 
     offers = iter([11111, 11111, 11111, 12222] * 10)
     monkeypatch.setattr(random.SystemRandom, "randrange", lambda self, a, b: next(offers))

@@ -16,9 +16,10 @@ from pathlib import Path
 import pytest
 from reference_support import all_models, reference_python, tiny  # noqa: F401  (tiny: a fixture)
 
-from difftest.engines import placement, start
+from difftest.engines import start
 from difftest.engines.reference import ReferenceOptions, never_stops, runner_argv, runner_env
 from difftest.errors import BadInput, InfraError
+from difftest.process import placement
 from difftest.run import RunOptions
 from difftest.run_cli import add_run_parser, vllm_omni_settings
 from difftest.suites.checkpoints import check_suite, problems

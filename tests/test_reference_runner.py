@@ -23,7 +23,7 @@ from reference_support import (
 )
 
 from difftest.compare import align
-from difftest.engines.runner_client import RunnerDied
+from difftest.process.runner_client import RunnerDied
 from difftest.results import read_result
 from difftest.suites import wavio
 from difftest.suites.voices import reference_frames

@@ -16,8 +16,8 @@ from reference_support import REPO, all_models, reference_python, tiny, write_vo
 
 from difftest.cli import main as difftest_main
 from difftest.engines import reference
-from difftest.engines.runner_client import RunnerProcess
 from difftest.errors import BadInput
+from difftest.process.runner_client import RunnerProcess
 from difftest.progress import Progress
 from difftest.results import Result, ResultStore
 from difftest.suites.suite import load_suite

@@ -17,7 +17,7 @@ import yaml
 from hostile_proxy import HostileProxy
 from reference_support import REPO, all_models, reference_python, tiny  # noqa: F401
 
-from difftest.engines.launcher import ServerProcess, free_port
+from difftest.process.launcher import ServerProcess, free_port
 from difftest.verdicts import exercised
 
 SMOKE = REPO / "cases" / "suites" / "smoke.yaml"

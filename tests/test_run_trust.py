@@ -175,7 +175,7 @@ def test_a_kill_9_of_difftest_takes_its_engines_with_it_and_strays_are_reported(
         time.sleep(0.2)
     assert not [p for p in children if _alive(p)], "processes left running after kill -9 of difftest"
 
-    from difftest.engines.lifeline import OWNER_ENV, owner_tag
+    from difftest.process.lifeline import OWNER_ENV, owner_tag
 
     gone = subprocess.Popen(["true"])
     gone.wait()

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from difftest.engines.runner_client import RunnerDied, RunnerProcess
+from difftest.process.runner_client import RunnerDied, RunnerProcess
 from difftest.results import read_result
 
 FAKE = [sys.executable, str(Path(__file__).with_name("fake_runner.py"))]

@@ -460,7 +460,7 @@ class _DyingRunner:
         self.answer_path = answer_path
 
     def request(self, op, timeout, items):
-        from difftest.engines.runner_client import RunnerDied
+        from difftest.process.runner_client import RunnerDied
 
         yield {"event": "result", "item": items[0]["name"], "path": str(self.answer_path)}
         raise RunnerDied("runner exited with status 9", tail="killed")

@@ -19,7 +19,7 @@ from vllm_omni_support import FRAME, OMNI_PYTHON, Q16, REPO, omni_python, voice_
 
 from difftest.engines import vllm_omni as vo
 from difftest.engines.runner_candidate import run_candidate_runner
-from difftest.engines.runner_client import RunnerProcess
+from difftest.process.runner_client import RunnerProcess
 from difftest.suites.suite import load_suite
 from runners.reference.engine import Utterance
 from runners.vllm_omni_offline import prompts

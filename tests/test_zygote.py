@@ -1,4 +1,4 @@
-"""The qwen-tts zygote (runners/zygote.py, difftest/engines/zygote.py): a runner forked from it is the
+"""The qwen-tts zygote (runners/zygote.py, difftest/process/zygote.py): a runner forked from it is the
 runner a fresh interpreter would have been (same result bytes, exit codes, /proc view), and a
 request it cannot stand in for starts a fresh interpreter."""
 
@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 from reference_support import all_models, reference_python, tiny, write_voice  # noqa: F401
 
-from difftest.engines import lifeline, reference, zygote
+from difftest.engines import reference
+from difftest.process import lifeline, zygote
 from difftest.suites.suite import load_suite
 
 SUITE = """\

@@ -17,7 +17,7 @@ def zygote_of_the_reference(log: Path, **env_overrides):
     import subprocess
     import tempfile
 
-    from difftest.engines.zygote import ENV
+    from difftest.process.zygote import ENV
 
     python = ROOT / ".venv-reference" / "bin" / "python"
     if not python.exists() or os.environ.get("DIFFTEST_TEST_ZYGOTE") == "0":

@@ -56,9 +56,9 @@ from pathlib import Path
 from ..cache import Cache
 from ..engines.base import Engine
 from ..engines.reference import reference_python
-from ..engines.zygote import BASE_PTH
 from ..engines.start import CPU_ENGINE, VLLM_OMNI, CandidateSpec, Setup, start_candidate
 from ..errors import BadInput, InfraError
+from ..process.zygote import BASE_PTH
 from ..results import atomic_write
 from ..run import RunOptions
 from ..suites.suite import Suite

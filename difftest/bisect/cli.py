@@ -16,8 +16,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from ..engines.placement import device_arg
 from ..errors import BadInput, DifftestError
+from ..process.placement import device_arg
 
 PROBE_ABORT = 128  # `git bisect run` stops on it: bad input or a failure that is no commit's fault
 

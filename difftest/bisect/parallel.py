@@ -18,9 +18,9 @@ import sys
 import time
 from pathlib import Path
 
-from ..engines import lifeline
-from ..engines.launcher import interrupt_groups, log_tail
 from ..errors import InfraError
+from ..process import lifeline
+from ..process.launcher import interrupt_groups, log_tail
 from .probe import ProbeRecord
 
 GOOD_EXIT, BAD_EXIT, SKIP_EXIT, ABORT_EXIT = 0, 1, 125, 128

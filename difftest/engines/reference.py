@@ -23,14 +23,14 @@ from pathlib import Path
 
 from ..errors import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_PASS, BadInput, InfraError
 from ..family import FAMILY
+from ..process import zygote
+from ..process.placement import device_arg, gpu_env, parse_device
+from ..process.runner_client import RunnerDied, RunnerProcess
 from ..progress import Progress
 from ..results import CorruptResult, Result, ResultStore, read_result
 from ..suites.checkpoints import MANIFEST
 from ..suites.suite import TINY_HAZARD, TINY_MODELS, Suite, load_suite
-from . import zygote
 from .base import Outcome
-from .placement import device_arg, gpu_env, parse_device
-from .runner_client import RunnerDied, RunnerProcess
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PYTHON = REPO / ".venv-reference" / "bin" / "python"

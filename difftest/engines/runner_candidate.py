@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..process.runner_client import RunnerDied, RunnerProcess
 from ..results import CorruptResult, ResultStore, read_result
 from ..suites.suite import Segment
 from .base import Outcome
 from .capture import OverLength
 from .http import _waves
-from .runner_client import RunnerDied, RunnerProcess
 
 
 def run_candidate_runner(segments: list[Segment], runner: RunnerProcess, out_dir: Path, *, concurrency: int,

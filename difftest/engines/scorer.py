@@ -20,9 +20,9 @@ import numpy as np
 
 from ..errors import InfraError
 from ..family import CODEBOOKS
+from ..process.runner_client import RunnerProcess, item_answers
 from ..results import CorruptResult, ResultStore, _ext, atomic_write
 from ..scores import ScoreFile, read_scores
-from .runner_client import RunnerProcess, item_answers
 
 
 @dataclass

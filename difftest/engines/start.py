@@ -23,11 +23,11 @@ from typing import Callable
 from urllib.parse import urlsplit
 
 from ..errors import BadInput, InfraError
+from ..process.launcher import ServerProcess, free_port, free_ports
 from ..suites.suite import Suite
 from . import identity as ident
 from .base import Engine
 from .http import HttpCandidate
-from .launcher import ServerProcess, free_port, free_ports
 from .runner_candidate import RunnerCandidate
 from .speech_client import SpeechClient
 
@@ -163,8 +163,8 @@ def _vllm_omni_options(spec: CandidateSpec, setup: Setup):
 
 def _gpu_placement(settings: dict, setup: Setup) -> dict:
     """The candidate's GPUs (default: the reference's) and each stage's memory fraction, leaving
-    room for the reference models where they share a GPU (difftest.engines.placement)."""
-    from . import placement
+    room for the reference models where they share a GPU (difftest.process.placement)."""
+    from ..process import placement
     from .vllm_omni import models_for_tasks
 
     ref = placement.parse_device(setup.opts.reference.device, "reference device")

@@ -11,7 +11,7 @@ writes the deploy overlay (the settings exact comparison needs: greedy
 sub-talker, the suite's repetition penalty, enough sequences per stage that
 concurrency N really batches; on the CPU also eager mode, explicit KV-cache
 bytes, model lengths, thread binding, the v1 runner), starts one server per
-checkpoint the suite needs under `difftest.engines.launcher.ServerProcess` (stopped
+checkpoint the suite needs under `difftest.process.launcher.ServerProcess` (stopped
 with its whole process tree when `stack` closes), waits for health, and
 returns a client, the capture folder and provenance. A server that never
 becomes healthy or exits early is an InfraError (exit 3) with its log tail.
@@ -41,10 +41,10 @@ import yaml
 
 from ..errors import BadInput, InfraError
 from ..family import FAMILY
+from ..process.launcher import ServerProcess, free_ports, start_together
+from ..process.runner_client import RunnerDied, RunnerProcess
 from ..suites.checkpoints import checkpoint_type
 from .deploy_diff import engine_arg_keys, release_deploy, served_configuration
-from .launcher import ServerProcess, free_ports, start_together
-from .runner_client import RunnerDied, RunnerProcess
 from .speech_client import SpeechAnswer, SpeechClient
 
 REPO = Path(__file__).resolve().parents[2]
@@ -95,7 +95,7 @@ class VllmOmniOptions:
     # Answer a voice clone that reached max_new_tokens with its audio instead of HTTP 500 (vLLM-Omni 0.30's
     # Qwen3TTSCodecLimitError). Needed for the seeded tiny checkpoints, which never emit EOS; recorded in provenance.
     accept_length_finish: bool = False
-    # A GPU host (difftest.engines.placement): the server's GPUs (one for both stages, or talker,vocoder),
+    # A GPU host (difftest.process.placement): the server's GPUs (one for both stages, or talker,vocoder),
     # each stage's gpu_memory_utilization (room left for a reference sharing the GPU), and what makes
     # greedy decoding comparable across batch sizes: eager stages, vLLM's batch-invariant kernels.
     gpus: tuple = (0,)
@@ -302,7 +302,7 @@ def deploy_overlay(base_config: str | Path, opts: VllmOmniOptions, servers: int 
                        max_num_batched_tokens=opts.vocoder_max_model_len,
                        kv_cache_memory_bytes=int(opts.vocoder_kv_cache_bytes))
     elif opts.device == "cuda":
-        from .placement import CEILING, stage_devices
+        from ..process.placement import CEILING, stage_devices
 
         gpus = tuple(opts.gpus) or (0,)
         shared = len(gpus) == 1
@@ -398,7 +398,7 @@ def server_env(opts: VllmOmniOptions, capture_dir: Path | None, speakers_dir: Pa
             # processes' executors here: vLLM-Omni's stages are their own processes whatever it says.
             env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     else:
-        from .placement import gpu_env
+        from ..process.placement import gpu_env
 
         env.update(gpu_env(opts.gpus or (0,)))
     return env
@@ -485,7 +485,7 @@ def _gpu_names(opts: VllmOmniOptions) -> list | None:
     """The candidate's GPU models (results from one GPU model are not another's); None on the CPU."""
     if opts.device != "cuda":
         return None
-    from .placement import nvidia_smi
+    from ..process.placement import nvidia_smi
 
     return [nvidia_smi("name", g) for g in (opts.gpus or (0,))]
 

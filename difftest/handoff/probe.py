@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import time
 
-from ..engines.runner_client import RunnerDied, RunnerProcess, RunnerRefused
 from ..errors import InfraError
+from ..process.runner_client import RunnerDied, RunnerProcess, RunnerRefused
 from .envs import REPO, Env
 from .generate import Case, RequestSpec, solo_case
 from .oracle import Violation, check

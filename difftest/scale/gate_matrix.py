@@ -52,9 +52,9 @@ from pathlib import Path
 import yaml
 
 from .. import yamlfile
-from ..engines import lifeline
-from ..engines.launcher import interrupt_groups, log_tail
 from ..errors import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput
+from ..process import lifeline
+from ..process.launcher import interrupt_groups, log_tail
 from ..results import atomic_write
 from ..verdicts.exercised import PATHS
 

@@ -39,8 +39,8 @@ from collections import deque
 from pathlib import Path
 from typing import Iterator
 
-from ..engines.runner_client import RunnerDied
 from ..errors import BadInput, InfraError
+from ..process.runner_client import RunnerDied
 from ..results import atomic_write
 
 REPO = Path(__file__).resolve().parents[2]
@@ -133,7 +133,7 @@ class RunnerActorImpl:
 
     def __init__(self, python: str, models: list[dict], options: dict):
         from ..engines.reference import ReferenceOptions, runner_argv, runner_env, tiny_checkpoints
-        from ..engines.runner_client import RunnerProcess
+        from ..process.runner_client import RunnerProcess
 
         self.node = f"{socket.gethostname()} (Ray node {_ray().get_runtime_context().get_node_id()[:12]})"
         if not Path(python).exists():

@@ -17,9 +17,9 @@ import sys
 import time
 from pathlib import Path
 
+from ..engines.speech_client import SpeechClient
 from ..errors import InfraError
 from . import lifeline, zygote
-from .speech_client import SpeechClient
 
 PROGRESS_EVERY_S = 15.0
 
