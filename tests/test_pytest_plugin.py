@@ -35,6 +35,7 @@ def registered():
                     "(pip install -e '.[test]'), which registers its pytest11 entry point", pytrace=False)
 
 
+@pytest.mark.heavy
 def test_the_sample_passes_on_the_clean_engine_and_prints_the_divergence_on_the_leak(pytester, registered, tmp_path):
     reference_python()
     pytester.makepyfile(test_sample=SAMPLE.format(suite=REPO / "cases" / "suites" / "smoke.yaml"))

@@ -260,6 +260,7 @@ class KillANodeMidChunk(Progress):
             self.killed = node_id
 
 
+@pytest.mark.heavy
 def test_a_lost_node_costs_only_its_chunk(cluster, tiny, tmp_path):
     suite = load_suite(REPO / "cases" / "suites" / "voice-clone-concurrency.yaml")
     segments = [s for s in suite.segments if s.task == "voice_clone"][:6]
@@ -285,12 +286,14 @@ def _sidecar(config_dir: Path, seg) -> Path:
     return stem.with_name(stem.name + ".json")
 
 
+@pytest.mark.heavy
 def test_a_worker_without_the_runner_environment_is_named(cluster, tiny):
     pool = RayRunnerPool(Path("/nonexistent/venv/bin/python"), all_models(tiny), {}, workers=1)
     with pytest.raises(InfraError, match="no reference environment at /nonexistent/venv/bin/python"):
         pool.start()
 
 
+@pytest.mark.heavy
 def test_a_cluster_without_room_is_refused_in_bounded_time(cluster, tiny):
     # no node has 4 CPUs: the worker can never start, on any machine, so a short bound is enough
     pool = RayRunnerPool(reference_python(), all_models(tiny), {}, workers=1, cpus_per_worker=4, start_timeout=3)

@@ -101,6 +101,7 @@ def test_rerun_reuses_everything(leak, store):
     assert "reference [4/4] smoke-04: cached" in stderr
 
 
+@pytest.mark.heavy
 def test_a_new_run_folder_takes_the_cross_decodes_from_the_store(clean, store, tmp_path):
     """The same clean engine into a fresh folder: its codes are the first run's, so every
     cross-decode (and every score) comes from the store, and the reference model is never loaded."""

@@ -67,6 +67,7 @@ def sequence(store, tmp_path_factory):
     return steps
 
 
+@pytest.mark.heavy
 def test_the_clean_engine_passes_and_records_what_it_is(sequence):
     code, out, err = sequence["clean"]
     assert code == 0, out + err[-2000:]
@@ -75,6 +76,7 @@ def test_the_clean_engine_passes_and_records_what_it_is(sequence):
     assert "candidate: difftest CPU test engine (not vLLM-Omni)" in err  # the console says what it is
 
 
+@pytest.mark.heavy
 def test_another_candidate_is_refused_on_the_same_folder(sequence):
     code, out, err = sequence["leak_refused"]
     assert code == 2, out + err[-2000:]
@@ -84,6 +86,7 @@ def test_another_candidate_is_refused_on_the_same_folder(sequence):
     assert "reference [" not in err  # and comes before any model work
 
 
+@pytest.mark.heavy
 def test_with_replace_the_leak_is_judged_on_its_own_results(sequence):
     code, out, err = sequence["leak"]
     assert code == 1, out + err[-2000:]
@@ -92,6 +95,7 @@ def test_with_replace_the_leak_is_judged_on_its_own_results(sequence):
     assert sequence["leak_report"]["candidate"]["batches"] == [["smoke-01", "smoke-02", "smoke-03", "smoke-04"]]
 
 
+@pytest.mark.heavy
 def test_a_resumed_run_keeps_its_batches_and_donors(sequence):
     code, out, err = sequence["resumed"]
     assert code == 1, out + err[-2000:]

@@ -4,9 +4,11 @@ import json
 import subprocess
 import sys
 
+import pytest
 from reference_support import reference_python
 
 
+@pytest.mark.heavy
 def test_selfcheck_catches_planted_defects_and_passes_the_clean_engine(tmp_path):
     reference_python()
     p = subprocess.run([sys.executable, "-m", "difftest", "selfcheck", "--defects", "ref-in-output,batch-mixup,cobatch-blend",
