@@ -10,14 +10,14 @@ import yaml
 
 from dashboards import assets, model, pages
 from difftest.records import report
-from difftest.verdicts import catalogue, classify, policy
+from difftest.verdicts import catalogue, checks, policy
 from difftest.verdicts.catalogue import BY_NAME, FAILS, RANK, SEGMENT_VERDICTS, TABLE, VERDICTS
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_every_module_reads_the_one_table():
-    assert classify.RANK is RANK and policy.VERDICTS is VERDICTS and report.VERDICTS is VERDICTS
+    assert checks.REGISTRY.verdicts is TABLE and policy.VERDICTS is VERDICTS and report.VERDICTS is VERDICTS
     assert policy.DEFECTS == FAILS and model.DEFAULT_FAIL_ON == FAILS and model.CLEAN == ("identical", "numeric_drift")
     assert assets.VERDICT_COLOURS == {v: BY_NAME[v].colour for v in VERDICTS}
     assert pages.SERIOUSNESS == tuple(v for v in RANK if v not in ("vocoder_length", "numeric_drift", "identical"))

@@ -20,9 +20,10 @@ from test_compare_fast_path import (
 from toy import toy_codes, toy_decode, toy_result
 
 import difftest.compare.align as align_module
-import difftest.verdicts.classify as classify_module
 import difftest.verdicts.concurrency as concurrency_module
 import difftest.verdicts.evidence as evidence_module
+import difftest.verdicts.headline as headline_module
+import difftest.verdicts.usable as usable_module
 from difftest.compare.audio import log_mel
 from difftest.verdicts.classify import Evidence, classify
 from difftest.verdicts.policy import chunk_tiers, load_policy
@@ -55,8 +56,8 @@ def judged(ev: Evidence, policy, full: bool = False) -> str:
     with pytest.MonkeyPatch.context() as mp:
         if full:
             mp.setattr(evidence_module.Audio, "__init__", full_audio_init)
-            mp.setattr(classify_module, "non_finite", full_non_finite)
-            mp.setattr(classify_module, "diff_codes", full_diff_codes)
+            mp.setattr(usable_module, "non_finite", full_non_finite)
+            mp.setattr(headline_module, "diff_codes", full_diff_codes)
             mp.setattr(concurrency_module, "diff_codes", full_diff_codes)
             mp.setattr(align_module, "chunk_frame_bounds", full_chunk_frame_bounds)
         return json.dumps(classify(ev, policy).to_json(), sort_keys=True)

@@ -211,7 +211,7 @@ def test_exact_codes_with_a_cut_reference_at_the_vocoder_are_the_handoffs_not_th
     # issue 57: no talker stage captured, the talker's codes qwen-tts's exactly, the vocoder handed the
     # reference one frame short (at every concurrency, so the control agrees): before, teacher forcing in
     # that cut reference blamed the talker.
-    from difftest.verdicts.classify import talker_cleared
+    from difftest.verdicts.rules import talker_cleared
     from difftest.verdicts.evidence import Finding
 
     cut = OWN[:19]

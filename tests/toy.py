@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 
 from difftest.results import Result
+from difftest.verdicts.evidence import Evidence
 
 SPF = 1920
 T = np.arange(SPF) / 24000.0
@@ -37,3 +38,15 @@ def toy_result(sid: str, codes, ref_codes, wav=None, **kw) -> Result:
     wav = toy_decode(codes, ref_codes) if wav is None else wav
     return Result(segment_id=sid, segment_hash=kw.pop("segment_hash", "h" * 64), wav=wav,
                   sample_rate=24000, codes=codes, ref_codes=ref_codes, **kw)
+
+
+def toy_evidence(candidate: Result | None, *, codes: np.ndarray, own: np.ndarray, sid: str = "a",
+                 reference: Result | None = None, cross: Result | bool = True, **kw) -> Evidence:
+    """One segment's evidence as a run assembles it, for the verdict tests: qwen-tts's result (its
+    `codes` on the voice's own reference codes `own`, unless `reference` is given), the candidate at
+    N, and the reference vocoder's cross-decode of the candidate's codes on `own` (`cross=False`:
+    none; a Result: that one). Everything else (control, peers, scores, ...) by keyword."""
+    if cross is True:
+        cross = toy_result(sid, candidate.codes, own) if candidate is not None else None
+    return Evidence(segment_id=sid, reference=reference or toy_result(sid, codes, own), candidate=candidate,
+                    cross_own=cross or None, **kw)

@@ -11,6 +11,7 @@ from ..compare.codes import diff_codes
 from ..compare.forced import ForcedPolicy
 from ..family import SAMPLES_PER_FRAME
 from . import null as measured_null
+from .check import Check
 from .evidence import Audio, Evidence, Finding, chunk_of, code_json
 from .policy import TIERS, Policy
 from .talker import measured_lines
@@ -127,3 +128,9 @@ def _own_brief(own: dict) -> str:
         rank = ">k" if t["rank"] is None else t["rank"]
         return f"{t['token']} rank {rank}" + ("" if t["gap"] is None else f" gap {t['gap']:.3g}")
     return "; ".join(f"{run}: " + ", ".join(one(t) for t in toks.values()) for run, toks in own.items())
+
+
+CONCURRENCY = Check("concurrency", gives=("code_divergence", "concurrency_defect"),
+                    judge=lambda ev, ctx: concurrency_findings(ev, ctx.policy, ctx.comps, ctx.mels),
+                    applies=lambda ev: ev.control is not None,
+                    skipped=lambda ev: "no concurrency-1 control: concurrency invariance not checked")

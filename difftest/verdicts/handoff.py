@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .check import Check, Context
 from .evidence import Evidence, Finding, chunk_of, ranges, same, talker_stage
 
 
@@ -239,3 +240,21 @@ def stage_findings(ev: Evidence, comps: dict) -> list[Finding]:
                                 f"differ from those at 1 ({len(ctrl['ref_codes'])} frames)",
                                 frame=0, chunk=0, stage="reference_encoder"))
     return out
+
+
+def _handoff(ev: Evidence, ctx: Context) -> list[Finding]:
+    out = handoff_findings(ev, ctx.comps, ctx.notes, ctx.of("vocoder"))
+    if talker_stage(ev.candidate) is None:
+        ctx.notes.append("no talker stage in the capture: the hand-off judged against the reference codes "
+                         "found at the vocoder")
+    return out
+
+
+def _has_codes(ev: Evidence) -> bool:
+    return ev.candidate.has_codes
+
+
+HANDOFF = Check("handoff", gives=("handoff_defect", "concurrency_defect", "contamination"), judge=_handoff,
+                applies=_has_codes)
+STAGES = Check("stages", gives=("contamination", "talker_defect", "handoff_defect", "concurrency_defect"),
+               judge=lambda ev, ctx: stage_findings(ev, ctx.comps), applies=_has_codes)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from .check import Check
 from .concurrency import concurrency_findings
 from .evidence import Evidence, Finding, same
 from .handoff import code_donors
@@ -31,3 +32,8 @@ def history_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict | Non
                                  kind="history_defect",
                                  later="served again after the other segments", first="its first serving",
                                  key="repeat")
+
+
+HISTORY = Check("history", gives=("contamination", "history_defect"),
+                judge=lambda ev, ctx: history_findings(ev, ctx.policy, ctx.comps, ctx.mels),
+                applies=lambda ev: ev.control is not None and ev.repeat is not None)

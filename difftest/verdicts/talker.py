@@ -7,6 +7,7 @@ from dataclasses import replace
 
 from ..compare import forced, own_margins
 from . import null as measured_null
+from .check import Check, Context
 from .evidence import Evidence, Finding, chunk_of
 from .policy import Policy
 
@@ -111,3 +112,23 @@ def _off_noise(ev: Evidence, sf, comps: dict):
         f"wider than qwen-tts in {model.dtype} moves a {site} token that often (expected flips this wide in this "
         f"stream: {widest['lambda']:.3g}, p = {widest['p']:.3g} against alpha {model.alpha:.3g}; the candidate's "
         f"kernels allowed {model.scale:g}x qwen-tts's own movement)")
+
+
+def _forced(ev: Evidence, ctx: Context) -> list[Finding]:
+    tf, comps, notes = forced_findings(ev, ctx.policy, ctx.comps), ctx.comps, ctx.notes
+    if "forced" in comps and not tf:
+        f = comps["forced"]
+        notes.append(f"teacher-forced under qwen-tts the candidate's codes are plausible ({f['decoding']}: "
+                     f"top-1 at {f['top1_share']:.0%} of frames, worst rank {f['worst_rank']}, "
+                     f"worst gap {f['worst_gap']:.2g} nats)")
+    if (t := comps.get("forced", {}).get("float32_ties")) and not tf:
+        notes.append(f"suspect: its codes leave qwen-tts's top-1 only on float32 ties ({t['count']}, the first at "
+                     f"frame {t['first'][0]} codebook {t['first'][1]}, {t['gap']:.2g} nats): float32 reordering "
+                     f"moves qwen-tts's own margins that far (the tie width, {comps['forced']['exact_tie_gap']:g} "
+                     f"nats), so no verdict alone; listen where the run fails")
+    if "forced" not in comps:
+        notes.append("no teacher-forced scores: the talker stage not judged")
+    return tf
+
+
+FORCED = Check("forced", gives=("talker_defect",), judge=_forced, applies=lambda ev: ev.candidate.has_codes)

@@ -38,6 +38,7 @@ import numpy as np
 
 from ..engines.capture import INPUT, PROMPT, PROMPT_CACHED, PROMPT_LABELS
 from ..results import Result
+from .check import Check
 from .encoder import encoder_disagrees
 from .evidence import Evidence, Finding, same, talker_stage
 from .policy import Policy
@@ -211,3 +212,8 @@ def input_findings(ev: Evidence, comps: dict, notes: list, policy: Policy) -> li
                          frame=0, chunk=0, stage="reference_encoder")]
     return [Finding("talker_defect", f"the talker's input differs from qwen-tts's in its {m.name}, at position {m.at}: "
                      f"{m.mine} against {m.theirs}{where}{also}", frame=0, chunk=0, stage="talker_input")]
+
+
+TALKER_INPUT = Check("talker_input", gives=("contamination", "reference_encoder_defect", "talker_defect"),
+                     judge=lambda ev, ctx: input_findings(ev, ctx.comps, ctx.notes, ctx.policy),
+                     applies=lambda ev: ev.candidate.has_codes)

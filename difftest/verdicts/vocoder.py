@@ -7,6 +7,7 @@ import numpy as np
 
 from ..family import SAMPLES_PER_FRAME
 from . import vocoder_null
+from .check import Check
 from .evidence import Audio, Evidence, Finding, ranges
 from .policy import Policy
 
@@ -69,3 +70,9 @@ def vocoder_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> l
                      f"candidate audio leaves the reference vocoder's output on its own codes from chunk {chunk} "
                      f"(chunks {ranges(bad)}, worst log-mel distance {audio.chunks.logmel[bad].max():.3g}{beyond})",
                      frame=frame, chunk=chunk, stage="vocoder")]
+
+
+VOCODER = Check("vocoder", gives=("vocoder_length", "contamination", "vocoder_defect"),
+                judge=lambda ev, ctx: vocoder_findings(ev, ctx.policy, ctx.comps, ctx.mels),
+                applies=lambda ev: ev.cross_own is not None and ev.candidate.has_codes,
+                skipped=lambda ev: "no cross-decode: vocoder stage not checked" if ev.candidate.has_codes else None)
