@@ -2,7 +2,7 @@
 
 import numpy as np
 import pytest
-from toy import toy_codes, toy_decode, toy_result
+from toy import toy_codes, toy_decode, toy_evidence, toy_result
 
 from difftest.records.report import build_report, overall
 from difftest.verdicts.classify import Evidence, classify
@@ -15,12 +15,9 @@ REF_C = toy_codes(12, 4)
 
 
 def ev(cand, control=None, cross=True, donors=True, reference=None, **kw):
-    reference = reference or toy_result("a", CODES, REF_A)
-    cross_own = toy_result("a", cand.codes, REF_A) if cross else None
     cross_donors = {"b": toy_result("a", cand.codes, REF_B), "c": toy_result("a", cand.codes, REF_C)} if donors else {}
-    return Evidence(segment_id="a", reference=reference, candidate=cand, control=control, cross_own=cross_own,
-                    cross_donors=cross_donors,
-                    peer_ref_codes={"b": REF_B, "c": REF_C}, **kw)
+    return toy_evidence(cand, codes=CODES, own=REF_A, reference=reference, cross=cross, control=control,
+                        cross_donors=cross_donors, peer_ref_codes={"b": REF_B, "c": REF_C}, **kw)
 
 
 def test_identical(policy):

@@ -7,7 +7,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import yaml
-from toy import toy_codes, toy_result
+from toy import toy_codes, toy_evidence, toy_result
 
 from difftest.compare import forced
 from difftest.errors import BadInput
@@ -40,12 +40,9 @@ def scores(ranks=None, gaps=None, settings=GREEDY, support=None, eos=None, codes
 
 
 def evidence(cand_codes=CODES, ctrl_codes=None, cand_scores=None, ctrl_scores=None, ref_codes=CODES):
-    ref = toy_result("a", ref_codes, REF)
-    cand = toy_result("a", cand_codes, REF)
     ctrl = toy_result("a", ctrl_codes, REF) if ctrl_codes is not None else None
     s = {k: v for k, v in (("candidate", cand_scores), ("control", ctrl_scores)) if v is not None}
-    return Evidence(segment_id="a", reference=ref, candidate=cand, control=ctrl,
-                    cross_own=toy_result("a", cand_codes, REF), scores=s)
+    return toy_evidence(toy_result("a", cand_codes, REF), codes=ref_codes, own=REF, control=ctrl, scores=s)
 
 
 def test_a_plausible_stream_keeps_its_code_divergence_and_says_why(policy):

@@ -2,7 +2,7 @@
 with its first serving; where it does not, the engine's output depends on what it served before."""
 
 import numpy as np
-from toy import toy_codes, toy_result
+from toy import toy_codes, toy_evidence, toy_result
 
 from difftest.verdicts.classify import Evidence, classify
 
@@ -13,9 +13,7 @@ EARLIER = toy_codes(24, 3)  # the reference codes of a segment served before the
 
 def ev(repeat, history=None):
     first = toy_result("a", CODES, OWN)
-    return Evidence(segment_id="a", reference=toy_result("a", CODES, OWN), candidate=first, control=first,
-                    cross_own=toy_result("a", CODES, OWN),
-                    history_ref_codes=history or {}, repeat=repeat)
+    return toy_evidence(first, codes=CODES, own=OWN, control=first, history_ref_codes=history or {}, repeat=repeat)
 
 
 def test_the_same_output_after_another_history_is_clean(policy):

@@ -3,7 +3,7 @@ co-batched request's length (vLLM-Omni's no-async hand-off, docs/handoff-probe.m
 
 import numpy as np
 import pytest
-from toy import toy_codes, toy_decode, toy_result
+from toy import toy_codes, toy_decode, toy_evidence, toy_result
 
 from difftest.records.report import build_report, summary_lines, summary_markdown
 from difftest.verdicts.classify import Evidence, classify
@@ -19,12 +19,10 @@ def grown(ref, n):  # the hand-off's concatenated copies, trimmed to n frames
 
 def ev(used, own=OWN, peers=PEERS, control=True, cross=True, donors=True):
     """Segment a at concurrency N handed `used` as reference codes; its own are `own`."""
-    cand = toy_result("a", CODES, used)
     ctrl = toy_result("a", CODES, own) if control else None
-    cross_own = toy_result("a", CODES, own) if cross else None
     cross_donors = {p: toy_result("a", CODES, rc) for p, rc in peers.items() if len(rc)} if donors else {}
-    return Evidence(segment_id="a", reference=toy_result("a", CODES, own), candidate=cand, control=ctrl,
-                    cross_own=cross_own, cross_donors=cross_donors, peer_ref_codes=dict(peers))
+    return toy_evidence(toy_result("a", CODES, used), codes=CODES, own=own, cross=cross, control=ctrl,
+                        cross_donors=cross_donors, peer_ref_codes=dict(peers))
 
 
 def test_cut_to_a_peers_length_names_it(policy):

@@ -2,7 +2,7 @@
 delivered. Each case is a hand-off bug from vLLM-Omni's history, in the toy engine's terms."""
 
 import numpy as np
-from toy import toy_codes, toy_result
+from toy import toy_codes, toy_evidence, toy_result
 
 from difftest.verdicts.classify import Evidence, classify
 
@@ -22,11 +22,10 @@ def ev(handed_ref, handed_codes=CODES, stage=None, control=None, peers=None, his
     """Segment a at concurrency N: its talker saw `stage` (default: prompted with OWN); the vocoder
     got `handed_ref` + `handed_codes` and made audio of it. qwen-tts's encoder gave `encoder`."""
     cand = toy_result("a", handed_codes, handed_ref, extra=talker(OWN) if stage is None else stage)
-    cross_own = toy_result("a", handed_codes, OWN)  # the reference vocoder with the talker's own reference
-    return Evidence(segment_id="a", reference=toy_result("a", CODES, encoder), candidate=cand, control=control,
-                    cross_own=cross_own, cross_donors={},
-                    peer_ref_codes=peers if peers is not None else {"b": OTHER}, history_ref_codes=history or {},
-                    peer_tokens=peer_tokens or {})
+    # the cross-decode: the reference vocoder with the talker's own reference
+    return toy_evidence(cand, codes=CODES, own=OWN, reference=toy_result("a", CODES, encoder), control=control,
+                        peer_ref_codes=peers if peers is not None else {"b": OTHER}, history_ref_codes=history or {},
+                        peer_tokens=peer_tokens or {})
 
 
 def test_a_clean_handoff_passes_the_stage_checks(policy):
@@ -81,9 +80,7 @@ def preempted(handed_codes, at, tokens=None, control_tokens=None):
     cand = toy_result("a", handed_codes, OWN, extra=talker(OWN, tokens=tokens), meta={"preempted_at": [at]})
     control = (toy_result("a", CODES, OWN, extra=talker(OWN, tokens=control_tokens))
                if control_tokens is not None else None)
-    return Evidence(segment_id="a", reference=toy_result("a", CODES, OWN), candidate=cand, control=control,
-                    cross_own=toy_result("a", handed_codes, OWN), cross_donors={},
-                    peer_ref_codes={"b": OTHER}, history_ref_codes={}, peer_tokens={})
+    return toy_evidence(cand, codes=CODES, own=OWN, control=control, peer_ref_codes={"b": OTHER})
 
 
 def test_the_frame_lost_at_a_resume_is_the_talkers_not_the_handoffs(policy):

@@ -4,7 +4,7 @@ its donor, and a clean input passes. In the toy engine's terms (numpy only)."""
 
 import numpy as np
 import pytest
-from toy import toy_codes, toy_result
+from toy import toy_codes, toy_evidence, toy_result
 
 from difftest.engines import capture
 from difftest.verdicts.classify import Evidence, classify
@@ -35,9 +35,8 @@ def ev(mine, control=None, others=None, peers=("b",), theirs=None):
     ref = toy_result("a", CODES, OWN, extra=inputs() if theirs is None else theirs)
     cand = toy_result("a", CODES, OWN, extra={**talker(), **mine})
     ctrl = None if control is None else toy_result("a", CODES, OWN, extra={**talker(), **control})
-    return Evidence(segment_id="a", reference=ref, candidate=cand, control=ctrl,
-                    cross_own=toy_result("a", CODES, OWN), cross_donors={}, peer_ref_codes={p: OWN for p in peers},
-                    other_inputs=others or {})
+    return toy_evidence(cand, codes=CODES, own=OWN, reference=ref, control=ctrl,
+                        peer_ref_codes={p: OWN for p in peers}, other_inputs=others or {})
 
 
 def test_the_same_input_passes_and_says_it_was_compared(policy):

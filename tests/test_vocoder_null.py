@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
-from toy import toy_codes, toy_decode, toy_result
+from toy import toy_codes, toy_decode, toy_evidence, toy_result
 
 from difftest.errors import InfraError
 from difftest.verdicts import vocoder_null
@@ -25,9 +25,8 @@ def noise(seed: int, level: float = LEVEL) -> np.ndarray:
 def ev(cand_wav, null_wav=None, dtype="bfloat16"):
     cand = toy_result("a", CODES, OWN, wav=np.asarray(cand_wav, np.float32))
     null = None if null_wav is None else toy_result("a", CODES, OWN, wav=np.asarray(null_wav, np.float32))
-    return Evidence(segment_id="a", reference=toy_result("a", CODES, OWN), candidate=cand, control=cand,
-                    cross_own=toy_result("a", CODES, OWN),
-                    vocoder_null=null, vocoder_dtype=dtype if null is not None else None)
+    return toy_evidence(cand, codes=CODES, own=OWN, control=cand, vocoder_null=null,
+                        vocoder_dtype=dtype if null is not None else None)
 
 
 def test_a_vocoder_as_far_from_float32_as_qwen_tts_in_its_dtype_passes(policy):
