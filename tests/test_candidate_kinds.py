@@ -38,8 +38,11 @@ def test_the_matrix_refuses_a_kind_without_a_deploy_file_by_what_it_is():
 
 def test_no_command_compares_a_kinds_name_outside_its_record():
     # a spec's kind compared (spec.kind == ..., CandidateSpec.parse(...).kind in (...)), or a kind's name
+    # (args.recipe == "cpu-engine"; a package named vllm-omni is no kind)
+    names = "|".join(re.escape(k) for k in KINDS)
     compare = re.compile(r"(\bspec|CandidateSpec\.parse\(.*\))\.kind\s*(==|!=|\bin\b|\bnot in\b)"
-                         r"|(==|!=|\bin \()\s*(CPU_ENGINE|VLLM_OMNI|VLLM_OMNI_OFFLINE|URL)\b")
+                         r"|(==|!=|\bin \()\s*(CPU_ENGINE|VLLM_OMNI|VLLM_OMNI_OFFLINE|URL)\b"
+                         rf"|(kind|recipe|candidate)\w*\)?\s*(==|!=|\bin \()\s*[\"']({names})[\"']")
     found = [f"{p.relative_to(REPO)}:{i}: {line.strip()}"
              for p in sorted((REPO / "difftest").rglob("*.py")) if p != HOME
              for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1) if compare.search(line)]
@@ -73,3 +76,17 @@ def test_the_commands_treat_each_kind_by_what_it_is(tmp_path):
     with pytest.raises(BadInput, match="one batch with its voices inline"):
         run(smoke, CandidateSpec.parse("vllm-omni-offline"), tmp_path / "o", load_policy(),
             RunOptions(pattern="pool", store=tmp_path / "s"))
+
+
+def test_bisect_builds_each_kind_it_can_by_the_kinds_name():
+    from types import SimpleNamespace
+
+    from difftest.bisect.builds import RECIPES
+    from difftest.bisect.cli import _setup
+
+    assert set(RECIPES) == {VLLM_OMNI, CPU_ENGINE} and all(r.name == k for k, r in RECIPES.items())
+    with pytest.raises(BadInput, match=r"--recipe 'cpu_engine': no such recipe \(known: vllm-omni, cpu-engine\)"):
+        _setup(SimpleNamespace(suite=str(REPO / "cases" / "suites" / "smoke.yaml"), policy=None, concurrency=1,
+                               bad_on=None, pattern="pool", order="suite", voices="inline", store=".",
+                               reference_model=None, reference_python=None, device="cpu", dtype="float32",
+                               repeats=1, agree=None, pip_args=None, recipe="cpu_engine"))

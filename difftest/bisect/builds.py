@@ -55,6 +55,7 @@ from pathlib import Path
 
 from ..cache import Cache
 from ..engines.base import Engine
+from ..engines.engine_args import parse as parse_engine_args
 from ..engines.reference import reference_python
 from ..engines.start import CPU_ENGINE, VLLM_OMNI, CandidateSpec, Setup, start_candidate
 from ..errors import BadInput, InfraError
@@ -339,11 +340,16 @@ class Recipe:
     def launcher(self, build: Build, ctx: LaunchContext) -> Launcher:
         raise NotImplementedError
 
+    @classmethod
+    def from_args(cls, args, pip_args) -> Recipe:
+        """The recipe `difftest bisect|probe --recipe NAME` asks for, from its arguments."""
+        raise NotImplementedError
+
 
 class CpuEngineRecipe(Recipe):
     """The CPU test engine (not vLLM-Omni), planting the defect the commit's package declares."""
 
-    name = "cpu-engine"
+    name = CPU_ENGINE
     module = "fakeomni"
 
     def __init__(self, base_python, declared_by: str = "fakeomni:planted_defect", engine_args=(), **kw):
@@ -359,6 +365,12 @@ class CpuEngineRecipe(Recipe):
 
     def launcher(self, build, ctx):
         return CpuEngineLauncher(build, ctx, self)
+
+    @classmethod
+    def from_args(cls, args, pip_args) -> Recipe:
+        base = args.base_python or str(reference_python(args.reference_python))
+        kw = {"module": args.module} if args.module else {}
+        return cls(base, declared_by=args.declared_by, engine_args=args.cpu_engine_arg, pip_args=pip_args, **kw)
 
 
 _DECLARED = ("import importlib, json, sys; m, f = sys.argv[1].split(':'); "
@@ -398,7 +410,7 @@ class CpuEngineLauncher(Launcher):
 class VllmOmniRecipe(Recipe):
     """A vLLM-Omni source checkout, editable over a vLLM-Omni base environment, served by `vllm serve --omni`."""
 
-    name = "vllm-omni"
+    name = VLLM_OMNI
     module = "vllm_omni"
 
     def __init__(self, base_python, device: str = "cuda", options: dict | None = None, **kw):
@@ -410,6 +422,20 @@ class VllmOmniRecipe(Recipe):
 
     def launcher(self, build, ctx):
         return VllmOmniLauncher(build, ctx, self)
+
+    @classmethod
+    def from_args(cls, args, pip_args) -> Recipe:
+        if args.base_python:
+            base = args.base_python
+        else:
+            from ..engines.vllm_omni import omni_python
+
+            base = str(omni_python())
+        top, stages = parse_engine_args(args.engine_arg)
+        options = {**({"stage_overrides": stages, "deploy_overrides": top} if top or stages else {}),
+                   **dict(args.omni_option)}
+        return cls(base, device=args.omni_device, options=options, pip_args=pip_args,
+                   **({"module": args.module} if args.module else {}))
 
 
 class VllmOmniLauncher(Launcher):
@@ -437,5 +463,5 @@ class VllmOmniLauncher(Launcher):
         return self.started
 
 
-RECIPES = {"vllm-omni": VllmOmniRecipe, "cpu-engine": CpuEngineRecipe}
+RECIPES = {r.name: r for r in (VllmOmniRecipe, CpuEngineRecipe)}  # by the candidate kind each builds
 

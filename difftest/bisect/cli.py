@@ -41,7 +41,7 @@ def _common(p: argparse.ArgumentParser) -> None:
                                     "(default: difftest's cache, $DIFFTEST_CACHE or .cache/difftest; "
                                     "see `difftest cache list`)")
     g = p.add_argument_group("how a commit becomes a candidate")
-    g.add_argument("--recipe", choices=("vllm-omni", "cpu-engine"), default="vllm-omni",
+    g.add_argument("--recipe", default="vllm-omni",
                    help="vllm-omni: a vLLM-Omni source checkout served by `vllm serve --omni`; cpu-engine: the CPU "
                         "test engine (not vLLM-Omni) planting the defect the checked-out package declares")
     g.add_argument("--base-python", help="the shared base environment's interpreter; each commit's venv overlays it "
@@ -87,11 +87,11 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _setup(args):
     """(prober, identity, suite, tracking) from the arguments."""
-    from ..engines.reference import ReferenceOptions, reference_python
+    from ..engines.reference import ReferenceOptions
     from ..run import RunOptions
     from ..suites.suite import load_suite
     from ..verdicts.policy import VERDICTS, load_policy
-    from .builds import DEFAULT_PIP_ARGS, CpuEngineRecipe, VllmOmniRecipe
+    from .builds import DEFAULT_PIP_ARGS, RECIPES
     from .probe import Prober, ProbeSettings
     from .session import Tracking
 
@@ -111,25 +111,9 @@ def _setup(args):
                                                  device=args.device, dtype=args.dtype))
     settings = ProbeSettings(suite, policy, opts, repeats=args.repeats, agree=args.agree, bad_on=bad_on)
     pip_args = shlex.split(args.pip_args) if args.pip_args is not None else DEFAULT_PIP_ARGS
-    if args.recipe == "cpu-engine":
-        base = args.base_python or str(reference_python(args.reference_python))
-        kw = {"module": args.module} if args.module else {}
-        recipe = CpuEngineRecipe(base, declared_by=args.declared_by, engine_args=args.cpu_engine_arg, pip_args=pip_args,
-                                 **kw)
-    else:
-        if args.base_python:
-            base = args.base_python
-        else:
-            from ..engines.vllm_omni import omni_python
-
-            base = str(omni_python())
-        from ..engines.engine_args import parse
-
-        top, stages = parse(args.engine_arg)
-        options = {**({"stage_overrides": stages, "deploy_overrides": top} if top or stages else {}),
-                   **dict(args.omni_option)}
-        recipe = VllmOmniRecipe(base, device=args.omni_device, options=options,
-                                pip_args=pip_args, **({"module": args.module} if args.module else {}))
+    if args.recipe not in RECIPES:  # checked here, not by argparse: the recipes' module is slow to import
+        raise BadInput(f"--recipe {args.recipe!r}: no such recipe (known: {', '.join(RECIPES)})")
+    recipe = RECIPES[args.recipe].from_args(args, pip_args)
     out = Path(args.out)
     builds = Path(args.builds) if args.builds else None
     prober = Prober(args.repo, recipe, settings, builds, out)
