@@ -23,8 +23,9 @@ sys.path.insert(0, str(ROOT))
 
 from difftest.engines.reference import ReferenceEngine, ReferenceOptions, reference_python, tiny_checkpoints  # noqa: E402
 from difftest.engines.scorer import Scorer  # noqa: E402
+from difftest.pipeline.scoring import score_streams  # noqa: E402
+from difftest.pipeline.starting import start_reference_runner  # noqa: E402
 from difftest.progress import Progress  # noqa: E402
-from difftest.run import score_streams, start_reference_runner  # noqa: E402
 from difftest.suites.suite import load_suite  # noqa: E402
 from difftest.verdicts.null import batch_groups  # noqa: E402
 

@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT))
 from difftest.engines import vllm_omni as vo  # noqa: E402
 from difftest.engines.reference import reference_python  # noqa: E402
 from difftest.engines.start import CPU_ENGINE, CandidateSpec  # noqa: E402
-from difftest.run import RunOptions, resolve_models, run  # noqa: E402
+from difftest.pipeline.starting import resolve_models  # noqa: E402
+from difftest.run import RunOptions, run  # noqa: E402
 from difftest.suites.suite import load_suite  # noqa: E402
 from difftest.verdicts.numerics import compare  # noqa: E402
 from difftest.verdicts.policy import load_policy  # noqa: E402

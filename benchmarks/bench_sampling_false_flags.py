@@ -32,7 +32,8 @@ sys.path.insert(0, str(REPO))
 def main(argv=None) -> int:
     from difftest.engines.reference import ReferenceOptions, reference_python
     from difftest.engines.start import CandidateSpec, Setup, start_candidate
-    from difftest.run import RunOptions, resolve_models, run, start_reference_runner
+    from difftest.pipeline.starting import resolve_models, start_reference_runner
+    from difftest.run import RunOptions, run
     from difftest.suites.suite import content_hash, load_suite
     from difftest.verdicts.policy import load_policy
 

@@ -24,8 +24,9 @@ sys.path.insert(0, str(ROOT))
 
 from difftest.engines import vllm_omni as vo  # noqa: E402
 from difftest.engines.reference import reference_python  # noqa: E402
+from difftest.pipeline.starting import resolve_models  # noqa: E402
 from difftest.process.launcher import ServerProcess, free_port  # noqa: E402
-from difftest.run import RunOptions, resolve_models  # noqa: E402
+from difftest.run import RunOptions  # noqa: E402
 from difftest.suites.suite import load_suite  # noqa: E402
 
 TASKS = {"voice_clone", "custom_voice", "voice_design"}

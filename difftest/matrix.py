@@ -27,9 +27,10 @@ from .engines.engine_args import check, parse
 from .engines.reference import ReferenceOptions, reference_python
 from .engines.start import DEPLOY_FILE_KINDS, CandidateSpec
 from .errors import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput, DifftestError
+from .pipeline.starting import resolve_models, start_reference_runner
 from .records.report import print_summary
 from .results import atomic_write
-from .run import resolve_models, run, start_reference_runner
+from .run import run
 
 FORMAT = "difftest.matrix/1"
 MAX_CELLS = 16

@@ -57,7 +57,8 @@ def difftest_store(request, tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def difftest_reference(difftest_store, tmp_path_factory):
     from difftest.engines.reference import ReferenceOptions, reference_python
-    from difftest.run import RunOptions, resolve_models, start_reference_runner
+    from difftest.pipeline.starting import resolve_models, start_reference_runner
+    from difftest.run import RunOptions
 
     runners: dict[tuple, object] = {}
     logs = tmp_path_factory.mktemp("difftest-runner-logs")

@@ -22,8 +22,9 @@ import numpy as np
 from .engines.reference import ReferenceOptions, reference_python
 from .engines.start import Setup, start_cpu_engines
 from .errors import BadInput
+from .pipeline.starting import resolve_models, start_reference_runner
 from .results import atomic_write, load_result_set
-from .run import RunOptions, resolve_models, run, start_reference_runner
+from .run import RunOptions, run
 from .suites.suite import Suite, content_hash
 from .suites.voices import reference_frames
 from .verdicts.policy import Policy

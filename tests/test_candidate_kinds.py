@@ -54,8 +54,9 @@ def test_the_commands_treat_each_kind_by_what_it_is(tmp_path):
     from contextlib import ExitStack
     from types import SimpleNamespace
 
+    from difftest.pipeline.starting import start_ray_candidate
     from difftest.repro.probe import Live, opts_for
-    from difftest.run import RunOptions, run, start_ray_candidate
+    from difftest.run import RunOptions, run
     from difftest.suites.suite import load_suite
     from difftest.verdicts.policy import load_policy
 

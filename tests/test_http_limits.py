@@ -69,7 +69,7 @@ def test_the_request_timeout_flag_ends_the_run_as_infrastructure(suite, tmp_path
     pass itself)."""
     import difftest.run_cli as run_cli
     from difftest import cli
-    from difftest.run import _candidate_at
+    from difftest.pipeline.passes import candidate_at as _candidate_at
 
     def candidate_only(suite, spec, out, policy, opts):
         assert opts.request_timeout == 2.0

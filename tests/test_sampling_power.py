@@ -268,7 +268,7 @@ def test_the_temperature_interval_narrower_than_a_grid_step_holds_its_estimate()
 def test_sampled_segments_sharing_a_seed_are_warned_of():
     from pathlib import Path
 
-    from difftest.run import shared_seeds
+    from difftest.pipeline.scoring import shared_seeds
     from difftest.suites.suite import load_suite
 
     cases = Path(__file__).resolve().parents[1] / "cases" / "suites"

@@ -109,11 +109,11 @@ def test_batches_are_the_ones_the_engine_ran():
 def test_an_engine_started_by_a_request_is_counted_once_as_the_start():
     """The runner starts a checkpoint type's engine at its first request and stamps every result it
     computes with that start: a pass counts each engine's start once, a later pass or a result
-    found cached not at all (difftest.run._engine_starts)."""
+    found cached not at all (difftest.pipeline.passes.engine_starts)."""
     from types import SimpleNamespace
 
     from difftest.engines.base import Outcome
-    from difftest.run import _engine_starts
+    from difftest.pipeline.passes import engine_starts as _engine_starts
 
     def res(ckpt, start):
         return SimpleNamespace(provenance={"checkpoint": {"path": ckpt}}, timings={"seconds": 1.0, "engine_start_s": start})

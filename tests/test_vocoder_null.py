@@ -139,7 +139,7 @@ class FakeRunner:
 
 
 def test_the_nulls_decodes_are_asked_in_its_dtype_and_kept_under_their_own_key(tmp_path):
-    from difftest.run import _Vocoder
+    from difftest.pipeline.cross import Vocoder as _Vocoder
 
     runner = FakeRunner()
     own = _Vocoder(runner, tmp_path / "out", 60, tmp_path / "store")

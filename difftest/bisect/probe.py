@@ -28,7 +28,8 @@ from pathlib import Path
 
 from ..engines.reference import ReferenceOptions, reference_python
 from ..errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_PASS, BadInput, InfraError
-from ..run import RunOptions, resolve_models, run, start_reference_runner
+from ..pipeline.starting import resolve_models, start_reference_runner
+from ..run import RunOptions, run
 from ..suites.suite import Suite
 from ..verdicts.policy import Policy
 from ..verdicts.where import where

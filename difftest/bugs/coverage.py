@@ -35,8 +35,9 @@ from ..engines.engine_args import parse
 from ..engines.reference import ReferenceOptions, reference_python
 from ..engines.start import CandidateSpec
 from ..errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput, DifftestError
+from ..pipeline.starting import resolve_models, start_reference_runner
 from ..results import atomic_write
-from ..run import RunOptions, resolve_models, run, start_reference_runner
+from ..run import RunOptions, run
 from ..suites.suite import load_suite
 from .corpus import Entry
 from .judge import judge

@@ -31,8 +31,9 @@ from pathlib import Path
 from ..engines.reference import ReferenceOptions, reference_python
 from ..engines.start import CandidateSpec
 from ..errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput, DifftestError
+from ..pipeline.starting import resolve_models, start_reference_runner
 from ..results import atomic_write
-from ..run import RunOptions, resolve_models, run, start_reference_runner
+from ..run import RunOptions, run
 from ..suites.suite import load_suite
 from ..verdicts.policy import Policy, load_policy
 from .corpus import DEFAULT_CORPUS, Entry, load_corpus

@@ -201,7 +201,7 @@ def cmd_repro(args) -> int:
     policy_src = (origin.report.get("policy") or {}).get("source")
     policy = load_policy(args.policy or (policy_src if policy_src and Path(policy_src).is_file() else None))
     opts = opts_for(origin, Path(args.store) if args.store else None)
-    from ..run import start_reference_runner
+    from ..pipeline.starting import start_reference_runner
 
     python = reference_python(opts.reference.python)
     rows = []
