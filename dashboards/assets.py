@@ -5,8 +5,8 @@ The heatmap switches views without JavaScript: a radio input per view precedes t
 `#view-X:checked ~ .heat .cell.X3` picks the colours of view X from each cell's classes.
 """
 
+from difftest.compare.chunks import TIERS
 from difftest.verdicts.catalogue import COLOURS
-from difftest.verdicts.policy import TIERS
 
 VERDICT_COLOURS = COLOURS
 RUN_COLOURS = {"pass": "#2e7d32", "fail": "#c62828", "error": "#37474f"}

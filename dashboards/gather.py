@@ -28,9 +28,9 @@ from pathlib import Path
 
 from dashboards import model
 from dashboards.media import DEFAULT_AUDIO, audio_settings, store_picture, store_segment_audio
+from difftest.compare.chunks import TIERS
 from difftest.records.segment_media import safe_name
 from difftest.records.tracking import _search_all
-from difftest.verdicts.policy import TIERS
 
 log = logging.getLogger(__name__)
 

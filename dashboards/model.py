@@ -8,8 +8,8 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 
+from difftest.compare.chunks import TIERS
 from difftest.verdicts.catalogue import CLEAN, FAILS
-from difftest.verdicts.policy import TIERS
 
 DEFAULT_FAIL_ON = FAILS  # a report without its policy's fail_on (difftest's default policy)
 # report.json `comparisons` with per-chunk audio tiers and metrics; with per-chunk code agreement

@@ -15,10 +15,11 @@ from dashboards import model
 from dashboards.assets import VERDICT_COLOURS, VIEWS
 from dashboards.html import fmt_num, fmt_pct, href
 from dashboards.media import STEP_24
+from difftest.compare.chunks import TIERS
 from difftest.records.segment_media import safe_name
 from difftest.verdicts.catalogue import BY_NAME, RANK
 from difftest.verdicts.null import counted
-from difftest.verdicts.policy import TIERS, VERDICTS
+from difftest.verdicts.policy import VERDICTS
 from difftest.verdicts.where import donor_text, where
 
 SEGMENT_ROLES = (  # audio role -> (title, what it is)

@@ -48,11 +48,11 @@ def test_quantised_audio_reaches_within_quantisation(policy):
 def test_the_log_mel_is_computed_only_where_it_can_decide_a_tier(policy, monkeypatch):
     """A chunk's log-mel matters only above close_max_abs (chunk_tiers): identical and close audio
     skip it (the common case, bench_compare), and say so; a divergence computes it."""
-    import difftest.verdicts.evidence as evidence_module
+    import difftest.compare.chunks as chunks_module
 
     calls = []
-    real = evidence_module.log_mel
-    monkeypatch.setattr(evidence_module, "log_mel", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = chunks_module.log_mel
+    monkeypatch.setattr(chunks_module, "log_mel", lambda *a, **k: calls.append(1) or real(*a, **k))
     wav = toy_decode(CODES, REF_A) + np.float32(3e-5)
     v = classify(ev(toy_result("a", CODES, REF_A, wav=wav), toy_result("a", CODES, REF_A, wav=wav)), policy)
     assert v.verdict == "numeric_drift" and calls == []

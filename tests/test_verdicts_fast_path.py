@@ -20,34 +20,36 @@ from test_compare_fast_path import (
 from toy import toy_codes, toy_decode, toy_result
 
 import difftest.compare.align as align_module
+import difftest.compare.chunks as chunks_module
 import difftest.verdicts.concurrency as concurrency_module
-import difftest.verdicts.evidence as evidence_module
 import difftest.verdicts.headline as headline_module
 import difftest.verdicts.usable as usable_module
 from difftest.compare.audio import log_mel
+from difftest.compare.chunks import chunk_tiers
 from difftest.verdicts.classify import Evidence, classify
-from difftest.verdicts.policy import chunk_tiers, load_policy
+from difftest.verdicts.policy import load_policy
 
 CODES = toy_codes(40, 1)
 REF_A, REF_B, REF_C = toy_codes(20, 2), toy_codes(15, 3), toy_codes(12, 4)
 WAV = toy_decode(CODES, REF_A)
 
 
-def full_audio_init(self, a, b, ev, policy, mels=None):
+def full_audio_init(self, a, b, thresholds, chunking, mels=None):
     """Audio as it was: the time-domain metrics, then all of them again with the log-mel where it
     can decide a tier; nothing reused but each result's log-mel."""
     mels = {} if mels is None else mels
     self.fm = full_frame_metrics(a.grid_wav, b.grid_wav, a.sample_rate, with_mel=False)
-    self.logmel_computed = bool(len(self.fm.max_abs)) and float(self.fm.max_abs.max()) > policy.close_max_abs
+    self.logmel_computed = bool(len(self.fm.max_abs)) and float(self.fm.max_abs.max()) > thresholds.close_max_abs
     if self.logmel_computed:
         for r in (a, b):
             if id(r) not in mels:
                 mels[id(r)] = log_mel(r.grid_wav, r.sample_rate)
         self.fm = full_frame_metrics(a.grid_wav, b.grid_wav, a.sample_rate, mel_a=mels[id(a)], mel_b=mels[id(b)])
-    self.bounds = full_chunk_frame_bounds(len(self.fm.max_abs), ev.initial_frames, ev.chunk_frames)
+    self.bounds = full_chunk_frame_bounds(len(self.fm.max_abs), *chunking)
     self.chunks = full_reduce_frames(self.fm, self.bounds)
     self.quantised = a.quantised or b.quantised
-    self.tiers = chunk_tiers(self.chunks, policy, self.quantised)
+    self.thresholds = thresholds
+    self.tiers = chunk_tiers(self.chunks, thresholds, self.quantised)
     self.len_a, self.len_b = len(a.grid_wav), len(b.grid_wav)
 
 
@@ -55,7 +57,7 @@ def judged(ev: Evidence, policy, full: bool = False) -> str:
     """The segment's report entry as JSON text (floats as their shortest exact repr)."""
     with pytest.MonkeyPatch.context() as mp:
         if full:
-            mp.setattr(evidence_module.Audio, "__init__", full_audio_init)
+            mp.setattr(chunks_module.Audio, "__init__", full_audio_init)
             mp.setattr(usable_module, "non_finite", full_non_finite)
             mp.setattr(headline_module, "diff_codes", full_diff_codes)
             mp.setattr(concurrency_module, "diff_codes", full_diff_codes)
@@ -144,8 +146,8 @@ def test_equal_audio_is_compared_once_per_segment(policy, monkeypatch):
     """Reference, candidate at N and at 1, its repeat and the cross-decode all equal (read from five
     files): one comparison made, the other three reuse it."""
     made = []
-    real = evidence_module.frame_metrics
-    monkeypatch.setattr(evidence_module, "frame_metrics", lambda *a, **k: made.append(1) or real(*a, **k))
+    real = chunks_module.frame_metrics
+    monkeypatch.setattr(chunks_module, "frame_metrics", lambda *a, **k: made.append(1) or real(*a, **k))
     v = classify(SCENARIOS["identical"](), policy)
     assert v.verdict == "identical" and len(made) == 1
     assert {k: v.comparisons[k]["worst_tier"] for k in ("audio", "concurrency", "vocoder", "repeat")} == dict.fromkeys(

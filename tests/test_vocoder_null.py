@@ -10,8 +10,8 @@ from toy import toy_codes, toy_decode, toy_evidence, toy_result
 
 from difftest.errors import InfraError
 from difftest.verdicts import vocoder_null
-from difftest.verdicts.classify import Evidence, classify
-from difftest.verdicts.evidence import Audio
+from difftest.verdicts.classify import classify
+from difftest.verdicts.evidence import compared
 
 CODES, OWN = toy_codes(60, 1), toy_codes(20, 2)
 FP32 = toy_decode(CODES, OWN)
@@ -99,11 +99,11 @@ def test_the_margin_is_the_policys(policy):
 
 def test_excused_needs_the_same_chunks_on_both_sides(policy):
     e = ev(FP32 + noise(1), FP32 + noise(2))
-    cand = Audio(e.cross_own, e.candidate, e, policy)
+    cand = compared(e.cross_own, e.candidate, e, policy)
     short = toy_result("a", CODES[:30], OWN, wav=(FP32 + noise(2))[:30 * 1920])
-    null = Audio(toy_result("a", CODES[:30], OWN, wav=FP32[:30 * 1920]), short, e, policy)
+    null = compared(toy_result("a", CODES[:30], OWN, wav=FP32[:30 * 1920]), short, e, policy)
     assert not vocoder_null.excused(cand, null, 2.0).any()
-    same = Audio(e.cross_own, e.vocoder_null, e, policy)
+    same = compared(e.cross_own, e.vocoder_null, e, policy)
     assert vocoder_null.excused(cand, same, 2.0).all() and not vocoder_null.excused(cand, same, 0.5).any()
 
 

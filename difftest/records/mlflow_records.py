@@ -39,8 +39,8 @@ import math
 import re
 
 from ..compare.audio import SNR_CAP_DB
+from ..compare.chunks import TIERS
 from ..verdicts.catalogue import CLEAN, VERDICTS
-from ..verdicts.policy import TIERS
 
 MAX_METRICS_PER_BATCH = 1000  # mlflow/utils/validation.py
 MAX_PARAMS_TAGS_PER_BATCH = 100

@@ -7,13 +7,14 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..compare import forced, own_margins
+from ..compare.chunks import TIERS
 from ..compare.codes import diff_codes
 from ..compare.forced import ForcedPolicy
 from ..family import SAMPLES_PER_FRAME
 from . import null as measured_null
 from .check import Check
-from .evidence import Audio, Evidence, Finding, chunk_of, code_json
-from .policy import TIERS, Policy
+from .evidence import Evidence, Finding, chunk_of, code_json, compared
+from .policy import Policy
 from .talker import measured_lines
 
 
@@ -43,13 +44,13 @@ def concurrency_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict, 
                                 + (f": not a near-tie ({why})" if why else ""),
                                 frame=f, chunk=chunk, stage="talker"))
             return out
-    audio = Audio(ctrl, cand, ev, policy, mels)
+    audio = compared(ctrl, cand, ev, policy, mels)
     comps[key] = audio.to_json()
     if audio.length_gap:
         out.append(Finding(kind, f"audio {later} has {audio.len_b} samples, {first} {audio.len_a}",
                             frame=min(audio.len_a, audio.len_b) // SAMPLES_PER_FRAME, stage="vocoder"))
         return out
-    frame, chunk = audio.first_bad(policy.tier_index("concurrency"), policy)
+    frame, chunk = audio.first_bad(policy.tier_index("concurrency"))
     if chunk is not None:
         stage = "vocoder" if cand.has_codes and ctrl.has_codes else None
         out.append(Finding(kind, f"audio {later} leaves {first}'s from chunk {chunk} "

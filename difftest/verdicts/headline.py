@@ -4,12 +4,13 @@ else was found, whether the segment is identical or drifts within what the numer
 
 from __future__ import annotations
 
+from ..compare.chunks import TIERS
 from ..compare.codes import diff_codes
 from ..family import SAMPLES_PER_FRAME
 from .check import Check
 from .encoder import encoder_finding
-from .evidence import Audio, Evidence, Finding, chunk_of, code_json, same, talker_stage
-from .policy import TIERS, Policy
+from .evidence import Evidence, Finding, chunk_of, code_json, compared, same, talker_stage
+from .policy import Policy
 from .vocoder import null_excused
 
 
@@ -40,7 +41,7 @@ def headline_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> 
                                 frame=f, chunk=chunk_of(f, max(d.len_a, d.len_b), ev), stage="talker"))
         if out:
             return out
-    audio = Audio(ref, cand, ev, policy, mels)
+    audio = compared(ref, cand, ev, policy, mels)
     comps["audio"] = audio.to_json()
     if audio.length_gap:
         out.append(Finding("length_mismatch",
@@ -51,7 +52,7 @@ def headline_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> 
     allowed = policy.tier_index("drift")
     # the same codes through a vocoder in another dtype: allowed what qwen-tts's own vocoder in it moves
     excused = null_excused(ev, audio, ref, policy, {}, mels) if codes_known else None
-    frame, chunk = audio.first_bad(allowed, policy, excused)
+    frame, chunk = audio.first_bad(allowed, excused)
     if chunk is not None:
         if codes_known:
             out.append(Finding("vocoder_defect",

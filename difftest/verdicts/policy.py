@@ -8,11 +8,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import yaml
 
 from .. import yamlfile
-from ..compare.audio import ChunkMetrics
+from ..compare.chunks import TIERS, Thresholds
 from ..compare.forced import ForcedPolicy
 from ..errors import BadInput
 from .catalogue import FAILS, VERDICTS
@@ -21,7 +20,6 @@ from .numerics import NumericsPolicy
 
 DEFAULT_POLICY = Path(__file__).with_name("default_policy.yaml")
 
-TIERS = ("identical", "within_quantisation", "close", "diverged")
 RUN_VERDICTS = ("pass", "fail", "error")  # a report's overall verdict
 
 
@@ -50,6 +48,10 @@ class Policy:
     # the talker's assembled prompt in bf16 against qwen-tts's float32 one: per row, max |diff| over the row's
     # largest |value| at most this (difftest/verdicts/talker_prompt.py; the same dtype: exact)
     prompt_bf16_max_rel: float = 0.05
+
+    @property
+    def thresholds(self) -> Thresholds:
+        return Thresholds(self.quantisation_max_abs, self.close_max_abs, self.close_snr_db, self.close_logmel)
 
     def tier_index(self, comparison: str) -> int:
         return TIERS.index(self.require[comparison])
@@ -284,20 +286,3 @@ def load_policy(path: str | Path | None = None) -> Policy:
                   ratio, frozenset(fail_on), str(path), frozenset(run_verdicts), known_fail,
                   forced, agreement, null, numerics, num("vocoder_null.margin", Policy.vocoder_null_margin),
                   num("talker_input.prompt_bf16_max_rel", Policy.prompt_bf16_max_rel))
-
-
-def chunk_tiers(m: ChunkMetrics, policy: Policy, quantised: bool = False) -> np.ndarray:
-    """Tier index per chunk (0 identical .. 3 diverged).
-
-    When either side went through 16-bit PCM, a difference that quantisation
-    alone explains is within_quantisation: the best tier such audio can reach
-    against float audio. Between two float signals there is no such tier.
-    """
-    tiers = np.full(len(m.max_abs), 3, dtype=np.int64)
-    close = (m.max_abs <= policy.close_max_abs) | (
-        (m.snr_db >= policy.close_snr_db) & (m.logmel <= policy.close_logmel))
-    tiers[close] = 2
-    if quantised:
-        tiers[m.max_abs <= policy.quantisation_max_abs] = 1
-    tiers[m.max_abs == 0] = 0
-    return tiers

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..compare.chunks import Audio
 from ..family import SAMPLES_PER_FRAME
 from . import vocoder_null
 from .check import Check
-from .evidence import Audio, Evidence, Finding, ranges
+from .evidence import Evidence, Finding, compared, ranges
 from .policy import Policy
 
 
@@ -17,7 +18,7 @@ def null_excused(ev: Evidence, audio: Audio, a, policy: Policy, comps: dict, mel
     null (`a` against qwen-tts's vocoder in the candidate's dtype); None where no null was decoded."""
     if ev.vocoder_null is None:
         return None
-    null = Audio(a, ev.vocoder_null, ev, policy, mels)
+    null = compared(a, ev.vocoder_null, ev, policy, mels)
     ok = vocoder_null.excused(audio, null, policy.vocoder_null_margin)
     comps.setdefault("vocoder_null", vocoder_null.to_json(audio, null, ev.vocoder_dtype, policy.vocoder_null_margin,
                                                           ok))
@@ -26,11 +27,11 @@ def null_excused(ev: Evidence, audio: Audio, a, policy: Policy, comps: dict, mel
 
 def vocoder_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> list[Finding]:
     cand, cross = ev.candidate, ev.cross_own
-    audio = Audio(cross, cand, ev, policy, mels)
+    audio = compared(cross, cand, ev, policy, mels)
     comps["vocoder"] = audio.to_json()
     allowed = policy.tier_index("vocoder")
     excused = null_excused(ev, audio, cross, policy, comps, mels)
-    frame, chunk = audio.first_bad(allowed, policy, excused)
+    frame, chunk = audio.first_bad(allowed, excused)
     if audio.length_gap:
         frames = audio.length_gap / SAMPLES_PER_FRAME
         extra = (f"; the extra {frames:.0f} frames equal the reference codes' length: reference audio left in the output?"
@@ -48,7 +49,7 @@ def vocoder_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> l
     for peer, x in sorted(ev.cross_donors.items()):
         if len(x.grid_wav) != len(cross.grid_wav):
             continue
-        alt = Audio(x, cand, ev, policy, mels)
+        alt = compared(x, cand, ev, policy, mels)
         scores[peer] = float(alt.chunks.logmel[bad].mean())
     comps["donor_search"] = {"own_logmel": own, "peers_logmel": scores, "chunks": bad.tolist()}
     if scores:
