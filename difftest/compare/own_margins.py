@@ -31,17 +31,6 @@ class OwnTopK:
         return r, float(self.logprobs[step, 0] - self.logprobs[step, r])
 
 
-def of(extra: dict) -> OwnTopK | None:
-    """The captured top-k of a result's extra arrays; None where the capture had none."""
-    if extra.get("talker_topk_ids") is None or extra.get("talker_tokens") is None:
-        return None
-    ids = np.asarray(extra["talker_topk_ids"], np.int64)
-    if ids.ndim != 2 or not len(ids):
-        return None
-    return OwnTopK(ids, np.asarray(extra["talker_topk_logprobs"], np.float32),
-                   np.asarray(extra["talker_tokens"], np.int64).reshape(-1))
-
-
 def consistency(own: OwnTopK, codes: np.ndarray, greedy: bool) -> str | None:
     """Why these margins cannot be read against these codes (None: they can): each frame's
     codebook-0 code must be the token of its step, and under greedy decoding each token the top-1."""

@@ -41,13 +41,13 @@ def compare_result_sets(reference_dir, candidate_dir, policy: Policy, *, control
     # Each segment's own reference codes, to recognise a co-batched request's in another's
     # capture; which requests shared a batch is unknown here, so every other segment is a peer.
     stages = {sid: t for sid, r in cands.items() if (t := talker_stage(r)) is not None}
-    own_ref = {sid: stages[sid]["ref_codes"] if sid in stages else (ctrls.get(sid) or refs[sid]).ref_codes
+    own_ref = {sid: stages[sid].ref_codes if sid in stages else (ctrls.get(sid) or refs[sid]).ref_codes
                for sid in refs}
     verdicts = []
     for sid in sorted(set(refs) | set(cands)):
         ev = Evidence(segment_id=sid, reference=refs.get(sid), candidate=cands.get(sid), control=ctrls.get(sid),
                       peer_ref_codes={p: rc for p, rc in own_ref.items() if p != sid},
-                      peer_tokens={p: t["tokens"] for p, t in stages.items() if p != sid},
+                      peer_tokens={p: t.tokens for p, t in stages.items() if p != sid},
                       other_inputs={p: i for p, r in refs.items() if p != sid and (i := inputs_of(r)) is not None},
                       initial_frames=initial_frames, chunk_frames=chunk_frames)
         if sid in refs and sid in cands and refs[sid].segment_hash != cands[sid].segment_hash:

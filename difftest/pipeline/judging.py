@@ -31,7 +31,7 @@ def judge_segments(suite: Suite, ref_run, cand, ctrl, vocoder: Vocoder, policy: 
     def own_ref(sid):
         talker = talker_stage(cand.results.get(sid))
         if talker is not None:
-            return talker["ref_codes"]
+            return talker.ref_codes
         c = ctrl.results.get(sid)
         if c is not None and c.has_codes:
             return c.ref_codes
@@ -73,7 +73,7 @@ def judge_segments(suite: Suite, ref_run, cand, ctrl, vocoder: Vocoder, policy: 
             control=ctrl.results.get(sid), cross_own=x, cross_donors=donors or {},
             peer_ref_codes={p: own_ref(p) for p in peers},
             history_ref_codes={p: own_ref(p) for p in cand.results if p != sid and talker_stage(cand.results[p])},
-            peer_tokens={p: t["tokens"] for p in peers if (t := talker_stage(cand.results.get(p)))},
+            peer_tokens={p: t.tokens for p in peers if (t := talker_stage(cand.results.get(p)))},
             errors=errors, initial_frames=suite.chunks["initial_frames"], chunk_frames=suite.chunks["frames"],
             repeat=again.results.get(sid) if again is not None else None,
             scores={role: got[sid] for role, got in score_ok.items() if sid in got},

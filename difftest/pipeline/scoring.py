@@ -18,7 +18,7 @@ def _conditioning(seg, r: Result) -> np.ndarray | None:
     if seg.task != "voice_clone" or seg.voice is None or seg.voice.mode != "icl":
         return None
     talker = talker_stage(r)
-    rc = talker["ref_codes"] if talker is not None else r.ref_codes
+    rc = talker.ref_codes if talker is not None else r.ref_codes
     return rc if len(rc) else None
 
 

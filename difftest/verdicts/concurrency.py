@@ -10,6 +10,7 @@ from ..compare import forced, own_margins
 from ..compare.chunks import TIERS
 from ..compare.codes import diff_codes
 from ..compare.forced import ForcedPolicy
+from ..engines.captured import captured
 from ..family import SAMPLES_PER_FRAME
 from . import null as measured_null
 from .check import Check
@@ -100,7 +101,7 @@ def _near_tie(ev: Evidence, policy: Policy, comps: dict) -> str | None:
 def _own_near_tie(ev: Evidence, p: ForcedPolicy, at: tuple[int, int], detail: dict) -> bool:
     """The flip under the candidate's own logits, where both runs captured them (codebook 0 only):
     a near-tie for qwen-tts must be one for the candidate too. Recorded in detail["candidate_own"]."""
-    own_1, own_n = own_margins.of(ev.control.extra), own_margins.of(ev.candidate.extra)
+    own_1, own_n = captured(ev.control).own_topk, captured(ev.candidate).own_topk
     if own_1 is None or own_n is None:
         detail["candidate_own"] = "not captured"
         return True

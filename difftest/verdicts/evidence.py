@@ -9,7 +9,8 @@ import numpy as np
 
 from ..compare import align
 from ..compare.chunks import Audio
-from ..family import CODEBOOKS, FAMILY
+from ..engines.captured import TalkerStage, captured
+from ..family import FAMILY
 from ..results import Result
 from .policy import Policy
 
@@ -109,14 +110,9 @@ def chunk_of(frame, n_frames, ev) -> int | None:
     return align.chunk_of_frame(frame, bounds)
 
 
-def talker_stage(r: Result | None) -> dict | None:
+def talker_stage(r: Result | None) -> TalkerStage | None:
     """The talker side of a candidate's capture (capture schema v2), or None where not captured."""
-    if r is None or "talker_tokens" not in r.extra:
-        return None
-    prompt = [int(x) for x in np.asarray(r.extra["talker_prompt"]).reshape(-1)]
-    return {"ref_codes": np.asarray(r.extra["talker_ref_codes"], np.int64).reshape(-1, CODEBOOKS),
-            "tokens": np.asarray(r.extra["talker_tokens"], np.int64).reshape(-1),
-            "reserved": prompt[0], "built": prompt[1], "ref_code_len": prompt[2]}
+    return captured(r).talker
 
 
 def ranges(idx) -> str:

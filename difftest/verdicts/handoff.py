@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..engines.captured import TalkerStage
 from .check import Check, Context
 from .evidence import Evidence, Finding, chunk_of, ranges, same, talker_stage
 
@@ -57,7 +58,7 @@ def handoff_findings(ev: Evidence, comps: dict, notes: list, voc: list) -> list[
     cand = ev.candidate
     talker = talker_stage(cand)
     if talker is not None:
-        own, own_from = talker["ref_codes"], "talker"
+        own, own_from = talker.ref_codes, "talker"
     else:
         own_src = ev.control if ev.control is not None and ev.control.has_codes else ev.reference
         own, own_from = own_src.ref_codes, ("control" if own_src is ev.control else "reference")
@@ -160,13 +161,13 @@ def resume_summary(lost: list[int], altered: list[int], preempted_at: list[int],
             f"whose code predictor makes its codebooks 1-15 (the scheduler's record, capture `talker_preemptions`)")
 
 
-def resume_history(tokens: np.ndarray, control: dict | None, preempted_at: list[int]) -> str:
+def resume_history(tokens: np.ndarray, control: TalkerStage | None, preempted_at: list[int]) -> str:
     """Where a preempted request's talker tokens leave its own at concurrency 1 (greedy, served
     alone, never preempted): "" unless every token before the first preemption is the same and they
     part at or after it, the first token sampled from the resumed KV."""
     if control is None or not preempted_at:
         return ""
-    k, own = min(int(x) for x in preempted_at), control["tokens"]
+    k, own = min(int(x) for x in preempted_at), control.tokens
     n = min(len(own), len(tokens))
     diff = np.flatnonzero(own[:n] != tokens[:n])
     if not len(diff) or diff[0] < k:
@@ -184,12 +185,12 @@ def stage_findings(ev: Evidence, comps: dict) -> list[Finding]:
     if talker is None:
         return []
     out, resumed = [], False
-    tokens = talker["tokens"]
+    tokens = talker.tokens
     made = tokens[:-1] if len(tokens) else tokens  # the last sampled token (EOS, or the cap's) never becomes a frame
     got = cand.codes[:, 0]
     comps["talker_stage"] = {"talker_frames": len(made), "handed_frames": len(got),
-                             "prompt_reserved": talker["reserved"], "prompt_built": talker["built"],
-                             "ref_code_len": talker["ref_code_len"], "talker_ref_frames": len(talker["ref_codes"])}
+                             "prompt_reserved": talker.reserved, "prompt_built": talker.built,
+                             "ref_code_len": talker.ref_code_len, "talker_ref_frames": len(talker.ref_codes)}
     if len(made) != len(got) or not np.array_equal(made, got):
         n = min(len(made), len(got))
         diff = np.flatnonzero(made[:n] != got[:n])
@@ -219,16 +220,16 @@ def stage_findings(ev: Evidence, comps: dict) -> list[Finding]:
         k = min(int(x) for x in cand.meta["preempted_at"])
         out.append(Finding("talker_defect", f"the talker was preempted after {k} generated tokens and resumed"
                             + history, frame=k, chunk=chunk_of(k, len(made), ev), stage="talker"))
-    if talker["reserved"] and talker["reserved"] != talker["built"]:
-        r, b = talker["reserved"], talker["built"]
+    if talker.reserved and talker.reserved != talker.built:
+        r, b = talker.reserved, talker.built
         how = (f"{r - b} positions filled with padding" if r > b else f"{b - r} prompt rows cut off")
         out.append(Finding("talker_defect",
                             f"the engine reserved {r} prompt positions for a prompt of {b} rows: {how} "
                             f"(the talker is conditioned on another prompt than the request's)",
                             frame=0, chunk=0, stage="talker"))
     ctrl = talker_stage(ev.control)
-    if ctrl is not None and not same(ctrl["ref_codes"], talker["ref_codes"]):
-        donors, _ = code_donors(talker["ref_codes"], ev, ctrl["ref_codes"])
+    if ctrl is not None and not same(ctrl.ref_codes, talker.ref_codes):
+        donors, _ = code_donors(talker.ref_codes, ev, ctrl.ref_codes)
         if donors:
             out.append(Finding("contamination",
                                 f"the talker was prompted with {donors[0]}'s reference codes at concurrency N "

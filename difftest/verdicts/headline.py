@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ..compare.chunks import TIERS
 from ..compare.codes import diff_codes
+from ..engines.captured import captured
 from ..family import SAMPLES_PER_FRAME
 from .check import Check
 from .encoder import encoder_finding
@@ -22,11 +23,11 @@ def headline_findings(ev: Evidence, policy: Policy, comps: dict, mels: dict) -> 
         d = diff_codes(ref.codes, cand.codes, ev.initial_frames, ev.chunk_frames)
         comps["codes"] = code_json(d)
         talker = talker_stage(cand)
-        encoded = talker["ref_codes"] if talker is not None else cand.ref_codes  # the encoder's, before the hand-off
+        encoded = talker.ref_codes if talker is not None else cand.ref_codes  # the encoder's, before the hand-off
         comps["codes"]["ref_codes_equal"] = same(ref.ref_codes, encoded)
         if not same(ref.ref_codes, encoded):
             out.append(encoder_finding(ref.ref_codes, encoded, policy, comps, talker is not None,
-                                        ref.extra.get("ref_codes_bf16")))
+                                        captured(ref).ref_codes_bf16))
         if d.length_only:
             out.append(Finding("length_mismatch",
                                 f"same codes for {min(d.len_a, d.len_b)} frames, then the candidate has "

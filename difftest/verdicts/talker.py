@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from ..compare import forced, own_margins
+from ..engines.captured import captured
 from . import null as measured_null
 from .check import Check, Context
 from .evidence import Evidence, Finding, chunk_of
@@ -34,7 +35,7 @@ def forced_findings(ev: Evidence, policy: Policy, comps: dict) -> list[Finding]:
         comps["forced"]["failed_by"] = "float32_tie" if (ev.numerics or {}).get("exact") else "noise_model"
     at = forced.first_difference(ev.reference.codes, ev.candidate.codes) if ev.reference is not None else None
     comps["forced"]["trace"] = forced.trace(sf, bad.frame if bad is not None else at[0] if at else None)
-    own = own_margins.of(ev.candidate.extra)
+    own = captured(ev.candidate).own_topk
     if own is not None:  # how closely the candidate's own talker agrees with qwen-tts's, token by token
         greedy = not sf.settings.get("do_sample")
         why = own_margins.consistency(own, ev.candidate.codes, greedy=greedy)

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..engines.capture import INPUT, PROMPT, PROMPT_CACHED, PROMPT_LABELS
+from ..engines.captured import SPEAKER_BF16, captured
 from ..results import Result
 from .check import Check
 from .encoder import encoder_disagrees
@@ -52,20 +52,12 @@ NAMES = {"input_text_ids": "text ids", "input_instruct_ids": "instruction ids",
 DONOR_KIND = {"input_text_ids": "text", "input_instruct_ids": "instruction", "input_ref_text_ids": "reference text",
               "input_ref_codes": "prompt codes", "input_codec_prefill": "language", "input_speaker_id": "speaker id",
               "input_speaker_embedding": "speaker embedding", "input_non_streaming": "layout"}
-TWIN = "speaker_embedding_bf16"
 IDENTIFYING = ("input_text_ids", "input_ref_text_ids", "input_ref_codes", "input_speaker_embedding")
 
 
 def inputs_of(r: Result | None) -> dict | None:
     """A result's talker input (a capture's, or the reference's), None where it was not recorded."""
-    if r is None or any(n not in r.extra for n in INPUT):
-        return None
-    out = {n: np.asarray(r.extra[n]) for n in INPUT}
-    if TWIN in r.extra:  # the reference's x-vector in bf16
-        out[TWIN] = np.asarray(r.extra[TWIN], np.float32)
-    if all(n in r.extra for n in PROMPT):  # the assembled prompt (optional)
-        out |= {n: np.asarray(r.extra[n]) for n in (*PROMPT, PROMPT_LABELS, PROMPT_CACHED) if n in r.extra}
-    return out
+    return captured(r).inputs
 
 
 @dataclass
@@ -108,7 +100,7 @@ def _show(a: np.ndarray, at: int) -> str:
 def bf16_allowance(mine: dict, theirs: dict) -> float | None:
     """How far a bf16 x-vector may be from qwen-tts's bf16 twin: as far as bf16 moves qwen-tts's
     own (max |twin - float32|) on this voice; None where there is no twin to judge by."""
-    twin, f32 = theirs.get(TWIN), theirs["input_speaker_embedding"]
+    twin, f32 = theirs.get(SPEAKER_BF16), theirs["input_speaker_embedding"]
     if _dtype(mine) != "bfloat16" or _dtype(theirs) == "bfloat16" or twin is None or twin.shape != f32.shape:
         return None
     return float(np.abs(twin - f32).max()) if twin.size else 0.0
@@ -120,7 +112,7 @@ def _matches(field: str, mine: dict, theirs: dict) -> bool:
     if field == "input_speaker_embedding" and a.size:
         allowed = bf16_allowance(mine, theirs)
         if allowed is not None:
-            twin = theirs[TWIN]
+            twin = theirs[SPEAKER_BF16]
             return a.shape == twin.shape and float(np.abs(a - twin).max()) <= allowed
     return _equal(a, theirs[field])
 
@@ -137,8 +129,8 @@ def compare(mine: dict, theirs: dict) -> tuple[list[Mismatch], list[str]]:
             da, db = _dtype(mine), _dtype(theirs)
             if da != db and bf16_allowance(mine, theirs) is not None:
                 if not _matches(field, mine, theirs):
-                    at = int(np.argmax(np.abs(a - theirs[TWIN]))) if a.shape == theirs[TWIN].shape else 0
-                    out.append(Mismatch(field, at, _show(a, at), _show(theirs[TWIN], at) + " (qwen-tts in bf16)"))
+                    at = int(np.argmax(np.abs(a - theirs[SPEAKER_BF16]))) if a.shape == theirs[SPEAKER_BF16].shape else 0
+                    out.append(Mismatch(field, at, _show(a, at), _show(theirs[SPEAKER_BF16], at) + " (qwen-tts in bf16)"))
                 continue
             if da != db:
                 notes.append(f"speaker embedding not judged: the candidate's is {da or 'of unknown dtype'}, "
@@ -177,7 +169,7 @@ def input_findings(ev: Evidence, comps: dict, notes: list, policy: Policy) -> li
     wrong, why = compare(mine, theirs)
     notes += why
     talker = talker_stage(ev.candidate)
-    encoded = talker["ref_codes"] if talker is not None else ev.candidate.ref_codes  # the engine's encoder's
+    encoded = talker.ref_codes if talker is not None else ev.candidate.ref_codes  # the engine's encoder's
     # The prompt's reference codes being the engine's own encoder's, whether that encoder agrees with
     # qwen-tts's (within bf16's allowance) is the encoder check's to say (reference_encoder_defect).
     wrong = [m for m in wrong if not (m.field == "input_ref_codes" and same(mine["input_ref_codes"], encoded))]
@@ -203,7 +195,7 @@ def input_findings(ev: Evidence, comps: dict, notes: list, policy: Policy) -> li
                          frame=0, chunk=0, stage="talker_input", donor=donor, donor_kind=DONOR_KIND[m.field])]
     theirs_ref = ev.reference.ref_codes
     if ([x.field for x in wrong] == ["input_speaker_embedding"] and len(theirs_ref)
-            and encoder_disagrees(theirs_ref, encoded, policy, ev.reference.extra.get("ref_codes_bf16"))):
+            and encoder_disagrees(theirs_ref, encoded, policy, captured(ev.reference).ref_codes_bf16)):
         # both of the engine's encoders disagree with qwen-tts's on this voice, each beyond what the encoder
         # check allows (a bf16 encoder's codes always differ some from float32's): the audio that reached them
         return [Finding("reference_encoder_defect",
