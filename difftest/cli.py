@@ -31,21 +31,21 @@ class Parser(argparse.ArgumentParser):
 # Every subcommand: a module's add_*_parser(subparsers), which sets its handler (func). Imported
 # when the parser is built; the heavy imports (MLflow, torch-free engines' clients) stay inside the handlers.
 SUBCOMMANDS = (
-    ("difftest.run_cli", "add_run_parser"),
-    ("difftest.scale.gate_matrix", "add_matrix_parser"),
-    ("difftest.compare.sets", "add_compare_parser"),
-    ("difftest.engines.reference", "add_reference_parser"),
-    ("difftest.handoff.cli", "add_handoff_parser"),
-    ("difftest.bisect.cli", "add_bisect_parser"),
-    ("difftest.bisect.cli", "add_probe_parser"),
-    ("difftest.bugs.run", "add_bugs_parser"),
-    ("difftest.repro.cli", "add_repro_parser"),
-    ("difftest.selfcheck", "add_selfcheck_parser"),
-    ("difftest.records.gate", "add_gate_parser"),
-    ("difftest.records.tracking", "add_log_parser"),
+    ("difftest.commands.run", "add_run_parser"),
+    ("difftest.commands.matrix", "add_matrix_parser"),
+    ("difftest.commands.compare", "add_compare_parser"),
+    ("difftest.commands.reference", "add_reference_parser"),
+    ("difftest.commands.handoff", "add_handoff_parser"),
+    ("difftest.commands.bisect", "add_bisect_parser"),
+    ("difftest.commands.bisect", "add_probe_parser"),
+    ("difftest.commands.bugs", "add_bugs_parser"),
+    ("difftest.commands.repro", "add_repro_parser"),
+    ("difftest.commands.selfcheck", "add_selfcheck_parser"),
+    ("difftest.commands.gate", "add_gate_parser"),
+    ("difftest.commands.log", "add_log_parser"),
     ("dashboards.cli", "add_dashboard_parser"),  # the dashboard is its own part; only its parser is here
-    ("difftest.suites.suite", "add_validate_parser"),
-    ("difftest.cache", "add_cache_parser"),
+    ("difftest.commands.validate", "add_validate_parser"),
+    ("difftest.commands.cache", "add_cache_parser"),
 )
 # The subcommands that load suite files (themselves or in the processes they start): --allow-root.
 SUITE_COMMANDS = ("run", "matrix", "reference", "bisect", "probe", "repro", "selfcheck", "validate")

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from difftest.selfcheck import CHECKS, judge
+from difftest.commands.selfcheck import CHECKS, judge
 
 
 def main(argv: list[str]) -> int:

@@ -35,7 +35,7 @@ fail() {  # MESSAGE: the one JSON line, and exit 3
 }
 
 # 1. the GPU, before anything is installed (PYTHONPATH: the tester is not installed yet)
-gpus=$(PYTHONPATH=. "$PY" -m difftest.gpucheck gpus 2>&1) || fail "$gpus (this script needs a GPU host)"
+gpus=$(PYTHONPATH=. "$PY" -m difftest.commands.gpucheck gpus 2>&1) || fail "$gpus (this script needs a GPU host)"
 echo "gpu-check: $(echo "$gpus" | head -n 1)$( [ "$(echo "$gpus" | wc -l)" -gt 1 ] && echo " (+ $(( $(echo "$gpus" | wc -l) - 1 )) more)")" >&2
 
 mkdir -p "$OUT"
@@ -53,7 +53,7 @@ echo "installs $((SECONDS - t0))" > "$OUT/installs.txt"
 
 # 3. the run, with the GPU memory sampled beside it
 rm -f "$OUT/gpu-memory.jsonl"
-.venv/bin/python -m difftest.gpucheck sample "$OUT/gpu-memory.jsonl" & sampler=$!
+.venv/bin/python -m difftest.commands.gpucheck sample "$OUT/gpu-memory.jsonl" & sampler=$!
 trap 'kill $sampler 2>/dev/null || true' EXIT
 t1=$SECONDS
 set +e
@@ -66,10 +66,10 @@ set -e
 kill $sampler 2>/dev/null || true
 wait $sampler 2>/dev/null || true
 
-# 4. the summary (difftest.gpucheck: not ok, naming the missing capture field, when the talker's
+# 4. the summary (difftest.commands.gpucheck: not ok, naming the missing capture field, when the talker's
 #    input, prompt rows, assembled prompt or top-k are absent from a capture file)
 summary_rc=0
-.venv/bin/python -m difftest.gpucheck summary "$OUT/run" --samples "$OUT/gpu-memory.jsonl" \
+.venv/bin/python -m difftest.commands.gpucheck summary "$OUT/run" --samples "$OUT/gpu-memory.jsonl" \
     --installs "$OUT/installs.txt" --wall $((SECONDS - t1)) > "$OUT/gpu-check.json" || summary_rc=$?
 cat "$OUT/gpu-check.json"
 case $rc in

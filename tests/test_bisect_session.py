@@ -245,14 +245,14 @@ def test_side_by_side_rounds_are_recorded_and_logged(history, tmp_path, sqlite_u
 def test_a_probe_process_gets_the_bisects_own_arguments():
     import argparse
 
-    from difftest.bisect.cli import add_bisect_parser
+    from difftest.commands.bisect import add_bisect_parser
     from difftest.bisect.parallel import common_argv
     p = argparse.ArgumentParser()
     add_bisect_parser(p.add_subparsers())
     args = p.parse_args(["bisect", "--good", "a", "--bad", "b", "--suite", "s.yaml", "--out", "o", "--workers", "3",
                          "--recipe", "cpu-engine", "-n", "2", "--cpu-engine-arg=--max-batch=2",
                          "--omni-option", "accept_length_finish=true", "--no-mlflow", "--repeats", "3"])
-    from difftest.bisect.cli import add_probe_parser
+    from difftest.commands.bisect import add_probe_parser
 
     got = common_argv(args, add_probe_parser(argparse.ArgumentParser().add_subparsers()))
     assert got == ["--suite=s.yaml", "--recipe=cpu-engine", "--cpu-engine-arg=--max-batch=2",

@@ -29,7 +29,7 @@ def test_each_kind_says_what_it_is():
 def test_the_matrix_refuses_a_kind_without_a_deploy_file_by_what_it_is():
     from types import SimpleNamespace
 
-    from difftest.matrix import run_matrix
+    from difftest.commands.run_matrix import run_matrix
 
     with pytest.raises(BadInput, match="--candidate vllm-omni or vllm-omni-offline"):
         run_matrix(SimpleNamespace(matrix=["talker.max_num_seqs=2,4"]), None, None,
@@ -83,7 +83,7 @@ def test_bisect_builds_each_kind_it_can_by_the_kinds_name():
     from types import SimpleNamespace
 
     from difftest.bisect.builds import RECIPES
-    from difftest.bisect.cli import _setup
+    from difftest.commands.bisect import _setup
 
     assert set(RECIPES) == {VLLM_OMNI, CPU_ENGINE} and all(r.name == k for k, r in RECIPES.items())
     with pytest.raises(BadInput, match=r"--recipe 'cpu_engine': no such recipe \(known: vllm-omni, cpu-engine\)"):

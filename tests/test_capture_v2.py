@@ -124,7 +124,7 @@ def test_only_the_talkers_rows_are_filed_and_none_without_the_wrappers(checked):
 
 
 # --------------------------------------------------------------------------------------------
-# scripts/gpu-check.sh's check of the capture (difftest/gpucheck.py), on a synthetic run folder
+# scripts/gpu-check.sh's check of the capture (difftest/commands/gpucheck.py), on a synthetic run folder
 # --------------------------------------------------------------------------------------------
 
 TALKER_ARRAYS = {"talker_ref_codes": np.zeros((3, 16), np.int64), "talker_prompt": np.array([40, 38, 3], np.int64),
@@ -157,7 +157,7 @@ def _run(tmp_path, files: dict, device: str = "cuda", overlay: dict | None = Non
 
 
 def test_gpu_check_passes_a_v2_run_whose_capture_has_the_talkers_fields(tmp_path):
-    from difftest import gpucheck
+    from difftest.commands import gpucheck
 
     got = gpucheck.summary(_run(tmp_path, {"s1": TALKER_ARRAYS, "s2": TALKER_ARRAYS}), gpu_list=["GPU 0"])
     assert got["ok"] and "error" not in got
@@ -172,7 +172,7 @@ def test_gpu_check_passes_a_v2_run_whose_capture_has_the_talkers_fields(tmp_path
     ("input_prompt_embeds", "input_prompt_embeds (the talker's assembled prompt) missing from 1 of 2 capture files"),
 ])
 def test_gpu_check_fails_a_v2_run_naming_the_missing_field(tmp_path, capsys, drop, named):
-    from difftest import gpucheck
+    from difftest.commands import gpucheck
 
     lacking = {k: v for k, v in TALKER_ARRAYS.items() if k != drop}
     run = _run(tmp_path, {"s1": TALKER_ARRAYS, "s2": lacking})
@@ -184,7 +184,7 @@ def test_gpu_check_fails_a_v2_run_naming_the_missing_field(tmp_path, capsys, dro
 
 
 def test_gpu_check_counts_an_empty_top_k_and_a_talker_never_filed_as_missing(tmp_path):
-    from difftest import gpucheck
+    from difftest.commands import gpucheck
 
     empty = {**TALKER_ARRAYS, "talker_topk_ids": np.zeros((0, 5), np.int64),
              "talker_topk_logprobs": np.zeros((0, 5), np.float32)}  # "could not be lined up": not captured
@@ -196,7 +196,7 @@ def test_gpu_check_counts_an_empty_top_k_and_a_talker_never_filed_as_missing(tmp
 
 
 def test_gpu_check_reads_the_runner_the_deploy_selects_and_requires_the_fields_on_a_gpu(tmp_path):
-    from difftest import gpucheck
+    from difftest.commands import gpucheck
 
     lacking = {k: v for k, v in TALKER_ARRAYS.items() if not k.startswith("talker_topk")}
     # --engine-arg model_runner=v1 on a GPU: still required (v1's wrappers must have written them)

@@ -232,7 +232,7 @@ def _gate(tmp_path: Path, cell: str, candidate: str = "vllm-omni") -> Path:
 
 def test_a_gate_cell_that_must_serve_productions_value_and_cannot_exits_2_before_any_cell_runs(tmp_path, capsys):
     from difftest.cli import main
-    from difftest.scale.gate_matrix import load_matrix
+    from difftest.commands.matrix import load_matrix
 
     with pytest.raises(BadInput) as e:
         load_matrix(_gate(tmp_path, "production: [talker.max_model_len]"))

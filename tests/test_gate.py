@@ -273,16 +273,16 @@ def test_a_matrix_cell_is_gated_against_the_same_cell_of_the_baseline_release(ml
     import xml.etree.ElementTree as ET
 
     from difftest.records.tracking import log_run
-    from difftest.scale.gate_matrix import _judge, junit
+    from difftest.commands.matrix import _judge, junit
 
     policy = load_policy()
     cell = {"cell": "smoke__vllm-omni__c4__default", "suite": "smoke", "candidate": "vllm-omni", "label": "vllm-omni",
             "concurrency": 4, "config": "default", "engine_args": []}
     for name in (cell["cell"], "smoke__vllm-omni__c8__default"):  # 0.30.0's matrix: this cell and another
         assert log_run(make_report(tmp_path, f"base-{name}", version="0.30.0", measured_null=_off_top1(20)),
-                       tags={"difftest.matrix": "release", "difftest.matrix.cell": name})
+                       tags={"difftest.commands.run_matrix": "release", "difftest.commands.run_matrix.cell": name})
     log_run(make_report(tmp_path, "other-release", version="0.29.0", measured_null=_off_top1(60)),
-            tags={"difftest.matrix": "release", "difftest.matrix.cell": cell["cell"]})
+            tags={"difftest.commands.run_matrix": "release", "difftest.commands.run_matrix.cell": cell["cell"]})
     now = make_report(tmp_path, "now", leak_into=("s1",), version="0.31.0", measured_null=_off_top1(40))
     baselines = {}
     row = _judge(cell, now, 1, policy, "0.30.0", None, baselines)
@@ -296,4 +296,4 @@ def test_a_matrix_cell_is_gated_against_the_same_cell_of_the_baseline_release(ml
     assert _judge(cell, now, 1, policy, "0.29.0", None)["baseline"]["numerics"]["verdict"] == "pass"
     missing = _judge({**cell, "cell": "smoke__vllm-omni__c2__default"}, now, 1, policy, "0.30.0", None)
     assert missing["verdict"] == "error" and "no baseline" in missing["error"]
-    assert "difftest.matrix.cell smoke__vllm-omni__c2__default" in missing["error"]
+    assert "difftest.commands.run_matrix.cell smoke__vllm-omni__c2__default" in missing["error"]

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from difftest.errors import BadInput
-from difftest.scale.gate_matrix import load_matrix
+from difftest.commands.matrix import load_matrix
 from reference_support import reference_python
 
 REPO = Path(__file__).resolve().parents[1]
@@ -65,8 +65,8 @@ def test_two_candidates_at_two_concurrencies(tmp_path, mlflow_cwd):
     suites = ET.parse(out / "junit.xml").getroot()
     assert suites.get("tests") == "16"  # 4 cells x 4 segments
     per_cell = {s.get("name"): int(s.get("failures")) for s in suites}
-    assert per_cell["difftest.matrix.smoke__cpu-engine__c4__default"] == 0
-    assert per_cell["difftest.matrix.smoke__planted-leak__c4__default"] == len(
+    assert per_cell["difftest.commands.run_matrix.smoke__cpu-engine__c4__default"] == 0
+    assert per_cell["difftest.commands.run_matrix.smoke__planted-leak__c4__default"] == len(
         rows["smoke__planted-leak__c4__default"]["failing"])
     md = (out / "summary.md").read_text()
     assert md.startswith("## ❌ difftest matrix release-check: fail") and "| smoke__planted-leak__c2__default | fail |" in md
@@ -75,8 +75,8 @@ def test_two_candidates_at_two_concurrencies(tmp_path, mlflow_cwd):
 
     client = MlflowClient(f"sqlite:///{mlflow_cwd / 'mlflow.db'}")
     exp = client.get_experiment_by_name("difftest/smoke")
-    runs = client.search_runs([exp.experiment_id], "tags.`difftest.matrix` = 'release-check'", max_results=100)
-    assert sorted(r.data.tags["difftest.matrix.cell"] for r in runs if "difftest.matrix.cell" in r.data.tags) == sorted(rows)
+    runs = client.search_runs([exp.experiment_id], "tags.`difftest.commands.run_matrix` = 'release-check'", max_results=100)
+    assert sorted(r.data.tags["difftest.commands.run_matrix.cell"] for r in runs if "difftest.commands.run_matrix.cell" in r.data.tags) == sorted(rows)
 
 
 def test_a_reference_that_fails_first_is_left_to_the_cells(tmp_path):

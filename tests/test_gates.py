@@ -17,7 +17,7 @@ import pytest
 from difftest.bugs import coverage
 from difftest.bugs.corpus import load_corpus
 from difftest.errors import BadInput
-from difftest.scale.gate_matrix import cell_argv, load_matrix
+from difftest.commands.matrix import cell_argv, load_matrix
 
 REPO = Path(__file__).resolve().parents[1]
 GATES = REPO / "cases" / "gates"

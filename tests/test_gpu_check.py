@@ -1,4 +1,4 @@
-"""scripts/gpu-check.sh and difftest.gpucheck on this CPU machine: the "no GPU" answer (no nvidia-smi,
+"""scripts/gpu-check.sh and difftest.commands.gpucheck on this CPU machine: the "no GPU" answer (no nvidia-smi,
 a failing one, a hung one), the memory sampler and the summary. Where an nvidia-smi must answer,
 a test double of that name is put first on PATH (it prints what the real one prints for the query).
 The summary of a real run is checked in tests/test_vllm_omni_offline.py."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from difftest import gpucheck
+from difftest.commands import gpucheck
 
 REPO = Path(__file__).resolve().parents[1]
 

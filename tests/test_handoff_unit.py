@@ -131,7 +131,7 @@ def test_release_spec_errors_are_bad_input(monkeypatch):
 
 
 def test_the_tester_side_never_imports_torch_or_vllm_omni():
-    code = ("import sys, difftest.handoff.cli, difftest.handoff.run, difftest.handoff.envs; "
+    code = ("import sys, difftest.commands.handoff, difftest.handoff.run, difftest.handoff.envs; "
             "bad = [m for m in ('torch', 'vllm', 'vllm_omni') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -67,7 +67,7 @@ def test_the_request_timeout_flag_ends_the_run_as_infrastructure(suite, tmp_path
     """`difftest run --request-timeout 2` against a server that never answers: exit 3 naming the server
     and the timeout. The run's reference side is left out (difftest.run.run replaced by the candidate
     pass itself)."""
-    import difftest.run_cli as run_cli
+    import difftest.commands.run as run_cli
     from difftest import cli
     from difftest.pipeline.passes import candidate_at as _candidate_at
 

@@ -5,7 +5,7 @@ import pytest
 
 from difftest.cli import main
 from difftest.errors import BadInput
-from difftest.matrix import axes, cell_name, cells, exit_code
+from difftest.commands.run_matrix import axes, cell_name, cells, exit_code
 
 
 def test_cells_are_the_product_first_axis_slowest():

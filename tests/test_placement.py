@@ -21,7 +21,7 @@ from difftest.engines.reference import ReferenceOptions, never_stops, runner_arg
 from difftest.errors import BadInput, InfraError
 from difftest.process import placement
 from difftest.run import RunOptions
-from difftest.run_cli import add_run_parser, vllm_omni_settings
+from difftest.commands.run import add_run_parser, vllm_omni_settings
 from difftest.suites.checkpoints import check_suite, problems
 from difftest.suites.suite import load_suite
 

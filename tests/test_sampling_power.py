@@ -244,7 +244,7 @@ def test_the_power_variant_and_suite_have_the_talker_tokens_and_distinct_seeds()
     martingale across them), and at least the 1,700 talker tokens a temperature error of 0.1 needs."""
     from pathlib import Path
 
-    from difftest.selfcheck import POWER_TOKENS, variant
+    from difftest.commands.selfcheck import POWER_TOKENS, variant
     from difftest.suites.suite import load_suite
 
     cases = Path(__file__).resolve().parents[1] / "cases" / "suites"

@@ -231,7 +231,7 @@ def test_difftest_run_with_the_offline_candidate(tmp_path):
         # with no 16-bit allowance
         assert voc["quantised"] is False and voc["worst_tier"] in ("identical", "close")
     # the GPU host check's summary (scripts/gpu-check.sh) of this real run, read on the CPU
-    from difftest.gpucheck import summary
+    from difftest.commands.gpucheck import summary
 
     got = summary(tmp_path / "run", gpu_list=[])
     assert got["ok"] and got["versions"]["vllm_omni"] == "0.30.0" and got["versions"]["qwen_tts"] == "0.1.1"

@@ -2,7 +2,7 @@
 
     difftest bugs --gate cases/gates/cpu.yaml --out OUT [--only ID,...]
 
-Every runnable corpus entry is run through every cell of the gate (difftest.scale.gate_matrix): its
+Every runnable corpus entry is run through every cell of the gate (difftest.commands.matrix): its
 mutant (built once per entry) served with the cell's configuration, the cell's suite at the cell's
 concurrency, arrivals and voices, judged as `difftest bugs` judges the entry's own run (the
 expected verdict at the expected stage, and a donor where one enters). The cell decides how the

@@ -10,7 +10,6 @@ configuration. Runners write the result files; this side reads them back.
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import hashlib
 import json
@@ -24,12 +23,12 @@ from pathlib import Path
 from ..errors import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_PASS, BadInput, InfraError
 from ..family import FAMILY
 from ..process import zygote
-from ..process.placement import device_arg, gpu_env, parse_device
+from ..process.placement import gpu_env, parse_device
 from ..process.runner_client import RunnerDied, RunnerProcess
 from ..progress import Progress
 from ..results import CorruptResult, Result, ResultStore, read_result
 from ..suites.checkpoints import MANIFEST
-from ..suites.suite import TINY_HAZARD, TINY_MODELS, Suite, load_suite
+from ..suites.suite import TINY_HAZARD, TINY_MODELS, Suite
 from .base import Outcome
 
 REPO = Path(__file__).resolve().parents[2]
@@ -398,48 +397,3 @@ def exit_code(run: ReferenceRun) -> int:
     if kinds - {"bad_input"}:
         return EXIT_INFRA
     return EXIT_BAD_INPUT if kinds else EXIT_PASS
-
-
-def add_reference_parser(subparsers) -> argparse.ArgumentParser:
-    ap = subparsers.add_parser("reference", help="compute (or find cached) qwen-tts reference results for a suite",
-                               description="Compute (or find cached) qwen-tts reference results for a suite; "
-                                           "prints one JSON summary.")
-    ap.add_argument("suite", help="suite YAML file")
-    ap.add_argument("--store", required=True, help="result store root")
-    ap.add_argument("--model", action="append", default=[],
-                    help="checkpoint folder or cached Hugging Face id, one per model type "
-                         "(default: the suite's model; 'tiny' builds the seeded tiny set in the store)")
-    ap.add_argument("--python", help=f"reference environment interpreter (default {DEFAULT_PYTHON}, or ${PYTHON_ENV_VAR})")
-    ap.add_argument("--device", type=device_arg, default="cpu", metavar="cpu|cuda|cuda:N")
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (the waveform's last bits depend on it)")
-    ap.add_argument("--log", type=Path, help="runner log file (default <store>/logs/qwen-tts-runner.log)")
-    ap.add_argument("--timeout", type=float, default=900.0, help="longest silence from the runner, seconds")
-    ap.set_defaults(func=cmd_reference)
-    return ap
-
-
-def cmd_reference(args) -> int:
-    if args.threads < 1:
-        raise BadInput("--threads must be at least 1")
-    suite = load_suite(args.suite)
-    from ..results import prepare_out
-
-    prepare_out(args.store, "--store")
-    options = ReferenceOptions(models=args.model, python=args.python, device=args.device, dtype=args.dtype,
-                               threads=args.threads, log_path=args.log, timeout=args.timeout)
-    run = run_reference(suite, args.store, options)
-    summary = {"suite": suite.name, "store": str(run.config_dir), "fingerprint": run.fingerprint, "segments": {}}
-    for seg in suite.segments:
-        sid = seg.id
-        if sid in run.results:
-            stem = ResultStore.stem(run.config_dir, sid, seg.hash)
-            summary["segments"][sid] = {
-                "status": "cached" if sid in run.cached else "computed",
-                "path": str(stem.with_name(stem.name + ".json")),
-                "audio_seconds": round(run.results[sid].seconds, 3)}
-        else:
-            err = run.errors[sid]
-            summary["segments"][sid] = {"status": "error", "kind": err["kind"], "error": err["message"]}
-    print(json.dumps(summary, indent=1))
-    return exit_code(run)

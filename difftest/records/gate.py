@@ -11,7 +11,6 @@ gate under `baseline.numerics_fail` (the default). Without a baseline, MLflow is
 
 from __future__ import annotations
 
-import argparse
 import json
 import tempfile
 from dataclasses import dataclass, field
@@ -19,11 +18,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import EXIT_BAD_INPUT, EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput, InfraError
-from ..results import atomic_write
 from ..verdicts.numerics import compare as compare_numerics
-from ..verdicts.policy import Policy, load_policy, out_of_bounds
+from ..verdicts.policy import Policy
 from . import mlflow_records as rec
-from .gate_output import headline, junit_xml, markdown, policy_lines
 from .tracking import (
     TrackingUnavailable,
     check_tracking_uri,
@@ -185,38 +182,3 @@ def load_baseline(out: Path, version: str, policy: Policy, tracking_uri: str | N
                        f"{want.get('device', '(none)')}" + "".join(f", {k} {v}" for k, v in (tags or {}).items())
                        + f" with verdict in {sorted(policy.baseline_verdicts)}")
     return baseline
-
-
-def main_gate(args) -> int:
-    out = Path(args.out)
-    report, _ = read_report(out)
-    if not report.get("segments"):
-        raise BadInput(f"{out / 'report.json'}: no segments to gate on")
-    if problems := out_of_bounds(report.get("policy")):  # its verdicts rest on a tolerance that accepts anything
-        raise BadInput(f"{out / 'report.json'}: the run was judged under a policy out of bounds: {'; '.join(problems)}")
-    policy = load_policy(args.policy)
-    baseline = load_baseline(out, args.baseline_version, policy, args.tracking_uri) if args.baseline_version else None
-    result = decide(report, policy, baseline)
-    junit = Path(args.junit) if args.junit else out / "junit.xml"
-    md = Path(args.markdown) if args.markdown else out / "gate.md"
-    for path, data in ((junit, junit_xml(report, result)), (md, markdown(report, result, policy).encode())):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, data)
-    print("\n".join(headline(report, result) + policy_lines(report, policy)))
-    print(f"junit: {junit}\nmarkdown: {md}")
-    return result.exit_code
-
-
-def add_gate_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("gate", help="decide pass/fail for CI from a run's report, optionally against a baseline",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("out", help="a difftest output folder (holds report.json)")
-    p.add_argument("--policy", help="policy YAML (default: the built-in difftest/verdicts/default_policy.yaml)")
-    p.add_argument("--baseline-version", metavar="V", help="compare with the latest logged run of candidate version V")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI for the baseline "
-                                          "(default: $MLFLOW_TRACKING_URI, else sqlite:///<cwd>/mlflow.db)")
-    p.add_argument("--junit", metavar="PATH", help="JUnit XML output (default: OUT/junit.xml)")
-    p.add_argument("--markdown", metavar="PATH", help="Markdown summary output (default: OUT/gate.md)")
-    p.set_defaults(func=main_gate)
-    return p
-

@@ -15,7 +15,6 @@ sha256), so `difftest log` is safe to repeat. mlflow is imported only here and i
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import datetime as _dt
 import hashlib
@@ -33,7 +32,7 @@ import warnings
 from concurrent.futures import FIRST_COMPLETED, Executor, Future, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from pathlib import Path
 
-from ..errors import EXIT_INFRA, EXIT_PASS, BadInput
+from ..errors import BadInput
 from ..results import atomic_write
 from . import mlflow_records as rec
 from .segment_media import safe_name, write_segment_media
@@ -476,7 +475,7 @@ def _upload(client, out: Path, report: dict, sha: str, experiment: str, extra_ta
     return parent, exp_id
 
 
-def _log_run(out_dir, tracking_uri=None, *, experiment=None, tags=None) -> tuple[str | None, str]:
+def log_run_outcome(out_dir, tracking_uri=None, *, experiment=None, tags=None) -> tuple[str | None, str]:
     out = Path(out_dir)
     report, sha = read_report(out)
     state = read_state(out)
@@ -513,35 +512,4 @@ def log_run(out_dir, tracking_uri=None, *, experiment=None, tags=None) -> str | 
     """Log OUT (report.json and what it names) to MLflow; the parent run id, or None (with one
     warning on stderr and a pending note in OUT/mlflow.json) when MLflow cannot be used.
     Raises BadInput when OUT holds no readable report.json."""
-    return _log_run(out_dir, tracking_uri, experiment=experiment, tags=tags)[0]
-
-
-def _tag(text: str) -> tuple[str, str]:
-    key, sep, value = text.partition("=")
-    if not sep or not key:
-        raise argparse.ArgumentTypeError(f"expected KEY=VALUE, got {text!r}")
-    return key, value
-
-
-def main_log(args) -> int:
-    run_id, uri = _log_run(args.out, args.tracking_uri, experiment=args.experiment, tags=dict(args.tag))
-    if run_id is None:
-        return EXIT_INFRA
-    state = read_state(Path(args.out))
-    exp_id = next((r["experiment_id"] for r in state["runs"] if r["run_id"] == run_id), None)
-    where = f"{uri.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}" if uri.startswith("http") else uri
-    print(f"logged {args.out}: MLflow run {run_id} ({where})")
-    return EXIT_PASS
-
-
-def add_log_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser("log", help="log a run's report, metrics and diverged audio to MLflow",
-                              description=__doc__.split("\n\n")[0])
-    p.add_argument("out", help="a difftest output folder (holds report.json)")
-    p.add_argument("--tracking-uri", help="MLflow tracking URI (default: $MLFLOW_TRACKING_URI, else the URI of "
-                                          "a pending upload, else sqlite:///<cwd>/mlflow.db with artifacts in ./mlruns)")
-    p.add_argument("--experiment", help="experiment name (default: difftest/<suite name>, or difftest/adhoc)")
-    p.add_argument("--tag", type=_tag, action="append", default=[], metavar="KEY=VALUE",
-                   help="an extra tag on the parent run; overrides one taken from the report (repeatable)")
-    p.set_defaults(func=main_log)
-    return p
+    return log_run_outcome(out_dir, tracking_uri, experiment=experiment, tags=tags)[0]

@@ -419,19 +419,3 @@ def load_suite(path: str | Path, also: frozenset[Path] = frozenset()) -> Suite:
     suite_hash = content_hash({"name": name, "chunks": chunks, "segments": [(s.id, s.hash) for s in segments]})
     return Suite(name, path, model, decode, chunks, voices, segments,
                  chk.text(raw.get("description", ""), "description", allow_empty=True), suite_hash)
-
-
-def cmd_validate(args) -> int:
-    for p in args.suites:
-        s = load_suite(p)
-        tasks = sorted({seg.task for seg in s.segments})
-        print(f"{s.path.name}: ok: suite {s.name}, {len(s.segments)} segments, {len(s.voices)} voices, "
-              f"tasks {', '.join(tasks)}, hash {s.hash[:12]}")
-    return 0
-
-
-def add_validate_parser(subparsers) -> argparse.ArgumentParser:
-    v = subparsers.add_parser("validate", help="validate suite files")
-    v.add_argument("suites", nargs="+")
-    v.set_defaults(func=cmd_validate)
-    return v

@@ -7,7 +7,7 @@ Each cell of the cartesian product is a whole `difftest run` with the cell's set
 `--engine-arg`s (keys and values as difftest.engines.engine_args reads them), into `OUT/<cell>/`,
 all cells sharing one reference runner; each starts its own vLLM-Omni (the settings are the
 server's). `OUT/matrix.json` (stable JSON) has a row per cell, rewritten after each so a stopped
-matrix keeps what it ran; each cell is logged to MLflow as its own run, tagged `difftest.matrix`.
+matrix keeps what it ran; each cell is logged to MLflow as its own run, tagged `difftest.commands.run_matrix`.
 
 Exit: 1 when a cell's verdict fails (a judged divergence), else 3 when a cell could not be run,
 else 0. Bad input (an unknown key in any cell) exits 2 before any cell runs.
@@ -23,16 +23,16 @@ from contextlib import ExitStack
 from dataclasses import replace
 from pathlib import Path
 
-from .engines.engine_args import check, parse
-from .engines.reference import ReferenceOptions, reference_python
-from .engines.start import DEPLOY_FILE_KINDS, CandidateSpec
-from .errors import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput, DifftestError
-from .pipeline.starting import resolve_models, start_reference_runner
-from .records.report import print_summary
-from .results import atomic_write
-from .run import run
+from ..engines.engine_args import check, parse
+from ..engines.reference import ReferenceOptions, reference_python
+from ..engines.start import DEPLOY_FILE_KINDS, CandidateSpec
+from ..errors import EXIT_FAIL, EXIT_INFRA, EXIT_PASS, BadInput, DifftestError
+from ..pipeline.starting import resolve_models, start_reference_runner
+from ..records.report import print_summary
+from ..results import atomic_write
+from ..run import run
 
-FORMAT = "difftest.matrix/1"
+FORMAT = "difftest.commands.run_matrix/1"
 MAX_CELLS = 16
 
 
@@ -83,14 +83,14 @@ def exit_code(rows: list[dict]) -> int:
 
 def run_matrix(args, suite, policy, spec: CandidateSpec, opts, settings_of, stream=sys.stderr) -> int:
     """Every cell of `args.matrix`; `settings_of(engine_args)` makes a cell's VllmOmniOptions fields."""
-    from .records.tracking import log_run  # MLflow: imported when a matrix runs
+    from ..records.tracking import log_run  # MLflow: imported when a matrix runs
 
     if not spec.is_.deploy_file:
         raise BadInput(f"--matrix varies the settings of a vLLM-Omni that difftest starts "
                        f"(--candidate {' or '.join(DEPLOY_FILE_KINDS)}), not {spec.label}")
     grid = cells(axes(args.matrix))
     all_settings = [settings_of([*args.engine_arg, *cell]) for cell in grid]
-    from .engines.vllm_omni import omni_python
+    from ..engines.vllm_omni import omni_python
 
     for s in all_settings:  # every key of every cell checked before any model work
         check(omni_python(s.get("python")), s["deploy_overrides"], s["stage_overrides"])
@@ -121,7 +121,7 @@ def run_matrix(args, suite, policy, spec: CandidateSpec, opts, settings_of, stre
                 row.update(verdict=report["verdict"], exit_code=report["exit_code"], failing=failing,
                            verdicts=sorted({f"{s['verdict']}@{s.get('stage') or '-'}" for s in report["segments"]}))
                 if not args.no_mlflow:
-                    log_run(out / name, args.tracking_uri, tags={"difftest.matrix": name})
+                    log_run(out / name, args.tracking_uri, tags={"difftest.commands.run_matrix": name})
             except DifftestError as err:
                 if isinstance(err, BadInput):
                     raise

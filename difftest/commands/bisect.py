@@ -87,13 +87,13 @@ def _common(p: argparse.ArgumentParser) -> None:
 
 def _setup(args):
     """(prober, identity, suite, tracking) from the arguments."""
+    from ..bisect.builds import DEFAULT_PIP_ARGS, RECIPES
+    from ..bisect.probe import Prober, ProbeSettings
+    from ..bisect.session import Tracking
     from ..engines.reference import ReferenceOptions
     from ..run import RunOptions
     from ..suites.suite import load_suite
     from ..verdicts.policy import VERDICTS, load_policy
-    from .builds import DEFAULT_PIP_ARGS, RECIPES
-    from .probe import Prober, ProbeSettings
-    from .session import Tracking
 
     suite = load_suite(args.suite)
     policy = load_policy(args.policy)
@@ -123,13 +123,13 @@ def _setup(args):
 
 
 def cmd_bisect(args) -> int:
-    from .session import run_bisect
+    from ..bisect.session import run_bisect
 
     if args.workers < 1:
         raise BadInput("--workers must be at least 1")
     prober, identity, suite, tracking = _setup(args)
     if args.workers > 1:  # each probe its own `difftest probe` process (difftest.bisect.parallel)
-        from .parallel import ProcessProber, common_argv
+        from ..bisect.parallel import ProcessProber, common_argv
 
         prober = ProcessProber(common_argv(args, add_probe_parser(argparse.ArgumentParser().add_subparsers())),
                                args.out)
@@ -142,7 +142,7 @@ def cmd_bisect(args) -> int:
 
 def cmd_probe(args) -> int:
     """git's exit codes, whatever happens: 0 good, 1 bad, 125 skip, 128 abort."""
-    from .session import run_probe
+    from ..bisect.session import run_probe
 
     try:
         prober, identity, suite, tracking = _setup(args)

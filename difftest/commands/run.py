@@ -1,5 +1,5 @@
 """`difftest run` on the command line: its arguments, the vLLM-Omni settings they make, and the
-command itself (one run, or a --matrix of them: difftest/matrix.py). The run is difftest/run.py."""
+command itself (one run, or a --matrix of them: difftest/commands/run_matrix.py). The run is difftest/run.py."""
 
 from __future__ import annotations
 
@@ -8,24 +8,24 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
-from .engines.reference import ReferenceOptions
-from .engines.start import CandidateSpec
-from .errors import BadInput
-from .process.placement import device_arg
-from .records.report import print_summary
-from .run import RunOptions, run
-from .suites.suite import TINY_MODELS
-from .verdicts.exercised import PATHS
+from ..engines.reference import ReferenceOptions
+from ..engines.start import CandidateSpec
+from ..errors import BadInput
+from ..process.placement import device_arg
+from ..records.report import print_summary
+from ..run import RunOptions, run
+from ..suites.suite import TINY_MODELS
+from ..verdicts.exercised import PATHS
 
 
 def vllm_omni_settings(args, engine_args=None) -> dict:
     """VllmOmniOptions fields from the command line: the environment, device, deploy config and
     `--engine-arg`s, or `engine_args` instead (difftest.engines.engine_args; checked against the
     environment when it starts)."""
-    from .engines.engine_args import parse
+    from ..engines.engine_args import parse
 
     top, stages = parse(getattr(args, "engine_arg", None) if engine_args is None else engine_args)
-    from .process.placement import parse_device, parse_gpus
+    from ..process.placement import parse_device, parse_gpus
 
     gpus = parse_gpus(getattr(args, "candidate_devices", None))
     device = getattr(args, "candidate_device", None)
@@ -44,7 +44,7 @@ def vllm_omni_settings(args, engine_args=None) -> dict:
             raise BadInput(f"--deploy-config {path}: no such file")
         import yaml
 
-        from . import yamlfile
+        from .. import yamlfile
 
         try:  # vLLM-Omni reads it leniently: a key given twice would be tested as its last value
             yamlfile.load_file(path)
@@ -69,13 +69,13 @@ def add_engine_arguments(p) -> None:
 
 
 def cmd_run(args) -> int:
-    from .process.lifeline import report_stale
-    from .suites.suite import load_suite
-    from .verdicts.policy import load_policy
+    from ..process.lifeline import report_stale
+    from ..suites.suite import load_suite
+    from ..verdicts.policy import load_policy
 
     report_stale()  # engines an earlier run left running would skew this one's memory and timings
     if not args.no_mlflow:
-        from .records.tracking import check_tracking_uri, resolve_tracking_uri
+        from ..records.tracking import check_tracking_uri, resolve_tracking_uri
 
         check_tracking_uri(resolve_tracking_uri(args.tracking_uri))  # a typo is caught before the work, not after
     suite = load_suite(args.suite)
@@ -102,13 +102,13 @@ def cmd_run(args) -> int:
     if args.ray_candidate and args.ray is None:
         raise BadInput("--ray-candidate needs --ray [ADDRESS]")
     if args.matrix:
-        from .matrix import run_matrix
+        from .run_matrix import run_matrix
 
         return run_matrix(args, suite, policy, spec, opts, lambda engine_args: vllm_omni_settings(args, engine_args))
     report = run(suite, spec, Path(args.out), policy, opts)
     print_summary(report, Path(args.out))
     if not args.no_mlflow:
-        from .records.tracking import log_run
+        from ..records.tracking import log_run
 
         log_run(args.out, args.tracking_uri)  # unreachable: one warning, `difftest log OUT` uploads later
     return report["exit_code"]

@@ -1,9 +1,9 @@
 """The GPU host check's helpers (scripts/gpu-check.sh): find the GPU, sample each process's GPU
 memory while the run goes, and fold report.json and the samples into one JSON summary.
 
-    python -m difftest.gpucheck gpus                       the GPUs, or exit 3 naming why there are none
-    python -m difftest.gpucheck sample FILE [--interval S] one JSON line per process and sample, until killed
-    python -m difftest.gpucheck summary RUN_DIR --samples FILE [--installs FILE] [--wall S]
+    python -m difftest.commands.gpucheck gpus                       the GPUs, or exit 3 naming why there are none
+    python -m difftest.commands.gpucheck sample FILE [--interval S] one JSON line per process and sample, until killed
+    python -m difftest.commands.gpucheck summary RUN_DIR --samples FILE [--installs FILE] [--wall S]
                                                            exit 3 naming why when the run gave no
                                                            verdict or, on a GPU or under model runner
                                                            v2, its capture files lack the talker's
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from .errors import EXIT_INFRA
+from ..errors import EXIT_INFRA
 
 SMI_TIMEOUT = 20
 
@@ -252,7 +252,7 @@ def _installs(path: str | None) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m difftest.gpucheck", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m difftest.commands.gpucheck", description=__doc__.split("\n\n")[0])
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("gpus")
     s = sub.add_parser("sample")

@@ -27,7 +27,7 @@ Every cell (of the product, or named) is one whole `difftest run`, its own proce
 what the machine or its GPUs can serve; a suite that several cells share has its qwen-tts reference
 computed once into the store before they start, which they would otherwise each compute at once),
 and `--ray ADDRESS` puts every cell's reference side on that cluster (`difftest run --ray`). As each
-cell finishes it is gated (difftest.records.gate, the policy's fail_on) and logged to MLflow (tags `difftest.matrix`, `difftest.matrix.cell`).
+cell finishes it is gated (difftest.records.gate, the policy's fail_on) and logged to MLflow (tags `difftest.commands.run_matrix`, `difftest.commands.run_matrix.cell`).
 
 OUT/matrix.json (stable JSON, rewritten after each cell: a stopped matrix keeps what it ran), OUT/junit.xml
 (a testsuite per cell, a testcase per segment), OUT/summary.md (a table a release manager reads).
@@ -346,7 +346,7 @@ def _judge(cell: dict, folder: Path, code: int, policy, baseline_version: str | 
     baseline = None
     if baseline_version:
         try:
-            baseline = load_baseline(folder, baseline_version, policy, tracking_uri, {"difftest.matrix.cell": cell["cell"]})
+            baseline = load_baseline(folder, baseline_version, policy, tracking_uri, {"difftest.commands.run_matrix.cell": cell["cell"]})
         except DifftestError as e:
             return {**row, "verdict": "error", "error": f"baseline {baseline_version}: {str(e).splitlines()[0]}"}
         if baselines is not None:
@@ -386,9 +386,9 @@ def junit(rows: list[dict], policy, baselines: dict | None = None) -> bytes:
             cell = ET.fromstring(junit_xml(report, decide(report, policy, (baselines or {}).get(r["cell"]))))[0]
         except (OSError, ValueError, KeyError):
             cell = ET.Element("testsuite", tests="1", failures="0", errors="1", skipped="0")
-            ET.SubElement(ET.SubElement(cell, "testcase", classname="difftest.matrix", name=r["cell"]), "error",
+            ET.SubElement(ET.SubElement(cell, "testcase", classname="difftest.commands.run_matrix", name=r["cell"]), "error",
                           type="no-report", message=r.get("error", "no report"))
-        cell.set("name", f"difftest.matrix.{r['cell']}")
+        cell.set("name", f"difftest.commands.run_matrix.{r['cell']}")
         root.append(cell)
         for k in totals:
             totals[k] += int(cell.get(k, 0))
@@ -463,7 +463,7 @@ def run_matrix_file(m: Matrix, out: Path, policy, *, workers: int = 1, ray: str 
                 if mlflow and (row["verdict"] != "error" or row.get("error", "").startswith("baseline ")):
                     from ..records.tracking import log_run
 
-                    log_run(folder, tracking_uri, tags={"difftest.matrix": m.name, "difftest.matrix.cell": name})
+                    log_run(folder, tracking_uri, tags={"difftest.commands.run_matrix": m.name, "difftest.commands.run_matrix.cell": name})
                 rows.append(row)
                 save(False)
                 fails = ", ".join(f"{f['id']} {f['verdict']}" for f in row.get("failing") or [])

@@ -28,11 +28,11 @@ from pathlib import Path
 
 from ..engines.reference import ReferenceOptions, reference_python
 from ..errors import EXIT_FAIL, EXIT_PASS, BadInput, InfraError
+from ..repro.bundle import NoBundle, write_bundle
+from ..repro.probe import Finding, Live, Origin, Prober, opts_for
+from ..repro.shrink import STEPS, Case, Subject, settings_of, shrink
 from ..results import atomic_write
 from ..verdicts.policy import load_policy
-from .bundle import NoBundle, write_bundle
-from .probe import Finding, Live, Origin, Prober, opts_for
-from .shrink import STEPS, Case, Subject, settings_of, shrink
 
 FORMAT = "difftest.repro/1"
 

@@ -39,7 +39,7 @@ def add_handoff_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def _sources(args) -> list:
-    from . import envs
+    from ..handoff import envs
 
     sources = []
     for v in args.release:
@@ -57,9 +57,9 @@ def _sources(args) -> list:
 
 
 def cmd_handoff(args) -> int:
+    from ..handoff.run import run_handoff
     from ..records.report import summary_lines
     from ..verdicts.policy import load_policy
-    from .run import run_handoff
 
     if not 1 <= args.max_batch <= 9:
         raise BadInput("--max-batch must be between 1 and 9 (the markers hold 9 requests)")

@@ -19,16 +19,16 @@ from pathlib import Path
 
 import numpy as np
 
-from .engines.reference import ReferenceOptions, reference_python
-from .engines.start import Setup, start_cpu_engines
-from .errors import BadInput
-from .pipeline.starting import resolve_models, start_reference_runner
-from .results import atomic_write, load_result_set
-from .run import RunOptions, run
-from .suites.suite import Suite, content_hash
-from .suites.voices import reference_frames
-from .verdicts.policy import Policy
-from .verdicts.talker_input import DONOR_KIND
+from ..engines.reference import ReferenceOptions, reference_python
+from ..engines.start import Setup, start_cpu_engines
+from ..errors import BadInput
+from ..pipeline.starting import resolve_models, start_reference_runner
+from ..results import atomic_write, load_result_set
+from ..run import RunOptions, run
+from ..suites.suite import Suite, content_hash
+from ..suites.voices import reference_frames
+from ..verdicts.policy import Policy
+from ..verdicts.talker_input import DONOR_KIND
 
 POWER_TOKENS = 1920  # the `power` variant's talker tokens (sampled-power's; bench_sampling_power.py measures)
 
@@ -229,8 +229,8 @@ def table(rows: list[dict]) -> str:
 
 
 def cmd_selfcheck(args) -> int:
-    from .suites.suite import load_suite
-    from .verdicts.policy import load_policy
+    from ..suites.suite import load_suite
+    from ..verdicts.policy import load_policy
 
     suite = load_suite(args.suite)
     policy = load_policy(args.policy)
