@@ -233,10 +233,7 @@ def _report(suite: Suite, spec: CandidateSpec, opts: RunOptions, policy: Policy,
 def replay_record(spec: CandidateSpec, opts: RunOptions) -> dict:
     """What starting this candidate again takes (`difftest repro` serves its probes to the same
     engine and configuration): the spec's fields and the run's engine settings, as JSON."""
-    return {"spec": {"kind": spec.kind, "url": spec.url, "defect": spec.defect, "api": spec.api,
-                     "capture_dir": str(spec.capture_dir) if spec.capture_dir else None,
-                     "declared": spec.declared, "python": spec.python, "engine_args": [str(a) for a in spec.engine_args],
-                     "options": spec.options},
+    return {"spec": spec.to_json(),
             "vllm_omni": opts.vllm_omni, "voice_mode": opts.voice_mode, "candidate_dtype": opts.candidate_dtype,
             "candidate_vocoder_dtype": opts.candidate_vocoder_dtype,
             "repeat": opts.repeat, "reference": {"dtype": opts.reference.dtype, "device": opts.reference.device,

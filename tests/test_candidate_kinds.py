@@ -91,3 +91,18 @@ def test_bisect_builds_each_kind_it_can_by_the_kinds_name():
                                bad_on=None, pattern="pool", order="suite", voices="inline", store=".",
                                reference_model=None, reference_python=None, device="cpu", dtype="float32",
                                repeats=1, agree=None, pip_args=None, recipe="cpu_engine"))
+
+
+def test_a_spec_replays_as_it_was(tmp_path):
+    """run.json's `replay.spec` is the spec, whole: `difftest repro` starts the same candidate, a URL
+    candidate served by one server per checkpoint type included (its routes were once left out)."""
+    import json
+
+    routed = CandidateSpec(URL, url="http://127.0.0.1:8001", capture_dir=tmp_path, declared={"commit": "abc"},
+                           routes={"Base": "http://127.0.0.1:8001", "CustomVoice": "http://127.0.0.1:8002"})
+    for spec in (CandidateSpec.parse("cpu-engine:ref-leak"), CandidateSpec.parse("vllm-omni-offline:async"),
+                 CandidateSpec(VLLM_OMNI, python="/x/bin/python", engine_args=("--enforce-eager",),
+                               options={"device": "cpu"}), routed):
+        assert CandidateSpec.from_json(json.loads(json.dumps(spec.to_json()))) == spec
+    old = {k: v for k, v in routed.to_json().items() if k != "routes"}  # a run.json from before
+    assert CandidateSpec.from_json(old).routes is None

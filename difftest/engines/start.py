@@ -93,6 +93,22 @@ class CandidateSpec:
     def label(self) -> str:
         return self.is_.label(self)
 
+    def to_json(self) -> dict:
+        """What starting this candidate again takes (run.json's `replay.spec`: `difftest repro` serves
+        its probes to the same engine)."""
+        return {"kind": self.kind, "url": self.url, "defect": self.defect, "api": self.api,
+                "capture_dir": str(self.capture_dir) if self.capture_dir else None, "declared": self.declared,
+                "python": self.python, "engine_args": [str(a) for a in self.engine_args], "options": self.options,
+                "routes": self.routes}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "CandidateSpec":
+        """The spec `to_json` wrote (a run.json from before `routes` was kept reads as one server)."""
+        return cls(d["kind"], url=d["url"], defect=d["defect"],
+                   capture_dir=Path(d["capture_dir"]) if d["capture_dir"] else None, api=d["api"],
+                   declared=d["declared"], python=d["python"], engine_args=tuple(d["engine_args"]),
+                   options=dict(d["options"] or {}), routes=d.get("routes"))
+
 
 def check_url(text: str, what: str) -> None:
     """BadInput for a URL that cannot name a server (no host, a port out of range)."""

@@ -111,11 +111,7 @@ class Origin:
 
     @property
     def spec(self) -> CandidateSpec:
-        r = self.run["replay"]["spec"]
-        return CandidateSpec(r["kind"], url=r["url"], defect=r["defect"],
-                             capture_dir=Path(r["capture_dir"]) if r["capture_dir"] else None, api=r["api"],
-                             declared=r["declared"], python=r["python"], engine_args=tuple(r["engine_args"]),
-                             options=dict(r["options"] or {}))
+        return CandidateSpec.from_json(self.run["replay"]["spec"])
 
     @property
     def mutant(self) -> dict | None:
