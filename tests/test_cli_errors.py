@@ -159,6 +159,20 @@ def test_every_subcommand_is_registered_the_same_way():
         assert all(callable(h) for h in handlers), name
 
 
+def test_every_default_file_a_subcommand_names_in_the_checkout_exists():
+    """A default path into this checkout (selfcheck's suite) is computed from its module's place:
+    a module moved to another depth named a file that is not there (stop 67)."""
+    from difftest.cli import build_parser
+
+    repo = str(Path(__file__).resolve().parents[1])
+    sub = next(a for a in build_parser()._actions if a.dest == "command")
+    parsers = [p for p in sub.choices.values()]
+    parsers += [q for p in parsers for a in p._actions if isinstance(a.choices, dict) for q in a.choices.values()]
+    named = {a.default for p in parsers for a in p._actions
+             if isinstance(a.default, str) and a.default.startswith(repo) and "/.venv" not in a.default}
+    assert named and all(Path(d).exists() for d in named), named
+
+
 @pytest.mark.parametrize("name", SUBCOMMAND_NAMES)
 def test_every_subcommand_answers_help_and_refuses_bad_usage(tmp_path, name):
     code, out, _ = difftest("-v", name, "--help", cwd=tmp_path)

@@ -43,7 +43,7 @@ def cmd_cache_list(args) -> int:
         for r in rows:
             print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5])
     print(f"{len(entries)} entries, {human(total)} in {cache.root} (bound: {cache.bound_text()})")
-    old = Path(__file__).resolve().parents[1] / ".cache" / "handoff"
+    old = Path(__file__).resolve().parents[2] / ".cache" / "handoff"
     if old.is_dir():
         print(f"note: {old} (hand-off environments before difftest's cache) is no longer used; remove it "
               f"with rm -rf", file=sys.stderr)

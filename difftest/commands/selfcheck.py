@@ -255,7 +255,7 @@ def cmd_selfcheck(args) -> int:
 def add_selfcheck_parser(subparsers) -> argparse.ArgumentParser:
     sc = subparsers.add_parser("selfcheck", help="catch every planted defect of the CPU test engine, and flag "
                                                  "nothing on the clean one, before trusting a gate on this machine")
-    sc.add_argument("--suite", default=str(Path(__file__).resolve().parents[1] / "cases" / "suites" / "smoke.yaml"),
+    sc.add_argument("--suite", default=str(Path(__file__).resolve().parents[2] / "cases" / "suites" / "smoke.yaml"),
                     help="the suite to run each engine on (default: the smoke suite)")
     sc.add_argument("--defects", default="all", help="comma-separated defects to plant (default all); "
                                                      "the clean engine always runs")
