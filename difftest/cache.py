@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from .checkout import REPO
 from .errors import BadInput, InfraError
 
 ROOT_ENV = "DIFFTEST_CACHE"
@@ -58,7 +59,7 @@ _KEY = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
 
 
 def default_root() -> Path:
-    return Path(os.environ.get(ROOT_ENV) or Path(__file__).resolve().parents[1] / ".cache" / "difftest")
+    return Path(os.environ.get(ROOT_ENV) or REPO / ".cache" / "difftest")
 
 
 _UNITS = {"": 1, "K": 1024, "M": 1024**2, "G": 1024**3, "T": 1024**4}

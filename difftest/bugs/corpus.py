@@ -18,10 +18,10 @@ from pathlib import Path
 import yaml
 
 from .. import yamlfile
+from ..checkout import REPO
 from ..errors import BadInput
 from ..verdicts.classify import STAGES
 
-REPO = Path(__file__).resolve().parents[2]
 DEFAULT_CORPUS = REPO / "cases" / "bugs"
 SUITES = REPO / "cases" / "suites"
 CANDIDATES = ("vllm-omni", "vllm-omni-offline", "vllm-omni-offline:async")

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from pathlib import Path
 
 from ..cache import DEFAULT_MAX_ENTRIES, FORMAT, KINDS, MAX_BYTES_ENV, MAX_ENTRIES_ENV, ROOT_ENV, Cache, human, iso_time
+from ..checkout import REPO
 
 
 def _count(text: str) -> int:
@@ -43,7 +43,7 @@ def cmd_cache_list(args) -> int:
         for r in rows:
             print("  ".join(c.ljust(w) for c, w in zip(r[:5], widths)) + "  " + r[5])
     print(f"{len(entries)} entries, {human(total)} in {cache.root} (bound: {cache.bound_text()})")
-    old = Path(__file__).resolve().parents[2] / ".cache" / "handoff"
+    old = REPO / ".cache" / "handoff"
     if old.is_dir():
         print(f"note: {old} (hand-off environments before difftest's cache) is no longer used; remove it "
               f"with rm -rf", file=sys.stderr)

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..checkout import REPO
 from ..engines.reference import ReferenceOptions, reference_python
 from ..engines.start import Setup, start_cpu_engines
 from ..errors import BadInput
@@ -255,7 +256,7 @@ def cmd_selfcheck(args) -> int:
 def add_selfcheck_parser(subparsers) -> argparse.ArgumentParser:
     sc = subparsers.add_parser("selfcheck", help="catch every planted defect of the CPU test engine, and flag "
                                                  "nothing on the clean one, before trusting a gate on this machine")
-    sc.add_argument("--suite", default=str(Path(__file__).resolve().parents[2] / "cases" / "suites" / "smoke.yaml"),
+    sc.add_argument("--suite", default=str(REPO / "cases" / "suites" / "smoke.yaml"),
                     help="the suite to run each engine on (default: the smoke suite)")
     sc.add_argument("--defects", default="all", help="comma-separated defects to plant (default all); "
                                                      "the clean engine always runs")

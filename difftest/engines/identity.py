@@ -18,6 +18,7 @@ import json
 import shutil
 from pathlib import Path
 
+from ..checkout import REPO
 from ..errors import BadInput
 from ..results import FORMAT as RESULT_FORMAT
 from ..results import atomic_write
@@ -25,7 +26,6 @@ from ..suites.suite import content_hash
 
 FORMAT = "difftest.identity/1"
 FILE = "identity.json"
-REPO = Path(__file__).resolve().parents[2]
 
 
 def code_hash(*folders: str | Path) -> str:

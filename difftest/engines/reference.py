@@ -20,6 +20,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checkout import REPO
 from ..errors import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_PASS, BadInput, InfraError
 from ..family import FAMILY
 from ..process import zygote
@@ -31,7 +32,6 @@ from ..suites.checkpoints import MANIFEST
 from ..suites.suite import TINY_HAZARD, TINY_MODELS, Suite
 from .base import Outcome
 
-REPO = Path(__file__).resolve().parents[2]
 DEFAULT_PYTHON = REPO / ".venv-reference" / "bin" / "python"
 PYTHON_ENV_VAR = "DIFFTEST_REFERENCE_PYTHON"
 LABEL = "qwen-tts"

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Callable
 from urllib.parse import urlsplit
 
+from ..checkout import REPO
 from ..errors import BadInput, InfraError
 from ..process.launcher import ServerProcess, free_port, free_ports
 from ..suites.suite import Suite
@@ -35,7 +36,6 @@ CPU_ENGINE = "cpu-engine"
 VLLM_OMNI = "vllm-omni"
 VLLM_OMNI_OFFLINE = "vllm-omni-offline"
 URL = "url"
-REPO = Path(__file__).resolve().parents[2]
 CPU_ENGINE_CODE = ("runners/cpu_engine", "runners/reference", "runners/protocol.py")
 VLLM_OMNI_PLUGINS = ("runners/vllm_omni", "runners/vllm_omni_offline")
 CPU_ENGINE_LABEL = "difftest CPU test engine (not vLLM-Omni)"

@@ -39,6 +39,7 @@ from pathlib import Path
 
 import yaml
 
+from ..checkout import REPO
 from ..errors import BadInput, InfraError
 from ..family import FAMILY
 from ..process.launcher import ServerProcess, free_ports, start_together
@@ -47,7 +48,6 @@ from ..suites.checkpoints import checkpoint_type
 from .deploy_diff import engine_arg_keys, release_deploy, served_configuration
 from .speech_client import SpeechAnswer, SpeechClient
 
-REPO = Path(__file__).resolve().parents[2]
 DEFAULT_VENV = REPO / ".venv-vllm-omni"
 PYTHON_ENV_VAR = "DIFFTEST_VLLM_OMNI_PYTHON"
 MAKE_ENV = "runners/vllm_omni/make_env.sh"

@@ -31,9 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..cache import Cache
+from ..checkout import REPO
 from ..errors import BadInput, InfraError
 
-REPO = Path(__file__).resolve().parents[2]
 BASE_REQUIREMENTS = REPO / "runners" / "handoff_probe" / "base-requirements.txt"
 TORCH = "torch==2.13.0+cpu"
 TORCHAUDIO = "torchaudio==2.11.1"

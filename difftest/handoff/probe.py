@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import time
 
+from ..checkout import REPO
 from ..errors import InfraError
 from ..process.runner_client import RunnerDied, RunnerProcess, RunnerRefused
-from .envs import REPO, Env
+from .envs import Env
 from .generate import Case, RequestSpec, solo_case
 from .oracle import Violation, check
 

@@ -7,7 +7,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..engines.reference import REPO, ReferenceOptions, runner_argv, runner_env, tiny_checkpoints
+from ..checkout import REPO
+from ..engines.reference import ReferenceOptions, runner_argv, runner_env, tiny_checkpoints
 from ..engines.start import CandidateSpec, Setup
 from ..errors import BadInput, InfraError
 from ..process.runner_client import RunnerDied, RunnerProcess

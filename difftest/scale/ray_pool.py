@@ -39,11 +39,11 @@ from collections import deque
 from pathlib import Path
 from typing import Iterator
 
+from ..checkout import REPO
 from ..errors import BadInput, InfraError
 from ..process.runner_client import RunnerDied
 from ..results import atomic_write
 
-REPO = Path(__file__).resolve().parents[2]
 RETRIES = 2  # re-sends of one chunk after the actor holding it was lost
 ITEMS_PER_CHUNK = {"generate": 1, "decode": 4, "score": 2}
 CONNECT_TIMEOUT = 60.0  # ray.init against an address

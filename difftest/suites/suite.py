@@ -33,6 +33,7 @@ from typing import Any
 import yaml
 
 from .. import yamlfile
+from ..checkout import REPO
 from ..errors import SuiteError
 from ..family import FAMILY, SAMPLE_RATE
 from .voices import VoiceError, check_voice
@@ -77,7 +78,7 @@ MAX_NEW_TOKENS = 8192
 MIN_NEW_TOKENS = 2
 
 ALLOW_ROOTS_ENV = "DIFFTEST_ALLOW_ROOTS"
-SHIPPED_VOICES = (Path(__file__).resolve().parents[2] / "cases" / "voices").resolve()
+SHIPPED_VOICES = (REPO / "cases" / "voices").resolve()
 
 
 @dataclass(frozen=True)
