@@ -68,7 +68,7 @@ def difftest_reference(difftest_store, tmp_path_factory):
         models = resolve_models(suite, RunOptions(store=difftest_store), python)
         if tuple(models) not in runners:
             runners[tuple(models)] = start_reference_runner(python, models, ReferenceOptions(models=models),
-                                                            logs / f"runner-{len(runners)}.log")
+                                                            logs / f"runner-{len(runners)}.log", suite.family)
         return runners[tuple(models)]
 
     yield runner_for

@@ -97,7 +97,8 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         if runner is None:
             with timings("runner_start_s"):
                 runner = (start_ray_pool(python, models, ref_opts, opts.ray) if opts.ray is not None else
-                          start_reference_runner(python, models, ref_opts, out / "logs" / "reference-runner.log"))
+                          start_reference_runner(python, models, ref_opts, out / "logs" / "reference-runner.log",
+                                               suite.family))
             stack.push(lambda *exc: runner.kill() if exc[0] else runner.close())  # interrupted: no grace
         # What the candidate is, before any model work: a run folder holding another's results is refused.
         setup = Setup(out, models, python, suite, opts, runner.hello.get("fingerprint") or {})

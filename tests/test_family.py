@@ -12,7 +12,7 @@ from pathlib import Path
 from reference_support import tiny  # noqa: F401  (a fixture)
 
 from difftest import family
-from difftest.family import FAMILIES, QWEN3_TTS
+from difftest.family import FAMILIES, QWEN3_OMNI, QWEN3_TTS
 
 REPO = Path(__file__).resolve().parents[1]
 READ = ("difftest", "runners", "dashboards")
@@ -29,6 +29,7 @@ NOT_THE_CODEC = {
     ("difftest/suites/wavio.py", "16"): (6, "a WAV's fmt chunk size, 16-bit PCM, a 24-bit sample's top byte"),
     ("runners/reference/service.py", "16"): (1, "the shortest segment hash a request may carry"),
     ("runners/reference/tiny_checkpoint.py", "16"): (10, "the tiny checkpoint's model widths"),
+    ("runners/reference_omni/tiny_checkpoint.py", "16"): (1, "the tiny Qwen3-Omni's vision patch size"),
     ("dashboards/media.py", "16"): (1, "16-bit PCM"),
     ("dashboards/pages.py", "16"): (1, "pixels"),
 }
@@ -85,8 +86,20 @@ def test_qwen3_tts_is_the_codec_the_tests_measure():
     assert f.frame_seconds == 0.08 and f.sample_rate / f.samples_per_frame == 12.5
     assert dict(f.tasks) == {"voice_clone": "Base", "custom_voice": "CustomVoice", "voice_design": "VoiceDesign"}
     assert f.serving_stages == ("talker", "vocoder") and f.stages[0] == "talker_input" and f.stages[-1] == "vocoder"
-    assert FAMILIES == {"qwen3-tts": f} and family.FAMILY is f
+    assert FAMILIES == {"qwen3-tts": f, "qwen3-omni": QWEN3_OMNI} and family.FAMILY is f
     assert (family.CODEBOOKS, family.SAMPLE_RATE, family.SAMPLES_PER_FRAME, family.STOP_ID) == (16, 24000, 1920, 2150)
+
+
+def test_qwen3_omni_speaks_the_same_codec_through_three_stages():
+    """Qwen3-Omni's talker is Qwen3-TTS's codec (tests/test_reference_omni.py measures its tiny build's
+    audio: 1920 samples a frame at 24 kHz); its request is a chat turn, served by thinker, talker, code2wav."""
+    o, t = QWEN3_OMNI, QWEN3_TTS
+    assert (o.codebooks, o.codebook_size, o.sample_rate, o.samples_per_frame, o.stop_id) == \
+        (t.codebooks, t.codebook_size, t.sample_rate, t.samples_per_frame, t.stop_id)
+    assert dict(o.tasks) == {"chat": "chat"} and dict(o.task_inputs) == {"chat": "speaker"}
+    assert o.serving_stages == ("thinker", "talker", "code2wav") and o.stages[0] == "thinker"
+    assert o.reference_runner == "runners.reference_omni" and o.tiny == ("tiny-omni",)
+    assert {f.reference_label for f in FAMILIES.values()} == {"qwen-tts", "transformers-qwen3-omni"}
 
 
 def test_the_tiny_checkpoint_is_built_from_the_record(tiny):

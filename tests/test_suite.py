@@ -102,8 +102,9 @@ def test_valid_minimal_suite_normalises(tmp_path):
     ({"voices": [{"id": "..", "wav": "v1.wav", "transcript": "x"}]}, "voices[0].id", "must begin with a letter"),
     ({"segments": [{"id": "s" * 101, "text": "a", "voice": "v1"}]}, "segments[0].id", "101 characters"),
     # #34 item 10: a model that is no id, no folder and not tiny fails validation, not the run
-    ({"model": "no-such-model"}, "model", "expected tiny (the seeded tiny checkpoints), tiny-hazard (the same with "
-                                          "massive activations), a Hugging Face id"),
+    ({"model": "no-such-model"}, "model", "expected tiny (the seeded tiny Qwen3-TTS checkpoints), tiny-hazard (the "
+                                          "same with massive activations), tiny-omni (a seeded tiny Qwen3-Omni), "
+                                          "a Hugging Face id"),
     ({"description": "d" * 5001}, "description", "5001 characters"),
 ])
 def test_invalid_suites_name_field_and_problem(tmp_path, over, field, problem):

@@ -113,7 +113,7 @@ class SharedReference:
             python = reference_python(self.opts.reference.python)
             ref_opts = ReferenceOptions(**{**self.opts.reference.__dict__, "models": self.models})
             self._runner = start_reference_runner(python, self.models, ref_opts,
-                                                  self.log_dir / f"reference-runner-{self.starts}.log")
+                                                  self.log_dir / f"reference-runner-{self.starts}.log", self.suite.family)
             self.starts += 1
         return self._runner
 

@@ -264,7 +264,8 @@ def _run_cell(e: Entry, cell: dict, cand_python: Path, out: Path, policy, opts: 
     models = resolve_models(suite, c_opts, python)
     if tuple(models) not in runners:
         ref_opts = ReferenceOptions(**{**opts.reference.__dict__, "models": models})
-        runner = start_reference_runner(python, models, ref_opts, out / "logs" / "reference-runner.log")
+        runner = start_reference_runner(python, models, ref_opts, out / "logs" / "reference-runner.log",
+                                               suite.family)
         stack.callback(runner.close)
         runners[tuple(models)] = runner
     spec = replace(CandidateSpec.parse(cell["candidate"]), python=str(cand_python), options=capacity(e))

@@ -102,7 +102,8 @@ def _run_one(e: Entry, cand_python: Path, out: Path, policy: Policy, opts: RunOp
     key = tuple(models)
     if key not in runners:
         ref_opts = ReferenceOptions(**{**opts.reference.__dict__, "models": models})
-        runner = start_reference_runner(python, models, ref_opts, out / "logs" / "reference-runner.log")
+        runner = start_reference_runner(python, models, ref_opts, out / "logs" / "reference-runner.log",
+                                               suite.family)
         stack.callback(runner.close)
         runners[key] = runner
     spec = replace(CandidateSpec.parse(e.candidate), python=str(cand_python), options=dict(e.config))

@@ -108,7 +108,8 @@ def run_matrix(args, suite, policy, spec: CandidateSpec, opts, settings_of, stre
 
     with ExitStack() as stack:
         ref_opts = ReferenceOptions(**{**opts.reference.__dict__, "models": models})
-        runner = start_reference_runner(python, models, ref_opts, out / "logs" / "reference-runner.log")
+        runner = start_reference_runner(python, models, ref_opts, out / "logs" / "reference-runner.log",
+                                               suite.family)
         stack.callback(runner.close)
         for i, (cell, settings) in enumerate(zip(grid, all_settings), 1):
             name = cell_name(cell)

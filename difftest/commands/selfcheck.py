@@ -201,7 +201,8 @@ def selfcheck(suite: Suite, out: Path, policy: Policy, opts: RunOptions, checks=
     with ExitStack() as stack:
         setup = Setup(out.resolve(), models, python, suite, opts)
         specs = start_cpu_engines([c.defect for c in checks], setup, stack)
-        runner = start_reference_runner(python, models, ref_opts, out / "logs" / "reference-runner.log")
+        runner = start_reference_runner(python, models, ref_opts, out / "logs" / "reference-runner.log",
+                                               suite.family)
         stack.callback(runner.close)
         for check in checks:
             print(f"== selfcheck: {check.name} ({check.variant}, concurrency {opts.concurrency})", file=stream)

@@ -22,19 +22,19 @@ from pathlib import Path
 
 from ..checkout import REPO
 from ..errors import EXIT_BAD_INPUT, EXIT_INFRA, EXIT_PASS, BadInput, InfraError
-from ..family import FAMILY
+from ..family import FAMILIES, FAMILY, QWEN3_TTS, ModelFamily
 from ..process import zygote
 from ..process.placement import gpu_env, parse_device
 from ..process.runner_client import RunnerDied, RunnerProcess
 from ..progress import Progress
 from ..results import CorruptResult, Result, ResultStore, read_result
 from ..suites.checkpoints import MANIFEST
-from ..suites.suite import TINY_HAZARD, TINY_MODELS, Suite
+from ..suites.suite import TINY_HAZARD, Suite
 from .base import Outcome
 
 DEFAULT_PYTHON = REPO / ".venv-reference" / "bin" / "python"
 PYTHON_ENV_VAR = "DIFFTEST_REFERENCE_PYTHON"
-LABEL = "qwen-tts"
+LABELS = {f.reference_label: f for f in FAMILIES.values()}  # what a reference runner may announce
 TINY_SEED = 0
 # The builder's listening scale (runners/reference/tiny_checkpoint.py LISTEN), passed explicitly and
 # part of the folder name: a store holding an earlier build keeps it, the new one goes beside it.
@@ -174,9 +174,29 @@ def never_stops(models: list[str]) -> bool:
     return False
 
 
-def runner_argv(python: Path, models: list[str], options: ReferenceOptions) -> list[str]:
+def family_tiny(store_root: Path, python: Path, family: ModelFamily, seed: int = TINY_SEED) -> list[str]:
+    """A family's seeded tiny checkpoint under the store, built there once by its builder (one folder)."""
+    out = Path(store_root).resolve() / "checkpoints" / f"{family.tiny[0]}-seed{seed}"
+    cmd = [str(python), "-m", family.checkpoint_builder, str(out), "--seed", str(seed)]
+    r = zygote.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+    if r.returncode != 0:
+        raise InfraError(f"building the tiny {family.display} checkpoint failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")
+    return [str(out)]
+
+
+def suite_models(suite: Suite, store_root: Path, python: Path) -> list[str]:
+    """The checkpoints a suite's `model:` names: the seeded tiny builds (built once), else the model itself."""
+    if suite.model in QWEN3_TTS.tiny:
+        return tiny_checkpoints(store_root, python, hazard=suite.model == TINY_HAZARD)
+    if suite.model in suite.family.tiny:
+        return family_tiny(store_root, python, suite.family)
+    return [suite.model]
+
+
+def runner_argv(python: Path, models: list[str], options: ReferenceOptions,
+                family: ModelFamily = QWEN3_TTS) -> list[str]:
     """The runner's command line. It runs in the repository root: local paths are made absolute."""
-    argv = [str(python), "-m", "runners.reference"]
+    argv = [str(python), "-m", family.reference_runner]
     for m in models:
         argv += ["--model", str(Path(m).resolve()) if Path(m).exists() else m]
     device = parse_device(options.device, "reference device")  # cuda:N: the runner sees only GPU N, as cuda
@@ -207,16 +227,15 @@ def start_runner(runner: RunnerProcess) -> dict:
 
 def _check_hello(runner: RunnerProcess) -> None:
     hello = runner.hello
-    if hello.get("label") != LABEL or not isinstance(hello.get("fingerprint"), dict):
+    if hello.get("label") not in LABELS or not isinstance(hello.get("fingerprint"), dict):
         runner.kill()
-        raise InfraError(f"not a qwen-tts reference runner: {json.dumps(hello)[:300]}")
+        raise InfraError(f"not a reference runner ({', '.join(LABELS)}): {json.dumps(hello)[:300]}")
 
 
 class ReferenceEngine:
-    """qwen-tts at concurrency 1 behind a running reference runner, with the result store as its
-    cache: the Engine surface (engines/base.py) of the reference side."""
-
-    label = LABEL
+    """The reference at concurrency 1 (qwen-tts, or a family's own: `label`, as its runner announces)
+    behind a running reference runner, with the result store as its cache: the Engine surface
+    (engines/base.py) of the reference side."""
 
     def __init__(self, runner: RunnerProcess, store_root: str | Path, timeout: float = 900.0):
         if runner.proc is None:
@@ -227,6 +246,7 @@ class ReferenceEngine:
         self.store = ResultStore(Path(store_root).resolve())  # the runner writes there from another folder
         self.fingerprint = runner.hello["fingerprint"]
         self.info = runner.hello.get("provenance", {})
+        self.label = runner.hello["label"]
 
     def generate(self, segments: list, *, concurrency: int = 1, out_dir: Path | None = None,
                  identity_key: str | None = None, progress: Progress | None = None,
@@ -239,7 +259,7 @@ class ReferenceEngine:
         if concurrency != 1:
             raise BadInput(f"the reference runs at concurrency 1, not {concurrency}")
         fingerprint, info, dtype = self._configuration(dtype, codes_only)
-        config_dir = self.store.config_dir(LABEL, fingerprint)
+        config_dir = self.store.config_dir(self.label, fingerprint)
         run = ReferenceRun(config_dir=config_dir, fingerprint=fingerprint, provenance=info)
         label = "reference" if dtype is None and not codes_only else f"null ({dtype or fingerprint['dtype']})"
         progress = progress or Progress(len(segments), label=label)
@@ -266,7 +286,7 @@ class ReferenceEngine:
         try:
             for wave in waves:
                 alone = len(wave) == 1  # a wave of one is the codes-only decode at 1, under that key
-                config_dir = self.store.config_dir(LABEL, fingerprint if alone else
+                config_dir = self.store.config_dir(self.label, fingerprint if alone else
                                                    {**fingerprint, "batch": [s.hash for s in wave]})
                 if not alone and any(self.store.get(config_dir, s.id, s.hash) is None for s in wave):
                     todo = list(wave)  # one missing: the whole wave again (its mates decide its codes)
@@ -368,12 +388,10 @@ def run_reference(suite: Suite, store_root: str | Path, options: ReferenceOption
     own_runner = runner is None
     if own_runner:
         python = reference_python(options.python)
-        models = list(options.models) or (
-            tiny_checkpoints(store_root, python, hazard=suite.model == TINY_HAZARD) if suite.model in TINY_MODELS
-            else [suite.model])
-        log_path = options.log_path or store_root / "logs" / f"{LABEL}-runner.log"
+        models = list(options.models) or suite_models(suite, store_root, python)
+        log_path = options.log_path or store_root / "logs" / f"{suite.family.reference_label}-runner.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
-        runner = RunnerProcess(runner_argv(python, models, options), env=runner_env(options),
+        runner = RunnerProcess(runner_argv(python, models, options, suite.family), env=runner_env(options),
                                log_path=log_path, cwd=REPO)
     try:
         return ReferenceEngine(runner, store_root, options.timeout).generate(suite.segments, progress=progress)

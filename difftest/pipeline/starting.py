@@ -8,19 +8,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..checkout import REPO
-from ..engines.reference import ReferenceOptions, runner_argv, runner_env, tiny_checkpoints
+from ..engines.reference import ReferenceOptions, runner_argv, runner_env, suite_models
 from ..engines.start import CandidateSpec, Setup
 from ..errors import BadInput, InfraError
+from ..family import QWEN3_TTS, ModelFamily
 from ..process.runner_client import RunnerDied, RunnerProcess
 from ..results import ResultStore
-from ..suites.suite import TINY_HAZARD, TINY_MODELS, Suite, hf_cached
+from ..suites.suite import TINY_MODELS, Suite, hf_cached
 
 if TYPE_CHECKING:
     from .options import RunOptions
 
 
-def start_reference_runner(python: Path, models: list[str], ref_opts: ReferenceOptions, log: Path) -> RunnerProcess:
-    runner = RunnerProcess(runner_argv(python, models, ref_opts), env=runner_env(ref_opts),
+def start_reference_runner(python: Path, models: list[str], ref_opts: ReferenceOptions, log: Path,
+                           family: ModelFamily = QWEN3_TTS) -> RunnerProcess:
+    runner = RunnerProcess(runner_argv(python, models, ref_opts, family), env=runner_env(ref_opts),
                            log_path=log, cwd=REPO)
     try:
         runner.start()
@@ -57,7 +59,7 @@ def resolve_models(suite: Suite, opts: RunOptions, python: Path) -> list[str]:
     if opts.reference.models:
         return list(opts.reference.models)
     if suite.model in TINY_MODELS:
-        return tiny_checkpoints(ResultStore(opts.store).root, python, hazard=suite.model == TINY_HAZARD)
+        return suite_models(suite, ResultStore(opts.store).root, python)
     if not Path(suite.model).expanduser().is_dir() and not hf_cached(suite.model):
         raise BadInput(f"{suite.path}: model: {suite.model!r} is no folder and not in the local Hugging Face cache "
                        f"(nothing is downloaded: fetch it first, or pass --reference-model FOLDER)")

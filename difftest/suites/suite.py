@@ -35,18 +35,18 @@ import yaml
 from .. import yamlfile
 from ..checkout import REPO
 from ..errors import SuiteError
-from ..family import FAMILY, SAMPLE_RATE
+from ..family import FAMILIES, FAMILY, QWEN3_TTS, SAMPLE_RATE, ModelFamily, family_of_model
 from .voices import VoiceError, check_voice
 
-# the family's request vocabulary (difftest/family.py)
+# Qwen3-TTS's request vocabulary (difftest/family.py); a suite's own family's is `suite.family`'s
 LANGUAGES = FAMILY.languages
 TASKS = tuple(FAMILY.tasks)
 API_TASK_TYPE = FAMILY.tasks  # the vLLM-Omni speech API's task_type for each task
 CLONE_MODES = ("icl", "xvector")
-# a suite's `model:` naming difftest's seeded tiny checkpoints (runners/reference/tiny_checkpoint.py):
-# as built, and with a trained model's massive activations planted (`--hazard`, issue 58)
-TINY, TINY_HAZARD = "tiny", "tiny-hazard"
-TINY_MODELS = (TINY, TINY_HAZARD)
+# a suite's `model:` naming difftest's seeded tiny checkpoints (each family's builder): Qwen3-TTS's as
+# built, and with a trained model's massive activations planted (`--hazard`, issue 58), Qwen3-Omni's
+TINY, TINY_HAZARD = QWEN3_TTS.tiny
+TINY_MODELS = tuple(name for f in FAMILIES.values() for name in f.tiny)
 
 # Decode parameters: name -> (type, required). Greedy decoding is the default
 # because only greedy decoding can agree sample for sample across engines.
@@ -63,6 +63,7 @@ DECODE_FIELDS: dict[str, tuple[type, bool]] = {
     "max_new_tokens": (int, True),
     "seed": (int, True),
     "non_streaming_mode": (bool, False),
+    "thinker_max_new_tokens": (int, False),  # a family whose first stage is a thinker: its answer's length
 }
 DECODE_DEFAULTS = {"do_sample": False, "subtalker_dosample": False}
 
@@ -143,6 +144,7 @@ class Suite:
     segments: list[Segment]
     description: str = ""
     hash: str = field(default="")
+    family: ModelFamily = QWEN3_TTS  # from `model:` (difftest.family.family_of_model)
 
     def segment(self, segment_id: str) -> Segment:
         for s in self.segments:
@@ -194,9 +196,14 @@ class _Checker:
             self.fail(f"{where}.{extra[0]}", f"unknown field (allowed: {', '.join(sorted(allowed))})")
 
 
-def _decode_params(chk: _Checker, raw, where: str, base: dict | None) -> dict:
+def decode_fields(family: ModelFamily) -> set[str]:
+    """The decode parameters a family's suites may set: a thinker's only where there is one."""
+    return set(DECODE_FIELDS) - ({"thinker_max_new_tokens"} if "thinker" not in family.serving_stages else set())
+
+
+def _decode_params(chk: _Checker, raw, where: str, base: dict | None, family: ModelFamily = QWEN3_TTS) -> dict:
     raw = chk.mapping(raw if raw is not None else {}, where)
-    chk.unknown_keys(raw, set(DECODE_FIELDS), where)
+    chk.unknown_keys(raw, decode_fields(family), where)
     out = dict(DECODE_DEFAULTS if base is None else base)
     for name, value in raw.items():
         typ, _ = DECODE_FIELDS[name]
@@ -217,6 +224,8 @@ def _decode_params(chk: _Checker, raw, where: str, base: dict | None) -> dict:
     if not MIN_NEW_TOKENS <= out["max_new_tokens"] <= MAX_NEW_TOKENS:
         chk.fail(f"{where}.max_new_tokens", f"must lie in {MIN_NEW_TOKENS}..{MAX_NEW_TOKENS}, got "
                  f"{out['max_new_tokens']} (qwen-tts makes max_new_tokens - 1 frames; 1 would be no audio)")
+    if out.get("thinker_max_new_tokens", 1) < 1:
+        chk.fail(f"{where}.thinker_max_new_tokens", f"must be positive, got {out['thinker_max_new_tokens']}")
     if out["seed"] < 0:
         chk.fail(f"{where}.seed", f"must be >= 0, got {out['seed']}")
     if out["repetition_penalty"] <= 0:
@@ -307,7 +316,7 @@ def _voice(chk: _Checker, raw, i: int, base_dir: Path) -> Voice:
                  wi.channels)
 
 
-def _segment(chk: _Checker, raw, i: int, voices: dict, decode: dict) -> Segment:
+def _segment(chk: _Checker, raw, i: int, voices: dict, decode: dict, family: ModelFamily = QWEN3_TTS) -> Segment:
     where = f"segments[{i}]"
     raw = chk.mapping(raw, where)
     sid = chk.ident(raw.get("id"), f"{where}.id")
@@ -315,36 +324,39 @@ def _segment(chk: _Checker, raw, i: int, voices: dict, decode: dict) -> Segment:
     chk.unknown_keys(raw, {"id", "text", "language", "task", "voice", "speaker", "instructions", "decode"}, where)
     text = chk.text(raw.get("text"), f"{where}.text")
     lang_raw = raw.get("language", "Auto")
-    if not isinstance(lang_raw, str) or lang_raw.strip().title() not in LANGUAGES:
-        chk.fail(f"{where}.language", f"unknown language {yamlfile.quote(lang_raw)} (known: {', '.join(LANGUAGES)})")
+    if not isinstance(lang_raw, str) or lang_raw.strip().title() not in family.languages:
+        chk.fail(f"{where}.language", f"unknown language {yamlfile.quote(lang_raw)} "
+                                      f"(known to {family.display}: {', '.join(family.languages)})")
     language = lang_raw.strip().title()
-    task = raw.get("task", "voice_clone")
-    if task not in TASKS:
-        chk.fail(f"{where}.task", f"{yamlfile.quote(task)} is not one of {', '.join(TASKS)}")
+    task = raw.get("task", next(iter(family.tasks)))
+    if task not in family.tasks:
+        chk.fail(f"{where}.task", f"{yamlfile.quote(task)} is not one of {', '.join(family.tasks)} "
+                                  f"(the tasks of {family.display})")
+    takes = family.task_inputs[task]  # what names the segment's voice: a voice, a speaker or instructions
     voice = speaker = instructions = None
     if "instructions" in raw:
         instructions = chk.text(raw["instructions"], f"{where}.instructions")
-    if task == "voice_clone":
+    if takes == "voice":
         vid = raw.get("voice")
         if vid is None:
-            chk.fail(f"{where}.voice", "a voice_clone segment needs a voice")
+            chk.fail(f"{where}.voice", f"a {task} segment needs a voice")
         if vid not in voices:
             chk.fail(f"{where}.voice", f"unknown voice {yamlfile.quote(vid)} (suite voices: {', '.join(voices) or 'none'})")
         voice = voices[vid]
         for other in ("speaker", "instructions"):
             if other in raw:
-                chk.fail(f"{where}.{other}", "not used by a voice_clone segment")
-    elif task == "custom_voice":
+                chk.fail(f"{where}.{other}", f"not used by a {task} segment")
+    elif takes == "speaker":
         speaker = chk.ident(raw.get("speaker"), f"{where}.speaker")
         if "voice" in raw:
-            chk.fail(f"{where}.voice", "not used by a custom_voice segment (use speaker)")
+            chk.fail(f"{where}.voice", f"not used by a {task} segment (use speaker)")
     else:
         if instructions is None:
-            chk.fail(f"{where}.instructions", "a voice_design segment needs instructions")
+            chk.fail(f"{where}.instructions", f"a {task} segment needs instructions")
         for other in ("voice", "speaker"):
             if other in raw:
-                chk.fail(f"{where}.{other}", "not used by a voice_design segment")
-    seg_decode = _decode_params(chk, raw.get("decode"), f"{where}.decode", decode)
+                chk.fail(f"{where}.{other}", f"not used by a {task} segment")
+    seg_decode = _decode_params(chk, raw.get("decode"), f"{where}.decode", decode, family)
     seg = Segment(sid, text, language, task, seg_decode, voice, speaker, instructions)
     return Segment(**{**seg.__dict__, "hash": content_hash(seg.fingerprint())})
 
@@ -384,9 +396,11 @@ def load_suite(path: str | Path, also: frozenset[Path] = frozenset()) -> Suite:
     name = chk.ident(raw.get("name"), "name")
     model = chk.text(raw.get("model", TINY), "model")
     if model not in TINY_MODELS and not _hf_id(model) and not Path(model).expanduser().is_dir():
-        chk.fail("model", f"{yamlfile.quote(model)}: expected tiny (the seeded tiny checkpoints), tiny-hazard (the "
-                          f"same with massive activations), a Hugging Face id (org/name) or a checkpoint folder")
-    decode = _decode_params(chk, raw.get("decode"), "decode", None)
+        chk.fail("model", f"{yamlfile.quote(model)}: expected tiny (the seeded tiny Qwen3-TTS checkpoints), "
+                          f"tiny-hazard (the same with massive activations), tiny-omni (a seeded tiny Qwen3-Omni), "
+                          f"a Hugging Face id (org/name) or a checkpoint folder")
+    family = family_of_model(model)
+    decode = _decode_params(chk, raw.get("decode"), "decode", None, family)
 
     chunks = dict(DEFAULT_CHUNKS)
     chunks_raw = chk.mapping(raw.get("chunks", {}), "chunks")
@@ -411,7 +425,7 @@ def load_suite(path: str | Path, also: frozenset[Path] = frozenset()) -> Suite:
         chk.fail("segments", "expected a non-empty list")
     segments, seen = [], set()
     for i, s in enumerate(segs_raw):
-        seg = _segment(chk, s, i, voices, decode)
+        seg = _segment(chk, s, i, voices, decode, family)
         if seg.id in seen:
             chk.fail(f"segments[{i}].id", f"duplicate segment id {yamlfile.quote(seg.id)}")
         seen.add(seg.id)
@@ -419,4 +433,4 @@ def load_suite(path: str | Path, also: frozenset[Path] = frozenset()) -> Suite:
 
     suite_hash = content_hash({"name": name, "chunks": chunks, "segments": [(s.id, s.hash) for s in segments]})
     return Suite(name, path, model, decode, chunks, voices, segments,
-                 chk.text(raw.get("description", ""), "description", allow_empty=True), suite_hash)
+                 chk.text(raw.get("description", ""), "description", allow_empty=True), suite_hash, family)

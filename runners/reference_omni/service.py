@@ -1,0 +1,188 @@
+"""The Qwen3-Omni reference runner's jobs: `generate` and `decode` (docs/runner-protocol.md).
+
+As the Qwen3-TTS runner (runners/reference/service.py, whose segment keys, result cache and codes
+files this shares): a cached result or a bad segment costs no model work, every other segment is
+decoded alone (concurrency 1), and each result records what each stage handed on:
+`codes` (what code2wav received), `wav`, and in `extra` the chat turn as the thinker read it
+(`prompt_ids`), the thinker's answer handed to the talker (`answer_ids`) and the talker's own frames
+(`talker_codes`, before the hand-off to code2wav).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from difftest.family import QWEN3_OMNI
+from difftest.results import Result, ResultStore, write_result
+from difftest.suites.checkpoints import hash_files
+from difftest.suites.suite import DECODE_FIELDS
+from runners.reference.environment import log
+from runners.reference.service import BadInput, _load_codes, _segment_key, _sidecar, _valid_result
+from runners.reference_omni.engine import OmniEngine, Utterance
+
+LABEL = "transformers-qwen3-omni"
+TASK = "chat"
+REQUIRED_DECODE = ("seed", "max_new_tokens")
+MIN_NEW_TOKENS = 2  # the talker's last token never becomes a frame: 1 would be no audio
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used; the message names the folder and the problem."""
+
+
+@dataclass(frozen=True)
+class OmniCheckpoint:
+    spec: str
+    path: Path
+    config: dict
+    files: dict  # relative path -> sha256
+
+    @property
+    def sha256(self) -> str:
+        h = hashlib.sha256()
+        for rel, digest in sorted(self.files.items()):
+            h.update(f"{rel}\0{digest}\n".encode())
+        return h.hexdigest()
+
+    def speakers(self) -> set[str]:
+        return {k.lower() for k in (self.config.get("talker_config", {}).get("speaker_id") or {})}
+
+
+def open_checkpoint(spec: str) -> OmniCheckpoint:
+    folder = Path(spec).expanduser()
+    if not folder.is_dir():
+        raise CheckpointError(f"{spec}: no such checkpoint folder")
+    folder = folder.resolve()
+    missing = [f for f in ("config.json", "tokenizer_config.json", "tokenizer.json") if not (folder / f).is_file()]
+    if not any((folder / w).is_file() for w in ("model.safetensors", "model.safetensors.index.json")):
+        missing.append("model.safetensors")
+    if missing:
+        raise CheckpointError(f"{folder}: missing {', '.join(missing)}")
+    try:
+        config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{folder / 'config.json'}: not valid JSON ({e})") from None
+    want = QWEN3_OMNI.checkpoint_types[TASK]
+    if not isinstance(config, dict) or config.get("model_type") != want:
+        got = config.get("model_type") if isinstance(config, dict) else None
+        raise CheckpointError(f"{folder / 'config.json'}: model_type is {got!r}, expected {want!r}")
+    return OmniCheckpoint(spec, folder, config, hash_files(folder))
+
+
+def parse_segment(seg: dict, ckpt: OmniCheckpoint) -> Utterance:
+    """A segment job checked against the checkpoint; BadInput names what is wrong."""
+    if seg.get("task") != TASK:
+        raise BadInput(f"task {seg.get('task')!r}: a {QWEN3_OMNI.display} checkpoint serves {TASK!r} segments")
+    text = seg.get("text")
+    if not isinstance(text, str) or not text.strip():
+        raise BadInput("empty text")
+    speaker = seg.get("speaker")
+    if not isinstance(speaker, str) or speaker.lower() not in ckpt.speakers():
+        raise BadInput(f"unknown speaker {speaker!r} (the checkpoint has: {', '.join(sorted(ckpt.speakers()))})")
+    raw = seg.get("decode")
+    if not isinstance(raw, dict):
+        raise BadInput("decode parameters missing")
+    unknown = sorted(set(raw) - set(DECODE_FIELDS))
+    if unknown:
+        raise BadInput(f"unknown decode parameter {unknown[0]!r}")
+    for name in REQUIRED_DECODE:
+        if not isinstance(raw.get(name), int) or isinstance(raw.get(name), bool):
+            raise BadInput(f"decode.{name} must be given as an integer")
+    if raw["max_new_tokens"] < MIN_NEW_TOKENS:
+        raise BadInput(f"decode.max_new_tokens must be at least {MIN_NEW_TOKENS}, got {raw['max_new_tokens']}")
+    return Utterance(text=text, speaker=speaker, decode=dict(raw))
+
+
+class OmniService:
+    def __init__(self, ckpt: OmniCheckpoint, engine: OmniEngine, provenance: dict):
+        self.ckpt, self.engine, self.provenance = ckpt, engine, provenance
+
+    def _load(self, sid: str, emit) -> float:
+        if not self.engine.is_loaded():
+            emit("progress", segment=sid, stage="load", message=f"loading {QWEN3_OMNI.display} in {self.engine.dtype}")
+        t0 = time.perf_counter()
+        self.engine.load()
+        return time.perf_counter() - t0
+
+    def generate(self, job: dict, emit) -> None:
+        segments = job.get("segments") or []
+        out_dir = job.get("out_dir")
+        problem = ("the reference runs at concurrency 1 only" if job.get("concurrency", 1) != 1
+                   else "generate job has no out_dir" if not out_dir
+                   else "this runner decodes in its own dtype only" if job.get("dtype") not in (None, self.engine.dtype)
+                   else "this runner decodes one segment at a time (no waves)" if job.get("waves") is not None
+                   else None)
+        for seg in segments:
+            sid = seg.get("id", "?") if isinstance(seg, dict) else "?"
+            try:
+                if problem:
+                    raise BadInput(problem)
+                self._generate_one(seg, Path(out_dir), emit)
+            except BadInput as e:
+                emit("error", segment=sid, kind="bad_input", message=str(e))
+            except Exception as e:  # the model failed on this segment; go on with the next
+                log(f"segment {sid}: {type(e).__name__}: {e}")
+                emit("error", segment=sid, kind="engine", message=f"{type(e).__name__}: {e}")
+
+    def _generate_one(self, seg: dict, out_dir: Path, emit) -> None:
+        sid, shash = _segment_key(seg)
+        stem = ResultStore.stem(out_dir, sid, shash)
+        cached = _valid_result(stem, shash)
+        if cached is not None:
+            emit("result", segment=sid, path=str(_sidecar(stem)), cached=True,
+                 seconds=float(cached.timings.get("seconds", 0.0)), audio_seconds=cached.seconds)
+            return
+        utt = parse_segment(seg, self.ckpt)
+        load_s = self._load(sid, emit)
+        syn = self.engine.synthesize(utt)
+        audio_s = len(syn.wav) / syn.sample_rate
+        seconds = syn.timings["generate_s"]
+        timings = {**syn.timings, "seconds": seconds, "audio_s": audio_s, "rtf": seconds / audio_s if audio_s else None,
+                   **({"load_s": load_s} if load_s > 0.01 else {})}
+        provenance = {**self.provenance, "checkpoint": self._checkpoint(), "task": TASK, "speaker": utt.speaker,
+                      "decode": {**syn.generate_kwargs, "seed": utt.decode["seed"]}}
+        result = Result(segment_id=sid, segment_hash=shash, wav=syn.wav, sample_rate=syn.sample_rate, codes=syn.codes,
+                        provenance=provenance, timings=timings,
+                        meta={"runner": LABEL, "concurrency": 1, "lead_samples": 0},
+                        extra={"prompt_ids": syn.prompt_ids, "answer_ids": syn.answer_ids,
+                               "talker_codes": syn.talker_codes})
+        side = write_result(stem, result)
+        emit("result", segment=sid, path=str(side), cached=False, seconds=seconds, audio_seconds=audio_s)
+
+    def _checkpoint(self) -> dict:
+        c = self.ckpt
+        return {"path": str(c.path), "model": c.spec, "sha256": c.sha256, "model_type": c.config.get("model_type")}
+
+    def decode(self, job: dict, emit) -> None:
+        """code2wav of given codes (the cross-decode): `items`, each name, input (npz with `codes`) and out."""
+        for item in job.get("items") or []:
+            name = item.get("name", "?") if isinstance(item, dict) else "?"
+            try:
+                if not isinstance(item, dict) or not item.get("name") or not item.get("input") or not item.get("out"):
+                    raise BadInput("a decode item needs name, input and out")
+                if item.get("dtype") not in (None, self.engine.dtype):
+                    raise BadInput(f"this runner decodes in {self.engine.dtype} only")
+                codes, _ = _load_codes(Path(item["input"]))
+                self._load(name, emit)
+                t0 = time.perf_counter()
+                wav = self.engine.vocode(codes)
+                seconds = time.perf_counter() - t0
+                sr = QWEN3_OMNI.sample_rate
+                result = Result(segment_id=str(item.get("segment_id", name)),
+                                segment_hash=str(item.get("segment_hash", "")), wav=wav, sample_rate=sr, codes=codes,
+                                provenance={**self.provenance, "op": "decode", "input": str(item["input"]),
+                                            "checkpoint": self._checkpoint()},
+                                timings={"decode_s": seconds, "audio_s": len(wav) / sr},
+                                meta={"runner": LABEL, "op": "decode", "item": name, "lead_samples": 0})
+                side = write_result(Path(item["out"]), result)
+                emit("result", item=name, segment=name, path=str(side), cached=False, seconds=seconds,
+                     audio_seconds=len(wav) / sr)
+            except BadInput as e:
+                emit("error", item=name, segment=name, kind="bad_input", message=str(e))
+            except Exception as e:
+                log(f"decode {name}: {type(e).__name__}: {e}")
+                emit("error", item=name, segment=name, kind="engine", message=f"{type(e).__name__}: {e}")
