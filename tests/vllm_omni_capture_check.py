@@ -225,6 +225,23 @@ def length_cap() -> dict:
             "stop_unchanged": patched(a, params, stage0_finish_reason="stop", output_tokens=5) is None}
 
 
+def omni_greedy() -> dict:
+    """DIFFTEST_OMNI_SUBTALKER_GREEDY: Qwen3-Omni's code predictor takes the first maximal logit, ties
+    included; the shared wrapper (Qwen3-TTS's predictor) still samples."""
+    import difftest_capture
+    import torch
+
+    os.environ["DIFFTEST_OMNI_SUBTALKER_GREEDY"] = "1"
+    difftest_capture.register()
+    from vllm_omni.model_executor.models.common.qwen3_code_predictor import CodePredictorWrapper
+    from vllm_omni.model_executor.models.qwen3_omni import qwen3_omni_moe_code_predictor_mtp as mtp
+
+    logits = torch.tensor([[0.0, 3.0, 3.0, -1.0]] * 64, dtype=torch.bfloat16)
+    greedy = mtp.Qwen3OmniMoeTalkerCodePredictor._sample_codes_gumbel(logits)
+    shared = CodePredictorWrapper._sample_codes_gumbel(logits)
+    return {"greedy": sorted(set(greedy.flatten().tolist())), "shared_samples": sorted(set(shared.flatten().tolist()))}
+
+
 def main() -> int:
     print(json.dumps(checks(Path(sys.argv[1]))))
     return 0
@@ -247,6 +264,7 @@ def checks(work: Path) -> dict:
     result["async_chunk"] = async_chunk_batch(proc, hooks, work / "async")
     result["failing_write"] = failing_write(proc, hooks, work / "broken", logs)
     result["length_cap"] = length_cap()
+    result["omni_greedy"] = omni_greedy()
     return result
 
 

@@ -36,12 +36,13 @@ from difftest.family import CODEBOOK_SIZE, CODEBOOKS, QWEN3_OMNI
 from difftest.suites.checkpoints import MANIFEST, hash_files
 
 BUILDER = QWEN3_OMNI.checkpoint_builder
-BUILDER_VERSION = 1
+BUILDER_VERSION = 2  # 2: the vision fields and the processor vLLM-Omni reads at start
 MANIFEST_FORMAT = "difftest.checkpoint/1"
 MODEL_TYPE = QWEN3_OMNI.checkpoint_types["chat"]
 
 HIDDEN = 64
 HEAD_DIM = 32  # vLLM's CPU attention: 32 is the smallest supported head size
+PATCH = 16  # the vision tower's patch, as the image and video processors must say
 MROPE = {"mrope_section": [4, 6, 6], "interleaved": True, "mrope_interleaved": True, "rope_type": "default"}
 THINKER_VOCAB = 152064  # the real one (above)
 TALKER_VOCAB = 3072  # codec ids, specials and speakers: generate suppresses [vocab - 1024, vocab) but EOS
@@ -85,9 +86,12 @@ def omni_config() -> dict:
             audio_config=dict(num_mel_bins=128, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=64,
                               d_model=32, output_dim=HIDDEN, n_window=50, n_window_infer=800,
                               downsample_hidden_size=8, max_source_positions=1500, conv_chunksize=500),
+            # image_size and apply_vit_abs_pos_embed: vLLM's thinker reads them (transformers does not write
+            # them): 768 / PATCH = 48 = sqrt(num_position_embeddings)
             vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, in_channels=3,
-                               patch_size=16, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=HIDDEN,
-                               num_position_embeddings=2304, deepstack_visual_indexes=[0]),
+                               patch_size=PATCH, spatial_merge_size=2, temporal_patch_size=2, out_hidden_size=HIDDEN,
+                               num_position_embeddings=2304, deepstack_visual_indexes=[0], image_size=768,
+                               apply_vit_abs_pos_embed=True),
             text_config=text(THINKER_VOCAB, decoder_sparse_step=1, shared_expert_intermediate_size=0),
             audio_end_token_id=SPECIAL_TOKENS["<|audio_end|>"], vision_end_token_id=SPECIAL_TOKENS["<|vision_end|>"],
             user_token_id=ROLES["user"], **media),
@@ -163,6 +167,28 @@ def _without_holes_warning():
                     print(line, file=sys.stderr)
 
 
+def processor_config() -> dict:
+    """Qwen3OmniMoeProcessor's parts as transformers 5 writes them (processor_config.json): vLLM-Omni's
+    thinker builds its multimodal processor at start, text-only serving included. Written here, not by
+    the classes: the image and video processors need Pillow and torchvision, which the reference's
+    environment lacks."""
+    vision = {"do_convert_rgb": True, "do_normalize": True, "do_rescale": True, "do_resize": True,
+              "image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5], "merge_size": 2, "patch_size": PATCH,
+              "resample": 3, "rescale_factor": 1 / 255, "temporal_patch_size": 2}
+    return {
+        "processor_class": "Qwen3OmniMoeProcessor",
+        "feature_extractor": {"feature_extractor_type": "WhisperFeatureExtractor", "feature_size": 128,
+                              "sampling_rate": 16000, "hop_length": 160, "chunk_length": 300, "n_fft": 400,
+                              "n_samples": 4800000, "nb_max_frames": 30000, "padding_side": "right",
+                              "padding_value": 0.0, "return_attention_mask": True, "dither": 0.0},
+        "image_processor": {**vision, "image_processor_type": "Qwen2VLImageProcessor",
+                            "size": {"longest_edge": 12845056, "shortest_edge": 3136}},
+        "video_processor": {**vision, "video_processor_type": "Qwen2VLVideoProcessor", "do_sample_frames": False,
+                            "max_frames": 768, "min_frames": 4, "return_metadata": False,
+                            "size": {"longest_edge": 602112, "shortest_edge": 100352}},
+    }
+
+
 def redraw_code2wav_(code2wav, seed: int) -> None:
     """Fan-in scaled convolutions (gain 1, residual units 0.5, the last conv 0.05): audio of std ~0.1
     that follows the codes, without clipping."""
@@ -196,6 +222,8 @@ def _build_into(out: Path, seed: int, eos_bias: float) -> None:
             head[QWEN3_OMNI.stop_id] = eos_bias * u / u.norm()
     model.save_pretrained(str(out))
     write_tokenizer(out)
+    (out / "processor_config.json").write_text(json.dumps(processor_config(), indent=2, sort_keys=True) + "\n",
+                                               encoding="utf-8")
 
 
 def _parameters(seed: int, eos_bias: float) -> dict:

@@ -19,8 +19,9 @@ cannot carry a tag per request). Signatures and return values are unchanged; a f
 capture is logged and the request goes on. Without the variable nothing is
 imported and nothing is patched.
 
-Separately, and only when asked (`DIFFTEST_ACCEPT_LENGTH_FINISH=1`), `length_cap` lets a voice
-clone that reached its `max_new_tokens` be answered with its audio instead of HTTP 500.
+Separately, and only when asked: `DIFFTEST_ACCEPT_LENGTH_FINISH=1` (`length_cap`) lets a voice
+clone that reached its `max_new_tokens` be answered with its audio instead of HTTP 500, and
+`DIFFTEST_OMNI_SUBTALKER_GREEDY=1` (`omni_greedy`) makes Qwen3-Omni's codebooks 1-15 greedy.
 """
 
 from __future__ import annotations
@@ -43,6 +44,13 @@ logger = logging.getLogger("vllm.difftest_capture")
 
 
 def register() -> None:
+    if os.environ.get("DIFFTEST_OMNI_SUBTALKER_GREEDY", "").strip() in ("1", "true", "yes"):
+        try:
+            from runners.vllm_omni.difftest_capture.difftest_capture.omni_greedy import install as subtalker_greedy
+
+            subtalker_greedy()
+        except Exception:
+            logger.exception("difftest: DIFFTEST_OMNI_SUBTALKER_GREEDY could not be applied")
     if os.environ.get("DIFFTEST_ACCEPT_LENGTH_FINISH", "").strip() in ("1", "true", "yes"):
         try:
             from runners.vllm_omni.difftest_capture.difftest_capture.length_cap import install as accept_length_finish

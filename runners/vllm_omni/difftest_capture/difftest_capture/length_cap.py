@@ -15,10 +15,9 @@ applied when that module is first imported, in whichever process imports it.
 from __future__ import annotations
 
 import functools
-import importlib.abc
-import importlib.util
 import logging
-import sys
+
+from runners.vllm_omni.difftest_capture.difftest_capture.after_import import when_imported
 
 ENV = "DIFFTEST_ACCEPT_LENGTH_FINISH"
 MODULE = "vllm_omni.entrypoints.openai.tts_adapters.qwen3_tts"
@@ -45,42 +44,5 @@ def patch(module) -> bool:
     return True
 
 
-class _AfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Runs `patch` right after MODULE is executed, wherever it is first imported."""
-
-    _busy = False
-
-    def find_spec(self, fullname, path=None, target=None):
-        if fullname != MODULE or self._busy:
-            return None
-        self._busy = True  # let the other finders find the real module
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            self._busy = False
-        if spec is None or spec.loader is None:
-            return None
-        self._loader = spec.loader
-        spec.loader = self
-        return spec
-
-    def create_module(self, spec):
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module):
-        self._loader.exec_module(module)
-        try:
-            patch(module)
-        except Exception:
-            logger.exception("difftest: could not apply %s", ENV)
-        finally:
-            if self in sys.meta_path:
-                sys.meta_path.remove(self)
-
-
 def install() -> None:
-    module = sys.modules.get(MODULE)
-    if module is not None:
-        patch(module)
-    elif not any(isinstance(f, _AfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _AfterImport())
+    when_imported(MODULE, patch)
