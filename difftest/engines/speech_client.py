@@ -223,6 +223,17 @@ class SpeechClient:
         return SpeechAnswer(data, headers, retries, time.perf_counter() - t0)
 
 
+    def chat(self, body: dict, max_bytes: int) -> SpeechAnswer:
+        """POST /v1/chat/completions; the answer's JSON bytes (at most `max_bytes`) as `audio`."""
+        t0 = time.perf_counter()
+        status, headers, data, retries = self._request(
+            "POST", "/v1/chat/completions", json.dumps(body).encode(), {"Content-Type": "application/json"},
+            max_bytes=max_bytes, why="the talker's max_tokens allows")
+        if status != 200:
+            raise SpeechError(status, _message(data))
+        return SpeechAnswer(data, headers, retries, time.perf_counter() - t0)
+
+
 def _abort(conn, expired: threading.Event) -> None:
     """The deadline passed: end the connection, so a read blocked on it returns now."""
     expired.set()
