@@ -8,7 +8,6 @@ segment, and that a batch of four answers what one at a time answers."""
 
 from __future__ import annotations
 
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -60,7 +59,7 @@ def ask(client, seg):
 
 
 def test_the_tiny_qwen3_omni_answers_in_each_speaker_as_long_as_the_reference(server, store):
-    client, model, out = server
+    client, _, out = server
     suite = load_suite(SUITE)
     ref = run_reference(suite, store, ReferenceOptions(python=str(reference_python())))
     assert ref.errors == {}
