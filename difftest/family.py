@@ -36,6 +36,7 @@ class ModelFamily:
     stages: tuple[str, ...]
     # the reference
     reference_package: str  # the official package, as pip names it
+    deploy_file: str  # vLLM-Omni's deploy YAML for it, in the release's deploy folder (production's configuration)
     reference_label: str  # the label its runner announces: the store keys the reference's results by it
     reference_runner: str  # the module its environment's interpreter runs (contract 3)
     checkpoint_builder: str  # the module that builds the seeded tiny checkpoints
@@ -64,6 +65,7 @@ QWEN3_TTS = ModelFamily(
     serving_stages=("talker", "vocoder"),
     stages=("talker_input", "talker", "reference_encoder", "handoff", "vocoder"),
     reference_package="qwen-tts",
+    deploy_file="qwen3_tts.yaml",
     reference_label="qwen-tts",
     reference_runner="runners.reference",
     checkpoint_builder="runners.reference.tiny_checkpoint",
@@ -84,6 +86,7 @@ QWEN3_OMNI = replace(
     serving_stages=("thinker", "talker", "code2wav"),
     stages=("thinker", "talker_input", "talker", "handoff", "vocoder"),
     reference_package="transformers",
+    deploy_file="qwen3_omni_moe.yaml",
     reference_label="transformers-qwen3-omni",
     reference_runner="runners.reference_omni",
     checkpoint_builder="runners.reference_omni.tiny_checkpoint",
@@ -91,6 +94,19 @@ QWEN3_OMNI = replace(
 )
 
 FAMILIES = MappingProxyType({f.name: f for f in (QWEN3_TTS, QWEN3_OMNI)})
+
+
+FAMILY_OF_TASK = MappingProxyType({task: f for f in FAMILIES.values() for task in f.tasks})  # tasks are unique
+
+
+def family_of_tasks(tasks) -> ModelFamily:
+    """The one family these tasks belong to (Qwen3-TTS for none); ValueError naming a mix or an unknown task."""
+    found = {FAMILY_OF_TASK[t].name if t in FAMILY_OF_TASK else None for t in tasks}
+    if None in found:
+        raise ValueError(f"unknown task among {sorted(tasks)} (known: {', '.join(FAMILY_OF_TASK)})")
+    if len(found) > 1:
+        raise ValueError(f"tasks of several model families in one run: {sorted(tasks)}")
+    return FAMILIES[found.pop()] if found else QWEN3_TTS
 
 
 def family_of_model(model: str) -> ModelFamily:

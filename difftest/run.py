@@ -15,6 +15,7 @@ import sys
 import time
 import uuid
 from contextlib import ExitStack, contextmanager
+from dataclasses import replace
 from pathlib import Path
 
 from . import __version__
@@ -128,18 +129,30 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
         cand, ctrl, again = outcomes[opts.concurrency], outcomes[1], outcomes.get(REPEAT)
         cand_info = _served(candidate.info, outcomes, counted_before)
 
-        print(f"teacher forcing: {len(results_with_codes(cand.results))} segments at c={opts.concurrency} and "
-              f"{len(results_with_codes(ctrl.results))} at c=1 through qwen-tts's talker", file=sys.stderr, flush=True)
-        with timings("score_s"):
-            roles = {"candidate": cand, "control": ctrl}
-            if any(s.decode.get("do_sample") or s.decode.get("subtalker_dosample") for s in suite.segments):
-                roles["reference"] = ref_run  # qwen-tts's own samples: the sampling test's calibration
-            scorer = Scorer(runner, store.root, opts.reference.timeout)
-            scores = score_streams(scorer, suite, roles)
-        with timings("null_s"):
-            null = null_phase.measure(suite, scorer, ReferenceEngine(runner, store.root, opts.reference.timeout),
-                                      ref_run, engine, opts.candidate_dtype, opts.concurrency, cand, ctrl, scores[0],
-                                      policy)
+        roles = {"candidate": cand, "control": ctrl}
+        if any(s.decode.get("do_sample") or s.decode.get("subtalker_dosample") for s in suite.segments):
+            roles["reference"] = ref_run  # the reference's own samples: the sampling test's calibration
+        if "score_version" not in runner.hello:  # a reference that cannot teacher-force (Qwen3-Omni's so far)
+            why = f"{suite.family.display}'s reference runner does not teacher-force yet"
+            print(f"teacher forcing: none ({why}); code_divergence fails this run", file=sys.stderr, flush=True)
+            scores = ({r: {} for r in roles}, {r: {} for r in roles})
+            null = null_phase.unmeasured(engine, opts.candidate_dtype, ctrl, ref_run, why)
+            # code_divergence passes because teacher forcing found the codes plausible; with nothing to
+            # teacher-force them, a divergence (a talker prompted with another speaker) is not told from numerics
+            policy = replace(policy, fail_on=policy.fail_on | {"code_divergence"})
+            null.warnings.append("code_divergence fails this run: no teacher forcing judged the candidate's "
+                                 "codes, so a divergence cannot be told from the numerics' drift")
+        else:
+            print(f"teacher forcing: {len(results_with_codes(cand.results))} segments at c={opts.concurrency} and "
+                  f"{len(results_with_codes(ctrl.results))} at c=1 through qwen-tts's talker", file=sys.stderr,
+                  flush=True)
+            with timings("score_s"):
+                scorer = Scorer(runner, store.root, opts.reference.timeout)
+                scores = score_streams(scorer, suite, roles)
+            with timings("null_s"):
+                null = null_phase.measure(suite, scorer, ReferenceEngine(runner, store.root, opts.reference.timeout),
+                                          ref_run, engine, opts.candidate_dtype, opts.concurrency, cand, ctrl,
+                                          scores[0], policy)
         print(f"cross-decodes: {len(results_with_codes(cand.results))} segments through the reference vocoder",
               file=sys.stderr, flush=True)
         with timings("cross_decode_s"):

@@ -22,6 +22,7 @@ NOT_THE_CODEC = {
     ("difftest/engines/deploy_diff.py", "16"): (1, "how deep a deploy file's base_config may nest"),
     ("difftest/engines/http.py", "16"): (1, "the bits of a PCM answer"),
     ("difftest/engines/vllm_omni.py", "2048"): (2, "vLLM-Omni's stage-0 token budget and the talker's max_model_len"),
+    ("difftest/engines/omni_chat.py", "2048"): (3, "Qwen3-Omni's thinker and talker max_model_len, the talker's budget"),
     ("difftest/commands/run_matrix.py", "16"): (1, "the most cells a matrix may have"),
     ("difftest/repro/standalone.py", "16"): (1, "16-bit PCM, in the stdlib-only repro.py"),
     ("difftest/commands/selfcheck.py", "1920"): (1, "the talker tokens of the sampled-power variant, a count"),

@@ -146,7 +146,7 @@ def add_run_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--candidate-vocoder-dtype", choices=("float32", "bfloat16"),
                    help="the candidate vocoder's dtype: where not the reference's, qwen-tts's vocoder decodes the "
                         "candidate's codes in it too and the candidate may lie as far from qwen-tts's as that does, "
-                        "times the policy's vocoder_null.margin (default: the deploy overlay's stage 1 for engines "
+                        "times the policy's vocoder_null.margin (default: the deploy overlay's vocoder stage for engines "
                         "difftest starts, else the reference's: judged as exact)")
     r.add_argument("--concurrency", "-n", type=int, default=4,
                    help="requests in flight at once for the candidate under test (default 4); it also runs at 1")

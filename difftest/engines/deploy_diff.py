@@ -25,9 +25,9 @@ from pathlib import Path
 import yaml
 
 from ..errors import BadInput
-from ..family import FAMILY
+from ..family import QWEN3_TTS, ModelFamily
 
-STAGE_NAMES = dict(enumerate(FAMILY.serving_stages))
+STAGE_NAMES = dict(enumerate(QWEN3_TTS.serving_stages))
 NO_CPU_DEPLOY = ("the release has no CPU deploy: production is its CUDA deploy (qwen3_tts.yaml, which has no "
                  "cuda platform section)")
 
@@ -211,8 +211,8 @@ def _json(v):
     return str(v)
 
 
-def flatten(cfg: dict) -> dict:
-    """{dotted key: leaf value}; a list is one value."""
+def flatten(cfg: dict, names: dict = STAGE_NAMES) -> dict:
+    """{dotted key: leaf value}; a list is one value. `names`: stage id -> the name its keys go under."""
     out: dict = {}
 
     def walk(prefix: str, v):
@@ -224,7 +224,7 @@ def flatten(cfg: dict) -> dict:
 
     walk("", {k: v for k, v in cfg.items() if k != "stages"})
     for st in cfg.get("stages") or []:
-        name = STAGE_NAMES.get(st.get("stage_id"), f"stage{st.get('stage_id')}")
+        name = names.get(st.get("stage_id"), f"stage{st.get('stage_id')}")
         walk(name, {k: v for k, v in st.items() if k != "stage_id"})
     return out
 
@@ -256,11 +256,12 @@ def platform_of(device: str) -> str:
     return "cuda" if device == "cuda" else "cpu"
 
 
-def engine_arg_keys(deploy_overrides: dict | None, stage_overrides: dict | None) -> list[str]:
+def engine_arg_keys(deploy_overrides: dict | None, stage_overrides: dict | None,
+                    names: dict = STAGE_NAMES) -> list[str]:
     """The dotted keys `--engine-arg` set (a dict value sets every key under it)."""
     keys = [str(k) for k in deploy_overrides or {}]
     for sid, kv in (stage_overrides or {}).items():
-        name = STAGE_NAMES.get(int(sid), f"stage{sid}")
+        name = names.get(int(sid), f"stage{sid}")
         keys += [f"{name}.{k}" for k in kv]
     return keys
 
@@ -273,13 +274,14 @@ def why(key: str, device: str) -> str | None:
 
 
 def _compare(production_file, served_file, device: str, engine_args=(), deploy_config=None,
-             overlay: dict | None = None) -> tuple[list[dict], set]:
-    prod = flatten(effective(production_file, platform_of("cuda")))  # the release has no CPU deploy
-    served = flatten(effective(served_file, platform_of(device)))
+             overlay: dict | None = None, names: dict = STAGE_NAMES) -> tuple[list[dict], set]:
+    prod = flatten(effective(production_file, platform_of("cuda")), names)  # the release has no CPU deploy
+    served = flatten(effective(served_file, platform_of(device)), names)
     if overlay is None:
         overlay = _read(Path(served_file))
-    own = flatten(for_platform({k: v for k, v in overlay.items() if k not in ("base_config", "platforms")}, ""))
-    given = flatten(effective(deploy_config, platform_of(device))) if deploy_config else {}
+    own = flatten(for_platform({k: v for k, v in overlay.items() if k not in ("base_config", "platforms")}, ""),
+                  names)
+    given = flatten(effective(deploy_config, platform_of(device)), names) if deploy_config else {}
     out = []
     for key in sorted(set(prod) | set(served), key=_order):
         p, s = prod.get(key), served.get(key)
@@ -307,23 +309,26 @@ def differences(production_file, served_file, device: str, *, engine_args=(), de
     return _compare(production_file, served_file, device, engine_args, deploy_config, overlay)[0]
 
 
-def release_deploy(env_info: dict) -> Path:
-    """The release's own deploy file in a vLLM-Omni environment (difftest.engines.vllm_omni.environment_info)."""
-    return Path(env_info["deploy_dir"]) / "qwen3_tts.yaml"
+def release_deploy(env_info: dict, family: ModelFamily = QWEN3_TTS) -> Path:
+    """The release's own deploy file for a family in a vLLM-Omni environment
+    (difftest.engines.vllm_omni.environment_info)."""
+    return Path(env_info["deploy_dir"]) / family.deploy_file
 
 
-def served_configuration(env_info: dict, served_file, opts) -> dict:
+def served_configuration(env_info: dict, served_file, opts, family: ModelFamily = QWEN3_TTS) -> dict:
     """report.json's `configuration`: the release's deploy file, the device, every difference with
-    why (VllmOmniOptions `opts`: the device, --engine-arg settings, --deploy-config)."""
-    production = release_deploy(env_info)
+    why (VllmOmniOptions `opts`: the device, --engine-arg settings, --deploy-config). Another family's
+    stages go by their own names (Qwen3-Omni: thinker, talker, code2wav); REASONS speaks of Qwen3-TTS's."""
+    production = release_deploy(env_info, family)
+    names = STAGE_NAMES if family is QWEN3_TTS else dict(enumerate(family.serving_stages))
     out = {"production": str(production), "device": opts.device, "served": str(served_file),
            "deploy_config": opts.deploy_base or None}
     if opts.device != "cuda":
         out["note"] = NO_CPU_DEPLOY
     try:
-        out["differences"] = differences(production, served_file, opts.device,
-                                         engine_args=engine_arg_keys(opts.deploy_overrides, opts.stage_overrides),
-                                         deploy_config=opts.deploy_base or None)
+        out["differences"] = _compare(production, served_file, opts.device,
+                                      engine_arg_keys(opts.deploy_overrides, opts.stage_overrides, names),
+                                      opts.deploy_base or None, names=names)[0]
     except (BadInput, KeyError, TypeError, ValueError, AttributeError) as e:  # recorded; the run goes on
         out.update(differences=[], error=f"cannot compare with the release's deploy file: {e}")
     return out

@@ -33,7 +33,8 @@ from ..suites.suite import Segment
 from . import capture
 from .base import Outcome
 from .capture import Capture, CaptureError, schedule_meta
-from .speech_client import RequestTimeout, ServerUnreachable, SpeechClient, SpeechError, speech_request
+from .apis import api_for
+from .speech_client import RequestTimeout, ServerUnreachable, SpeechClient, SpeechError
 
 PATTERNS = ("barrier", "pool", "staggered")
 WAVE_HEADER = "X-Difftest-Wave"
@@ -156,15 +157,14 @@ def run_candidate(segments: list[Segment], client: SpeechClient, out_dir: Path, 
                 return error(seg, "infrastructure", f"not sent: {hung[0]}", server_dead=True)
             return error(seg, "infrastructure", "server unreachable earlier in the run")
         tag = f"{run_tag}-{seg.id}-c{concurrency}"
-        body = speech_request(seg, tag, voice_mode=voice_mode)
         # The wave's size, for a server that batches by a window (the CPU test engine): it may close
         # the batch once the wave is in. A server that does not know the header ignores it.
         hint = None if pattern == "pool" else {WAVE_HEADER: f"{len(wave)};{wave_id}"}  # the size, and which wave
         try:
             sent = time.time()
-            ans = client.speech(body, hint)
+            ans, wav_bytes = api_for(seg).ask(client, seg, tag, voice_mode, hint)
             in_flight = [round(sent, 4), round(time.time(), 4)]  # the concurrency check (verdicts/exercised.py)
-            wav, info = wavio.read(ans.audio)
+            wav, info = wavio.read(wav_bytes)
             if wav.ndim != 1:
                 raise SpeechError(200, f"audio has {info.channels} channels, expected mono")
             if (info.format, info.bits) not in ANSWER_ENCODINGS:  # 8-bit would pass as 16-bit's rounding

@@ -19,19 +19,17 @@ import base64
 import binascii
 import json
 
-import numpy as np
-
 from ..errors import BadInput
 from ..family import QWEN3_OMNI
-from ..suites import wavio
 from ..suites.suite import Segment
 
 THINKER_MAX_NEW_TOKENS = 8  # a segment that names none (runners/reference_omni/engine.py says the same)
 GREEDY_ENV = "DIFFTEST_OMNI_SUBTALKER_GREEDY"  # the capture plugin's opt-in (difftest_capture/omni_greedy.py)
 
 
-def chat_body(segment: Segment, model: str | None = None) -> dict:
-    """The JSON body for one segment: its text as the user's turn, its speaker, and every stage's sampling."""
+def chat_body(segment: Segment, tag: str | None = None, model: str | None = None) -> dict:
+    """The JSON body for one segment: its text as the user's turn, its speaker, and every stage's
+    sampling; `tag` rides in the talker's extra_args, where the capture plugin reads it."""
     d = segment.decode
     if d.get("do_sample"):
         raise BadInput(f"segment {segment.id}: a sampled Qwen3-Omni talker cannot be compared exactly "
@@ -40,7 +38,8 @@ def chat_body(segment: Segment, model: str | None = None) -> dict:
                "max_tokens": int(d.get("thinker_max_new_tokens", THINKER_MAX_NEW_TOKENS))}
     talker = {"temperature": 0.0, "top_k": -1, "top_p": 1.0, "seed": int(d["seed"]),
               "max_tokens": int(d["max_new_tokens"]), "repetition_penalty": float(d["repetition_penalty"]),
-              "stop_token_ids": [QWEN3_OMNI.stop_id], "detokenize": False}
+              "stop_token_ids": [QWEN3_OMNI.stop_id], "detokenize": False,
+              **({"extra_args": {"difftest_tag": tag}} if tag else {})}
     body = {"messages": [{"role": "user", "content": segment.text}], "modalities": ["text", "audio"],
             "speaker": segment.speaker, "sampling_params_list": [thinker, talker]}
     if model:
@@ -55,25 +54,17 @@ def answer_bound(body: dict) -> int:
     return frames * QWEN3_OMNI.samples_per_frame * 2 * 4 // 3 + (1 << 16)
 
 
-def answer_audio(data: bytes, where: str) -> tuple[np.ndarray, int]:
-    """(float32 samples, sample rate) of a chat completion's audio; BadInput naming what is wrong."""
+def answer_wav(data: bytes) -> bytes:
+    """The WAV bytes of a chat completion's audio; ValueError saying what is missing."""
     try:
         answer = json.loads(data)
-        choices = answer["choices"]
-        audio = next(c["message"]["audio"] for c in choices if (c.get("message") or {}).get("audio"))
-        wav = base64.b64decode(audio["data"], validate=True)
+        audio = next(c["message"]["audio"] for c in answer["choices"] if (c.get("message") or {}).get("audio"))
+        return base64.b64decode(audio["data"], validate=True)
     except (ValueError, KeyError, TypeError, StopIteration, binascii.Error) as e:
-        raise BadInput(f"{where}: no audio in the chat completion ({type(e).__name__}: {str(e)[:200]})") from None
-    try:
-        x, info = wavio.read(wav)
-    except wavio.WavError as e:
-        raise BadInput(f"{where}: the chat completion's audio is not a readable WAV ({e})") from None
-    if not np.isfinite(x).all():
-        raise BadInput(f"{where}: the chat completion's audio holds NaN or infinite samples")
-    return x, info.sample_rate
+        raise ValueError(f"no audio in the chat completion ({type(e).__name__}: {str(e)[:200]})") from None
 
 
-def deploy_overlay(base_config: str, *, max_num_seqs: int, async_chunk: bool, vocoder_dtype: str = "float32",
+def deploy_overlay(base_config: str, *, max_num_seqs: int, async_chunk: bool, dtype: str = "float32",
                    max_tokens: int = 2048, threads_bind: str = "nobind", omp_threads: int | None = 1) -> dict:
     """The release's qwen3_omni_moe.yaml made to serve the tiny build on the CPU, each key measured:
     - every stage on device "0": the release puts talker and code2wav on "1", which the CPU platform
@@ -84,16 +75,19 @@ def deploy_overlay(base_config: str, *, max_num_seqs: int, async_chunk: bool, vo
       (docs/vllm-omni.md);
     - the talker greedy by default (its sub-talker: GREEDY_ENV in the server's environment, read by the
       capture plugin in every stage process);
-    - code2wav in the reference's dtype: the thinker and talker run in bf16 whatever is asked."""
+    - code2wav in the reference's dtype (`dtype`); thinker and talker in bf16, production's: the talker
+      runs nothing else (it casts its inputs to bf16: float32 dies at the first request), and a float32
+      thinker's streamed hidden states kill it with async_chunk ("mat1 and mat2 must have the same
+      dtype, but got Float and BFloat16", measured)."""
     env = {"VLLM_CPU_OMP_THREADS_BIND": threads_bind, **({"OMP_NUM_THREADS": str(omp_threads)} if omp_threads else {})}
     common = {"devices": "0", "max_num_seqs": max_num_seqs, "enforce_eager": True, "async_scheduling": False}
-    thinker = {"stage_id": 0, **common, "moe_backend": "auto", "max_model_len": 2048, "max_num_batched_tokens": 512,
+    thinker = {"stage_id": 0, **common, "dtype": "bfloat16", "moe_backend": "auto", "max_model_len": 2048, "max_num_batched_tokens": 512,
                "kv_cache_memory_bytes": 64 << 20, "env": dict(env)}
-    talker = {"stage_id": 1, **common, "moe_backend": "auto", "max_model_len": 2048, "max_num_batched_tokens": 512,
+    talker = {"stage_id": 1, **common, "dtype": "bfloat16", "moe_backend": "auto", "max_model_len": 2048, "max_num_batched_tokens": 512,
               "kv_cache_memory_bytes": 64 << 20, "env": dict(env),
               "default_sampling_params": {"temperature": 0.0, "top_k": -1, "top_p": 1.0, "max_tokens": max_tokens,
                                           "repetition_penalty": 1.0}}
-    code2wav = {"stage_id": 2, **common, "dtype": vocoder_dtype, "max_model_len": 16384,
+    code2wav = {"stage_id": 2, **common, "dtype": dtype, "max_model_len": 16384,
                 "max_num_batched_tokens": 16384, "kv_cache_memory_bytes": 32 << 20, "env": dict(env)}
     return {"base_config": str(base_config), "async_chunk": bool(async_chunk), "model_runner": "v1",
             "distributed_executor_backend": "uni", "stages": [thinker, talker, code2wav]}

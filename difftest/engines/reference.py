@@ -175,9 +175,11 @@ def never_stops(models: list[str]) -> bool:
 
 
 def family_tiny(store_root: Path, python: Path, family: ModelFamily, seed: int = TINY_SEED) -> list[str]:
-    """A family's seeded tiny checkpoint under the store, built there once by its builder (one folder)."""
+    """A family's seeded tiny checkpoint under the store, built there once by its builder (one folder,
+    rebuilt in place when the builder's parameters or version changed: the results keyed by its
+    content hash are then another configuration's)."""
     out = Path(store_root).resolve() / "checkpoints" / f"{family.tiny[0]}-seed{seed}"
-    cmd = [str(python), "-m", family.checkpoint_builder, str(out), "--seed", str(seed)]
+    cmd = [str(python), "-m", family.checkpoint_builder, str(out), "--seed", str(seed), "--force"]
     r = zygote.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
     if r.returncode != 0:
         raise InfraError(f"building the tiny {family.display} checkpoint failed ({' '.join(cmd)}):\n{r.stderr[-3000:]}")

@@ -41,7 +41,7 @@ import yaml
 
 from ..checkout import REPO
 from ..errors import BadInput, InfraError
-from ..family import FAMILY
+from ..family import FAMILY_OF_TASK, QWEN3_OMNI, QWEN3_TTS, ModelFamily, family_of_tasks
 from ..process.launcher import ServerProcess, free_ports, start_together
 from ..process.runner_client import RunnerDied, RunnerProcess
 from ..suites.checkpoints import checkpoint_type
@@ -53,9 +53,34 @@ PYTHON_ENV_VAR = "DIFFTEST_VLLM_OMNI_PYTHON"
 MAKE_ENV = "runners/vllm_omni/make_env.sh"
 CANDIDATE = "vllm-omni"
 
-# suite task -> the checkpoint's tts_model_type, and the API's task_type
-CHECKPOINT_TYPE = {"voice_clone": "base", "custom_voice": "custom_voice", "voice_design": "voice_design"}
-API_TASK = FAMILY.tasks  # the speech API's task_type for each task
+# suite task -> the checkpoint type that serves it, and the API's task_type (every family's)
+CHECKPOINT_TYPE = {task: f.checkpoint_types[task] for task, f in FAMILY_OF_TASK.items()}
+API_TASK = {task: f.tasks[task] for task, f in FAMILY_OF_TASK.items()}
+
+
+def served_family(tasks) -> ModelFamily:
+    try:
+        return family_of_tasks(tasks or ())
+    except ValueError as e:
+        raise BadInput(f"vLLM-Omni serves one model family a run: {e}") from None
+
+
+def family_overlay(family: ModelFamily, base: str | Path, opts: VllmOmniOptions, servers: int = 1) -> dict:
+    """The deploy overlay for the family the run serves: Qwen3-TTS's (deploy_overlay) or Qwen3-Omni's
+    (engines/omni_chat.py, on the CPU only for now), with the run's --engine-arg settings over it."""
+    if family is QWEN3_TTS:
+        return deploy_overlay(base, opts, servers)
+    from .omni_chat import deploy_overlay as omni_overlay
+
+    if opts.device != "cpu":
+        raise BadInput(f"{family.display} through vLLM-Omni runs on the CPU platform only so far (issue 60)")
+    overlay = omni_overlay(str(base), max_num_seqs=opts.max_num_seqs, async_chunk=opts.async_chunk,
+                           dtype=opts.vocoder_dtype, threads_bind=opts.threads_bind,
+                           omp_threads=opts.omp_threads)
+    for stage in overlay["stages"]:
+        stage.update(opts.stage_overrides.get(stage["stage_id"], opts.stage_overrides.get(str(stage["stage_id"]), {})))
+    overlay.update(opts.deploy_overrides)
+    return overlay
 
 MiB = 1 << 20
 
@@ -436,16 +461,21 @@ def _prepare(out_dir: Path, models: list[str], opts: VllmOmniOptions, tasks) -> 
         raise BadInput(f"{python}: the difftest CPU platform plugin is not installed (rebuild with {MAKE_ENV})")
     if (opts.capture or opts.accept_length_finish) and not env_info.get("difftest_capture"):
         raise BadInput(f"{python}: the difftest capture plugin is not installed (rebuild with {MAKE_ENV})")
-    base = Path(opts.deploy_base) if opts.deploy_base else Path(env_info["deploy_dir"]) / "qwen3_tts.yaml"
+    family = served_family(tasks)
+    base = Path(opts.deploy_base) if opts.deploy_base else Path(env_info["deploy_dir"]) / family.deploy_file
     if not base.exists():
         raise BadInput(f"deploy config not found: {base}")
     to_serve = models_for_tasks(models, tasks)
-    overlay = deploy_overlay(base.resolve(), opts, servers=len(to_serve))
+    overlay = family_overlay(family, base.resolve(), opts, servers=len(to_serve))
     overlay_path = write_overlay(out_dir / "vllm-omni" / "deploy-overlay.yaml", overlay)
     capture = out_dir / "capture" if opts.capture else None
     if capture is not None:
         capture.mkdir(parents=True, exist_ok=True)
     env = server_env(opts, capture, out_dir / "vllm-omni" / "speakers", model_source_key(env_info))
+    if family is QWEN3_OMNI:
+        from .omni_chat import GREEDY_ENV
+
+        env[GREEDY_ENV] = "1"  # its codebooks 1-15 greedy: the test setting the reference records
     return python, env_info, to_serve, overlay_path, capture, env
 
 
@@ -496,11 +526,12 @@ def describe(models: list[str], opts: VllmOmniOptions, tasks, api: str) -> dict:
     arguments, and the settings difftest applies. For difftest.engines.identity."""
     python = omni_python(opts.python)
     env_info = environment_info(python)
-    base = Path(opts.deploy_base) if opts.deploy_base else Path(env_info["deploy_dir"]) / "qwen3_tts.yaml"
+    family = served_family(tasks)
+    base = Path(opts.deploy_base) if opts.deploy_base else Path(env_info["deploy_dir"]) / family.deploy_file
     if not base.exists():
         raise BadInput(f"deploy config not found: {base}")
     to_serve = models_for_tasks(models, tasks)
-    overlay = deploy_overlay("(base)", opts, servers=len(to_serve))
+    overlay = family_overlay(family, "(base)", opts, servers=len(to_serve))
     return {"kind": CANDIDATE, "api": api,
             "versions": {k: env_info.get(k) for k in ("vllm_omni", "vllm_omni_commit", "vllm_omni_mutant", "vllm",
                                                       "vllm_distribution", "torch", "transformers",
@@ -543,7 +574,7 @@ def start_vllm_omni(out_dir: str | Path, models: list[str], opts: VllmOmniOption
     info = {**_provenance(env_info, opts, overlay_path, capture), "url": servers[0]["url"], "servers": servers,
             "start_seconds": round(max(s["start_seconds"] for s in servers), 2),  # side by side: the last one ready
             "prefix_caching_stages": prefix_caching_stages(overlay_path),
-            "served_configuration": served_configuration(env_info, overlay_path, opts)}
+            "served_configuration": served_configuration(env_info, overlay_path, opts, served_family(tasks))}
     return client, capture, info
 
 
@@ -636,5 +667,5 @@ def start_vllm_omni_offline(out_dir: str | Path, models: list[str], opts: VllmOm
             "api": "offline (vllm_omni.Omni)" if api == "batch" else "offline (vllm_omni.AsyncOmni)",
             "accept_length_finish": False,
             "models": {t: m for t, m in to_serve.items()},
-            "served_configuration": served_configuration(env_info, overlay_path, opts)}
+            "served_configuration": served_configuration(env_info, overlay_path, opts, served_family(tasks))}
     return runner, info

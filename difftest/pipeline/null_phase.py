@@ -121,6 +121,14 @@ class MeasuredNull:
         return {**scores, **({"null": self.alone[1]} if self.alone and not self.numerics["exact"] else {})}
 
 
+def unmeasured(engine: dict, declared_dtype, ctrl, ref_run, why: str) -> MeasuredNull:
+    """No null: the reference cannot teacher-force (Qwen3-Omni's runner, issue 60). The candidate's
+    numerics are still read and stated; where they are not the reference's nothing excuses a drift."""
+    dtype, source = measured_null.talker_dtype(engine, declared_dtype, ctrl.results)
+    numerics = {"dtype": dtype, "from": source, "exact": dtype == ref_run.fingerprint.get("dtype"), "null": None}
+    return MeasuredNull(numerics, None, None, [f"measured null: not measured ({why})"], None, None, None, None)
+
+
 def measure(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine, ref_run, engine: dict, declared_dtype,
             concurrency: int, cand, ctrl, scores: dict, policy: Policy) -> MeasuredNull:
     """The null at 1 and, for a run at N, at N. `scores`: role -> segment -> ScoreFile of the candidate's

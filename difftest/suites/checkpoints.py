@@ -20,9 +20,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import BadInput
-from ..family import FAMILY
+from ..family import FAMILIES, FAMILY_OF_TASK, QWEN3_TTS
 
-TYPE_OF_TASK = FAMILY.checkpoint_types
+TYPE_OF_TASK = {task: f.checkpoint_types[task] for task, f in FAMILY_OF_TASK.items()}
+# a checkpoint type that is config.json's `model_type` itself (Qwen3-Omni's; Qwen3-TTS's is `tts_model_type`)
+_MODEL_TYPES = {t for f in FAMILIES.values() if f is not QWEN3_TTS for t in f.checkpoint_types.values()}
 MANIFEST = "difftest-checkpoint.json"  # what the tiny checkpoint builder writes beside a build; not hashed
 _NAME_SUFFIX = {"-base": "base", "-customvoice": "custom_voice", "-voicedesign": "voice_design"}
 SHOWN = 8  # problems listed before "and N more"
@@ -49,8 +51,11 @@ def checkpoint_type(model: str) -> str | None:
     checkpoint's name (Qwen/Qwen3-TTS-12Hz-1.7B-Base, ...); None when unknown."""
     cfg = _config(model)
     if cfg is not None:
-        return cfg.get("tts_model_type")
+        return cfg.get("tts_model_type") or (cfg.get("model_type") if cfg.get("model_type") in _MODEL_TYPES else None)
     name = model.rstrip("/").lower()
+    for f in FAMILIES.values():
+        if f is not QWEN3_TTS and name.rsplit("/", 1)[-1].startswith(f.name):
+            return next(iter(f.checkpoint_types.values()))
     return next((t for suffix, t in _NAME_SUFFIX.items() if name.endswith(suffix)), None)
 
 
@@ -61,8 +66,9 @@ def facts(model: str) -> CheckpointFacts:
     talker = cfg.get("talker_config") if isinstance(cfg.get("talker_config"), dict) else {}
     # as qwen-tts 0.1.1 accepts them: "auto" and every non-dialect codec_language_id key
     languages = {"auto"} | {k.lower() for k in (talker.get("codec_language_id") or {}) if "dialect" not in k}
-    speakers = {k.lower() for k in (talker.get("spk_id") or {})}
-    return CheckpointFacts(model, cfg.get("tts_model_type"), frozenset(languages), frozenset(speakers))
+    # Qwen3-TTS's custom voices (spk_id), Qwen3-Omni's speakers (speaker_id)
+    speakers = {k.lower() for k in (talker.get("spk_id") or talker.get("speaker_id") or {})}
+    return CheckpointFacts(model, checkpoint_type(model), frozenset(languages), frozenset(speakers))
 
 
 def problems(suite, models: list[str]) -> list[str]:
@@ -86,8 +92,9 @@ def problems(suite, models: list[str]) -> list[str]:
         if ckpt.languages is not None and (seg.language or "Auto").lower() not in ckpt.languages:
             out.append(f"{where}: language {seg.language!r} is not one the {ckpt.type} checkpoint knows "
                        f"({', '.join(sorted(ckpt.languages))})")
-        if seg.task == "custom_voice" and ckpt.speakers is not None and (seg.speaker or "").lower() not in ckpt.speakers:
-            out.append(f"{where}: speaker {seg.speaker!r} is not in the custom_voice checkpoint {ckpt.model} "
+        if (FAMILY_OF_TASK[seg.task].task_inputs[seg.task] == "speaker" and ckpt.speakers is not None
+                and (seg.speaker or "").lower() not in ckpt.speakers):
+            out.append(f"{where}: speaker {seg.speaker!r} is not in the {ckpt.type} checkpoint {ckpt.model} "
                        f"(it has: {', '.join(sorted(ckpt.speakers)) or 'none'})")
     return out
 

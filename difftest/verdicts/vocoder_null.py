@@ -25,14 +25,16 @@ def dtype_name(value) -> str:
 
 def vocoder_dtype(identity: dict | None, declared: str | None, reference_dtype: str) -> tuple[str, str]:
     """The candidate vocoder's dtype and where that came from: declared (--candidate-vocoder-dtype);
-    a vLLM-Omni overlay's stage 1; the engine's identity (the CPU test engine's --vocoder-dtype);
-    else the reference's own (no null: judged as exact)."""
+    a vLLM-Omni overlay's last stage (the vocoder: Qwen3-TTS's stage 1, Qwen3-Omni's code2wav, stage 2);
+    the engine's identity (the CPU test engine's --vocoder-dtype); else the reference's own (no null:
+    judged as exact)."""
     if declared:
         return dtype_name(declared), "declared (--candidate-vocoder-dtype)"
     identity = identity or {}
-    for stage in (identity.get("overlay") or {}).get("stages") or []:
-        if stage.get("stage_id") == 1 and stage.get("dtype"):
-            return dtype_name(stage["dtype"]), "the deploy overlay's stage 1"
+    stages = [s for s in (identity.get("overlay") or {}).get("stages") or [] if isinstance(s.get("stage_id"), int)]
+    last = max(stages, key=lambda s: s["stage_id"], default=None)
+    if last is not None and last.get("dtype"):
+        return dtype_name(last["dtype"]), f"the deploy overlay's stage {last['stage_id']}"
     if identity.get("vocoder_dtype"):
         return dtype_name(identity["vocoder_dtype"]), "the engine's identity"
     return reference_dtype, "not declared: the reference's"

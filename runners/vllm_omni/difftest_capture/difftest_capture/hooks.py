@@ -602,6 +602,12 @@ def install(root: str | Path) -> Capture:
         wrapped += v2.install(_capture)
     except Exception:
         _warn_once("v2", "model runner v2's talker sampling is not wrapped (v1's capture is unaffected)")
+    try:  # Qwen3-Omni's hand-off (omni_hooks.py), for a server of that family
+        from runners.vllm_omni.difftest_capture.difftest_capture import omni_hooks
+
+        wrapped += omni_hooks.wrap(importlib.import_module(omni_hooks.MODULE), omni_hooks.OmniCapture(_capture.store))
+    except Exception:
+        _warn_once("omni", "Qwen3-Omni's hand-off is not wrapped (Qwen3-TTS's capture is unaffected)")
     if wrapped:
         logger.info("difftest capture: writing to %s (wrapped %s)", root, ", ".join(wrapped))
     return _capture

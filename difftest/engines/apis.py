@@ -1,0 +1,37 @@
+"""How a segment is asked of a vLLM-Omni server, by its model family: the request, the answer's WAV.
+
+One entry per family (difftest/family.py); the HTTP candidate (engines/http.py) looks the segment's
+family up here instead of branching on it."""
+
+from __future__ import annotations
+
+from ..family import FAMILY_OF_TASK, QWEN3_OMNI, QWEN3_TTS
+from . import omni_chat
+from .speech_client import SpeechAnswer, SpeechClient, SpeechError, speech_request
+
+
+class SpeechApi:
+    """Qwen3-TTS: POST /v1/audio/speech; the answer's body is the WAV."""
+
+    def ask(self, client: SpeechClient, seg, tag: str, voice_mode: str, hint: dict | None) -> tuple[SpeechAnswer, bytes]:
+        ans = client.speech(speech_request(seg, tag, voice_mode=voice_mode), hint)
+        return ans, ans.audio
+
+
+class ChatApi:
+    """Qwen3-Omni: POST /v1/chat/completions with audio output; the WAV is base64 in the answer's JSON."""
+
+    def ask(self, client: SpeechClient, seg, tag: str, voice_mode: str, hint: dict | None) -> tuple[SpeechAnswer, bytes]:
+        body = omni_chat.chat_body(seg, tag)
+        ans = client.chat(body, omni_chat.answer_bound(body))
+        try:
+            return ans, omni_chat.answer_wav(ans.audio)
+        except ValueError as e:
+            raise SpeechError(200, str(e)) from None
+
+
+API_OF_FAMILY = {QWEN3_TTS.name: SpeechApi(), QWEN3_OMNI.name: ChatApi()}
+
+
+def api_for(seg):
+    return API_OF_FAMILY[FAMILY_OF_TASK[seg.task].name]
