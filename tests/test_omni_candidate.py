@@ -79,3 +79,24 @@ def test_the_tiny_qwen3_omni_answers_in_each_speaker_as_long_as_the_reference(se
     assert not np.array_equal(alone["omni-01"][0][:n], alone["omni-02"][0][:n])
     log = (out / "server.log").read_text(errors="replace")
     assert "DIFFTEST_OMNI_SUBTALKER_GREEDY set" in log
+
+
+def test_difftest_run_finds_the_full_payload_handoff_defect_of_0_30(store, tmp_path):
+    """`difftest run` on omni-smoke at 4 through the full-payload hand-off (async_chunk off): vLLM-Omni
+    0.30.0 hands code2wav the talker's zero prefill placeholder as a first frame, one frame more than the
+    talker generated; every segment is handoff_defect at frame 0, exit 1."""
+    import json
+    import subprocess
+    import sys
+
+    out = tmp_path / "run"
+    r = subprocess.run([sys.executable, "-m", "difftest", "run", str(SUITE), "--candidate", "vllm-omni", "-n", "4",
+                        "--out", str(out), "--store", str(store), "--no-mlflow"],
+                       cwd=REPO, capture_output=True, text=True, timeout=1500)
+    assert r.returncode == 1, r.stderr[-3000:]
+    report = json.loads((out / "report.json").read_text())
+    assert report["verdict"] == "fail"
+    for seg in report["segments"]:
+        assert (seg["verdict"], seg["stage"], seg["first_divergent_frame"]) == ("handoff_defect", "handoff", 0), seg
+        assert "where the talker generated" in seg["summary"] and "(codebook-0 0 against" in seg["summary"]
+    assert any("code_divergence fails this run" in w for w in report["warnings"])

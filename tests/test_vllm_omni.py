@@ -199,6 +199,15 @@ def test_capture_wrappers_leave_the_real_handoff_functions_unchanged(env_checks)
     broken = result["failing_write"]
     assert broken["raised"] is None and broken["returned_identical"] and broken["warned"]
     assert result["length_cap"] == {"accepted": True, "original_refuses": True, "stop_unchanged": True}
+    # Qwen3-Omni's hand-offs: the capture holds what each returned, beside the talker's own tokens. The
+    # full payload hands on the prefill's zero placeholder as a 7th frame for 6 generated: 0.30.0's defect
+    # (docs/qwen3-omni.md), which the tester then finds against the talker's tokens
+    omni = result["omni_handoff"]
+    assert omni["wrapped"] == ["qwen3_omni.talker2code2wav_full_payload", "qwen3_omni.talker2code2wav_async_chunk"]
+    assert omni["full"] == {"returned_identical": True, "codes_are_returned": True, "frames": 7, "tokens": True,
+                            "first_frame_zero": True, "prompt": [0, 0, -1], "handoff": "full_payload"}
+    assert omni["async"] == {"codes_match": True, "payloads": 3, "chunk_frames": [2, 4, 3], "handoff": "async_chunk",
+                             "tokens": 9}
     # Qwen3-Omni's predictor: the first of two tied maxima, every time; the shared wrapper (64 draws) samples
     assert result["omni_greedy"]["greedy"] == [1] and {1, 2} <= set(result["omni_greedy"]["shared_samples"])
 

@@ -225,6 +225,50 @@ def length_cap() -> dict:
             "stop_unchanged": patched(a, params, stage0_finish_reason="stop", output_tokens=5) is None}
 
 
+def omni_handoff(root: Path) -> dict:
+    """Qwen3-Omni's real hand-off functions, wrapped by omni_hooks: the full payload of one request
+    (its prefill row a zero placeholder, as the talker leaves it), and a request stepped through async
+    chunks (initial chunk 2, then 4, left context 8). The capture holds what each returned, and the
+    talker's tokens."""
+    import vllm_omni.model_executor.stage_input_processors.qwen3_omni as proc
+
+    from difftest_capture import omni_hooks
+
+    originals = {n: getattr(proc, n) for n in NAMES}
+    cap = omni_hooks.OmniCapture(__import__("difftest_capture.store", fromlist=["CaptureStore"]).CaptureStore(root))
+    wrapped = omni_hooks.wrap(proc, cap)
+    frames = codes(41, 6)
+    rows = torch.cat([torch.zeros(1, Q, dtype=torch.long), frames])  # row 0: the prefill's placeholder
+    tokens = frames[:, 0].tolist() + [int(frames[-1, 0]) + 1]  # the talker's ids: one per frame, and its last
+    req = request("o0", "omni-full", n_out=0)
+    req.output_token_ids = tokens
+    got = proc.talker2code2wav_full_payload(None, {"codes.audio": rows.clone()}, req)
+    want = originals["talker2code2wav_full_payload"](None, {"codes.audio": rows.clone()}, req)
+    f = load(root, "omni-full")
+    handed = np.asarray(got["codes"]["audio"]).reshape(Q, -1).T
+    out = {"wrapped": wrapped, "full": {"returned_identical": same(got, want),
+                                        "codes_are_returned": bool(np.array_equal(f["codes"], handed)),
+                                        "frames": int(f["codes"].shape[0]), "tokens": f["talker_tokens"].tolist() == tokens,
+                                        "first_frame_zero": bool(not f["codes"][0].any()),
+                                        "prompt": f["talker_prompt"].tolist(), "handoff": str(f["handoff"])}}
+    tm = TransferManager(chunk=4, initial=2)
+    steps, stream = 9, codes(42, 9)
+    payloads = 0
+    for step in range(steps):
+        r = request("o1", "omni-async", n_out=step + 1, finished=step == steps - 1)
+        res = proc.talker2code2wav_async_chunk(tm, {"codes": {"audio": stream[step:step + 1].clone()}}, r,
+                                               is_finished=step == steps - 1)
+        if res is not None:
+            tm.put_req_chunk["o1"] += 1
+            payloads += 1
+    f = load(root, "omni-async")
+    out["async"] = {"codes_match": bool(np.array_equal(f["codes"], stream.numpy())), "payloads": payloads,
+                    "chunk_frames": f["chunk_frames"].tolist(), "handoff": str(f["handoff"]),
+                    "tokens": len(f["talker_tokens"])}
+    restore(proc, originals)
+    return out
+
+
 def omni_greedy() -> dict:
     """DIFFTEST_OMNI_SUBTALKER_GREEDY: Qwen3-Omni's code predictor takes the first maximal logit, ties
     included; the shared wrapper (Qwen3-TTS's predictor) still samples."""
@@ -264,6 +308,7 @@ def checks(work: Path) -> dict:
     result["async_chunk"] = async_chunk_batch(proc, hooks, work / "async")
     result["failing_write"] = failing_write(proc, hooks, work / "broken", logs)
     result["length_cap"] = length_cap()
+    result["omni_handoff"] = omni_handoff(work / "omni")
     result["omni_greedy"] = omni_greedy()
     return result
 
