@@ -54,11 +54,7 @@ class Checkpoint:
 
     @property
     def sha256(self) -> str:
-        """One hash over every file's path and content."""
-        h = hashlib.sha256()
-        for rel, digest in sorted(self.files.items()):
-            h.update(f"{rel}\0{digest}\n".encode())
-        return h.hexdigest()
+        return folder_sha256(self.files)
 
     def languages(self) -> set[str]:
         """Lower-case language names qwen-tts accepts for this model ("auto" + non-dialect ids)."""
@@ -67,6 +63,14 @@ class Checkpoint:
 
     def speakers(self) -> set[str]:
         return {k.lower() for k in (self.config.get("talker_config", {}).get("spk_id", {}) or {})}
+
+
+def folder_sha256(files: dict) -> str:
+    """One hash over every file's path and content (`files`: relative path -> sha256): a checkpoint's."""
+    h = hashlib.sha256()
+    for rel, digest in sorted(files.items()):
+        h.update(f"{rel}\0{digest}\n".encode())
+    return h.hexdigest()
 
 
 def missing_files(folder: Path) -> list[str]:

@@ -10,7 +10,6 @@ decoded alone (concurrency 1), and each result records what each stage handed on
 
 from __future__ import annotations
 
-import hashlib
 import json
 import time
 from dataclasses import dataclass
@@ -19,14 +18,13 @@ from pathlib import Path
 from difftest.family import QWEN3_OMNI
 from difftest.results import Result, ResultStore, write_result
 from difftest.suites.checkpoints import hash_files
-from difftest.suites.suite import DECODE_FIELDS
+from runners.reference.checkpoint import folder_sha256
 from runners.reference.environment import log
-from runners.reference.service import BadInput, _load_codes, _segment_key, _sidecar, _valid_result
+from runners.reference.service import BadInput, _decode_params, _load_codes, _segment_key, _sidecar, _valid_result
 from runners.reference_omni.engine import OmniEngine, Utterance
 
 LABEL = "transformers-qwen3-omni"
 TASK = "chat"
-REQUIRED_DECODE = ("seed", "max_new_tokens")
 MIN_NEW_TOKENS = 2  # the talker's last token never becomes a frame: 1 would be no audio
 
 
@@ -43,10 +41,7 @@ class OmniCheckpoint:
 
     @property
     def sha256(self) -> str:
-        h = hashlib.sha256()
-        for rel, digest in sorted(self.files.items()):
-            h.update(f"{rel}\0{digest}\n".encode())
-        return h.hexdigest()
+        return folder_sha256(self.files)
 
     def speakers(self) -> set[str]:
         return {k.lower() for k in (self.config.get("talker_config", {}).get("speaker_id") or {})}
@@ -83,18 +78,10 @@ def parse_segment(seg: dict, ckpt: OmniCheckpoint) -> Utterance:
     speaker = seg.get("speaker")
     if not isinstance(speaker, str) or speaker.lower() not in ckpt.speakers():
         raise BadInput(f"unknown speaker {speaker!r} (the checkpoint has: {', '.join(sorted(ckpt.speakers()))})")
-    raw = seg.get("decode")
-    if not isinstance(raw, dict):
-        raise BadInput("decode parameters missing")
-    unknown = sorted(set(raw) - set(DECODE_FIELDS))
-    if unknown:
-        raise BadInput(f"unknown decode parameter {unknown[0]!r}")
-    for name in REQUIRED_DECODE:
-        if not isinstance(raw.get(name), int) or isinstance(raw.get(name), bool):
-            raise BadInput(f"decode.{name} must be given as an integer")
-    if raw["max_new_tokens"] < MIN_NEW_TOKENS:
-        raise BadInput(f"decode.max_new_tokens must be at least {MIN_NEW_TOKENS}, got {raw['max_new_tokens']}")
-    return Utterance(text=text, speaker=speaker, decode=dict(raw))
+    decode = _decode_params(seg.get("decode"))
+    if decode["max_new_tokens"] < MIN_NEW_TOKENS:
+        raise BadInput(f"decode.max_new_tokens must be at least {MIN_NEW_TOKENS}, got {decode['max_new_tokens']}")
+    return Utterance(text=text, speaker=speaker, decode=decode)
 
 
 class OmniService:
