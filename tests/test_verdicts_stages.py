@@ -137,6 +137,26 @@ def test_another_requests_generated_codes_name_it(policy):
     assert "the vocoder got b's generated codes (33 frames) instead of the 40" in v.summary
 
 
+def test_a_run_of_another_requests_frames_at_another_offset_names_it(policy):
+    # Qwen3-Omni's planted seed (cases/bugs/omni-first-codes-planted): the batch's first request's rows
+    # handed on for the others; the wave's requests entered the talker steps apart, so b's frames arrive
+    # shifted, mixed with a's own and another peer's.
+    b_codes, c_codes = toy_codes(40, 9), toy_codes(40, 10)
+    handed = CODES.copy()
+    handed[5] = c_codes[7]  # one frame of c: too short a run to name anyone
+    handed[6:30] = b_codes[2:26]  # b's frames 2-25 at a's frames 6-29
+    peers = {"b": np.append(b_codes[:, 0], EOS), "c": np.append(c_codes[:, 0], EOS)}
+    v = classify(ev(OWN, handed_codes=handed, peer_tokens=peers), policy)
+    assert (v.verdict, v.donor, v.donor_kind, v.stage, v.first_divergent_frame) == (
+        "contamination", "b", "generated", "handoff", 5)
+    assert "frames 6-29 are its frames 2-25" in v.summary
+    # two frames of a peer in a row are no donor: the hand-off's defect, unnamed
+    handed = CODES.copy()
+    handed[10:12] = b_codes[20:22]
+    v = classify(ev(OWN, handed_codes=handed, peer_tokens=peers), policy)
+    assert (v.verdict, v.donor, v.first_divergent_frame) == ("handoff_defect", None, 10)
+
+
 def test_a_prompt_that_does_not_fill_its_reservation_is_a_talker_defect(policy):
     # #1553 / PR #1554: the prompt-length estimate fell back to 2048 positions.
     v = classify(ev(OWN, stage=talker(OWN, prompt=(2048, 60))), policy)

@@ -177,6 +177,33 @@ def resume_history(tokens: np.ndarray, control: TalkerStage | None, preempted_at
             f"the one it built before the preemption")
 
 
+BORROWED_RUN = 3  # frames in a row of a peer's generated codes, past where the hand-off parts, to name it
+
+
+def borrowed_run(got: np.ndarray, f: int, peers: dict) -> tuple[str, int, int, int] | None:
+    """(peer, where in the handed frames, its frame, how many): the longest run of the handed codebook 0,
+    from frame `f` on, that is a run of a co-batched peer's own generated frames. A wave's requests enter
+    the talker steps apart and the batch changes as they finish, so another's frames arrive at another
+    offset, and from more than one peer; the longest run names the donor. At least BORROWED_RUN in a row:
+    a chance run of 2048-way tokens that long is negligible."""
+    best = None
+    for peer, tokens in sorted(peers.items()):
+        theirs = np.asarray(tokens)[:-1]
+        where: dict[int, list[int]] = {}
+        for j, t in enumerate(theirs.tolist()):
+            where.setdefault(t, []).append(j)
+        for i in range(f, len(got)):
+            for j in where.get(int(got[i]), ()):
+                if i > f and j > 0 and got[i - 1] == theirs[j - 1]:
+                    continue  # inside a run already counted from its start
+                n = 0
+                while i + n < len(got) and j + n < len(theirs) and got[i + n] == theirs[j + n]:
+                    n += 1
+                if n >= BORROWED_RUN and (best is None or n > best[3]):
+                    best = (peer, i, j, n)
+    return best
+
+
 def stage_findings(ev: Evidence, comps: dict) -> list[Finding]:
     """The talker's side of the capture against what the hand-off delivered (frames) and against
     what the engine reserved (prompt). Nothing without capture schema v2."""
@@ -198,11 +225,19 @@ def stage_findings(ev: Evidence, comps: dict) -> list[Finding]:
         donors = [p for p, t in sorted(ev.peer_tokens.items())
                   if len(t) and len(t) - 1 == len(got) and np.array_equal(t[:-1], got)]
         chunk = chunk_of(f, max(len(made), len(got)), ev)
+        borrowed = None if donors else borrowed_run(got, f, ev.peer_tokens)
         if donors:
             out.append(Finding("contamination",
                                 f"the vocoder got {donors[0]}'s generated codes ({len(got)} frames) instead of "
                                 f"the {len(made)} this request's talker generated",
                                 frame=0, chunk=0, stage="handoff", donor=donors[0], donor_kind="generated"))
+        elif borrowed is not None:
+            donor, i, j, n = borrowed
+            out.append(Finding("contamination",
+                                f"the vocoder got other frames than this request's talker made from frame {f}, among "
+                                f"them {donor}'s generated codes: frames {i}-{i + n - 1} are its frames "
+                                f"{j}-{j + n - 1}", frame=f, chunk=chunk, stage="handoff", donor=donor,
+                                donor_kind="generated"))
         elif (resume := resume_frames(made, got, cand.meta.get("preempted_at") or [])):
             resumed, first = True, min(resume[0] + resume[1])
             out.append(Finding("talker_defect", resume_summary(*resume, cand.meta["preempted_at"], len(made))
