@@ -109,6 +109,11 @@ def test_only_capacity_travels_from_an_entry_and_only_to_its_kind_of_candidate()
     assert coverage.applicable(entries["ref-leak-4373"], cell)
     assert not coverage.applicable(entries["ref-leak-4373"], {"candidate": "cpu-engine:ref-leak"})
     assert not coverage.applicable(entries["ref-leak-4373"], {"candidate": "vllm-omni-offline"})
+    # a cell of another model family never runs the entry's code
+    omni = entries["omni-first-codes-planted"]
+    assert not coverage.applicable(omni, {"candidate": "vllm-omni", "suite": str(SMOKE)})
+    assert coverage.applicable(omni, {"candidate": "vllm-omni", "suite": str(omni.suite)})
+    assert not coverage.applicable(entries["ref-leak-4373"], {"candidate": "vllm-omni", "suite": str(omni.suite)})
 
 
 def test_the_table_is_kept_and_continued_and_an_entry_no_cell_catches_fails(tmp_path, monkeypatch):

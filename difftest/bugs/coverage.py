@@ -49,9 +49,11 @@ EXACT_UP_TO = 20  # cells: above this the smallest set is found greedily (2^20 s
 
 
 def applicable(entry: Entry, cell: dict) -> bool:
-    """A cell can catch an entry when it serves the entry's kind of candidate (its API)."""
+    """A cell can catch an entry when it serves the entry's kind of candidate (its API) and its model
+    family (a Qwen3-TTS cell never runs Qwen3-Omni's code)."""
+    same_family = "suite" not in cell or load_suite(Path(cell["suite"])).family is load_suite(entry.suite).family
     return CandidateSpec.parse(cell["candidate"]).is_ is CandidateSpec.parse(entry.candidate).is_ \
-        and CandidateSpec.parse(cell["candidate"]).api == CandidateSpec.parse(entry.candidate).api
+        and CandidateSpec.parse(cell["candidate"]).api == CandidateSpec.parse(entry.candidate).api and same_family
 
 
 def capacity(entry: Entry) -> dict:
