@@ -87,15 +87,11 @@ class ReferenceService:
                 emit("error", segment=sid, kind="engine", message=f"{type(e).__name__}: {e}")
 
     def _generate_one(self, seg: dict, out_dir: Path, emit, engine: QwenTTSEngine, codes_only: bool = False) -> None:
-        sid, shash = _segment_key(seg)
-        stem = ResultStore.stem(out_dir, sid, shash)
-        cached = _valid_result(stem, shash)
-        if cached is not None:
-            emit("result", segment=sid, path=str(_sidecar(stem)), cached=True,
-                 seconds=float(cached.timings.get("seconds", 0.0)), audio_seconds=cached.seconds)
+        stem = uncached(seg, out_dir, emit)
+        if stem is None:
             return
         utt, voice = self._utterance(seg)
-        load_s = self._load(engine, utt.task, sid, emit)
+        load_s = self._load(engine, utt.task, seg["id"], emit)
         syn = engine.synthesize_batch([utt], codes_only=True)[0] if codes_only else engine.synthesize(utt)
         self._write(seg, utt, voice, syn, stem, emit, engine, load_s, {"concurrency": 1})
 
@@ -347,6 +343,18 @@ def parse_segment(seg: dict, checkpoints: dict[str, Checkpoint]) -> tuple[Uttera
             raise BadInput("a voice_design segment needs instructions")
         utt.instructions = instructions
     return utt, voice_prov
+
+
+def uncached(seg, out_dir: Path, emit) -> Path | None:
+    """The result stem of a segment the store lacks; None once a valid cached result is announced."""
+    sid, shash = _segment_key(seg)
+    stem = ResultStore.stem(out_dir, sid, shash)
+    cached = _valid_result(stem, shash)
+    if cached is None:
+        return stem
+    emit("result", segment=sid, path=str(_sidecar(stem)), cached=True,
+         seconds=float(cached.timings.get("seconds", 0.0)), audio_seconds=cached.seconds)
+    return None
 
 
 def _segment_key(seg) -> tuple[str, str]:

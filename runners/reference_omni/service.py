@@ -16,11 +16,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from difftest.family import QWEN3_OMNI
-from difftest.results import Result, ResultStore, write_result
+from difftest.results import Result, write_result
 from difftest.suites.checkpoints import hash_files
 from runners.reference.checkpoint import folder_sha256
 from runners.reference.environment import log
-from runners.reference.service import BadInput, _decode_params, _load_codes, _segment_key, _sidecar, _valid_result
+from runners.reference.service import BadInput, _decode_params, _load_codes, _segment_key, uncached
 from runners.reference_omni.engine import OmniEngine, Utterance
 
 LABEL = "transformers-qwen3-omni"
@@ -116,13 +116,10 @@ class OmniService:
                 emit("error", segment=sid, kind="engine", message=f"{type(e).__name__}: {e}")
 
     def _generate_one(self, seg: dict, out_dir: Path, emit) -> None:
-        sid, shash = _segment_key(seg)
-        stem = ResultStore.stem(out_dir, sid, shash)
-        cached = _valid_result(stem, shash)
-        if cached is not None:
-            emit("result", segment=sid, path=str(_sidecar(stem)), cached=True,
-                 seconds=float(cached.timings.get("seconds", 0.0)), audio_seconds=cached.seconds)
+        stem = uncached(seg, out_dir, emit)
+        if stem is None:
             return
+        sid, shash = _segment_key(seg)
         utt = parse_segment(seg, self.ckpt)
         load_s = self._load(sid, emit)
         syn = self.engine.synthesize(utt)
