@@ -15,12 +15,13 @@ import numpy as np
 import pytest
 from reference_support import REPO, reference_python
 
-from difftest.engines import omni_chat
+from difftest.engines import apis, omni_chat
 from difftest.engines.reference import ReferenceOptions, family_tiny, run_reference
 from difftest.engines.speech_client import SpeechClient
 from difftest.engines.vllm_omni import VllmOmniOptions, omni_python, server_argv, server_env, write_overlay
 from difftest.family import QWEN3_OMNI
 from difftest.process.launcher import ServerProcess, free_port
+from difftest.suites import wavio
 from difftest.suites.suite import load_suite
 
 pytestmark = pytest.mark.heavy
@@ -53,9 +54,10 @@ def server(store, tmp_path_factory):
 
 
 def ask(client, seg):
-    body = omni_chat.chat_body(seg)
-    answer = client.chat(body, omni_chat.answer_bound(body))
-    return omni_chat.answer_audio(answer.audio, seg.id)
+    """(float32 samples, sample rate): the segment asked as a run asks it (engines/apis.py)."""
+    _, wav = apis.ChatApi().ask(client, seg, f"t-{seg.id}", "inline", None)
+    x, info = wavio.read(wav)
+    return x, info.sample_rate
 
 
 def test_the_tiny_qwen3_omni_answers_in_each_speaker_as_long_as_the_reference(server, store):
