@@ -180,12 +180,19 @@ def resume_history(tokens: np.ndarray, control: TalkerStage | None, preempted_at
 BORROWED_RUN = 3  # frames in a row of a peer's generated codes, past where the hand-off parts, to name it
 
 
-def borrowed_run(got: np.ndarray, f: int, peers: dict) -> tuple[str, int, int, int] | None:
+def _contains(seq: np.ndarray, run: np.ndarray) -> bool:
+    n = len(run)
+    return any(np.array_equal(seq[k:k + n], run) for k in range(len(seq) - n + 1))
+
+
+def borrowed_run(got: np.ndarray, f: int, peers: dict, own=()) -> tuple[str, int, int, int] | None:
     """(peer, where in the handed frames, its frame, how many): the longest run of the handed codebook 0,
     from frame `f` on, that is a run of a co-batched peer's own generated frames. A wave's requests enter
     the talker steps apart and the batch changes as they finish, so another's frames arrive at another
-    offset, and from more than one peer; the longest run names the donor. At least BORROWED_RUN in a row:
-    a chance run of 2048-way tokens that long is negligible."""
+    offset, and from more than one peer; the longest run names the donor. At least BORROWED_RUN in a row,
+    and never a run the request's own sequences (`own`: its talker's frames, its reference codes, each
+    codebook 0) hold as well: requests of one voice begin alike, and a reference left in the output is
+    the request's own."""
     best = None
     for peer, tokens in sorted(peers.items()):
         theirs = np.asarray(tokens)[:-1]
@@ -199,7 +206,8 @@ def borrowed_run(got: np.ndarray, f: int, peers: dict) -> tuple[str, int, int, i
                 n = 0
                 while i + n < len(got) and j + n < len(theirs) and got[i + n] == theirs[j + n]:
                     n += 1
-                if n >= BORROWED_RUN and (best is None or n > best[3]):
+                if n >= BORROWED_RUN and (best is None or n > best[3]) \
+                        and not any(_contains(np.asarray(o), got[i:i + n]) for o in own):
                     best = (peer, i, j, n)
     return best
 
@@ -225,7 +233,8 @@ def stage_findings(ev: Evidence, comps: dict) -> list[Finding]:
         donors = [p for p, t in sorted(ev.peer_tokens.items())
                   if len(t) and len(t) - 1 == len(got) and np.array_equal(t[:-1], got)]
         chunk = chunk_of(f, max(len(made), len(got)), ev)
-        borrowed = None if donors else borrowed_run(got, f, ev.peer_tokens)
+        own = (made, talker.ref_codes[:, 0], cand.ref_codes[:, 0])
+        borrowed = None if donors else borrowed_run(got, f, ev.peer_tokens, own)
         if donors:
             out.append(Finding("contamination",
                                 f"the vocoder got {donors[0]}'s generated codes ({len(got)} frames) instead of "
