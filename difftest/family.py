@@ -36,6 +36,7 @@ class ModelFamily:
     stages: tuple[str, ...]
     # the reference
     reference_package: str  # the official package, as pip names it
+    reference_name: str  # the reference as a report names it
     deploy_file: str  # vLLM-Omni's deploy YAML for it, in the release's deploy folder (production's configuration)
     reference_label: str  # the label its runner announces: the store keys the reference's results by it
     reference_runner: str  # the module its environment's interpreter runs (contract 3)
@@ -65,6 +66,7 @@ QWEN3_TTS = ModelFamily(
     serving_stages=("talker", "vocoder"),
     stages=("talker_input", "talker", "reference_encoder", "handoff", "vocoder"),
     reference_package="qwen-tts",
+    reference_name="qwen-tts",
     deploy_file="qwen3_tts.yaml",
     reference_label="qwen-tts",
     reference_runner="runners.reference",
@@ -86,6 +88,7 @@ QWEN3_OMNI = replace(
     serving_stages=("thinker", "talker", "code2wav"),
     stages=("thinker", "talker_input", "talker", "handoff", "vocoder"),
     reference_package="transformers",
+    reference_name="transformers' Qwen3-Omni",
     deploy_file="qwen3_omni_moe.yaml",
     reference_label="transformers-qwen3-omni",
     reference_runner="runners.reference_omni",
@@ -96,6 +99,7 @@ QWEN3_OMNI = replace(
 FAMILIES = MappingProxyType({f.name: f for f in (QWEN3_TTS, QWEN3_OMNI)})
 
 
+REFERENCE_NAMES = MappingProxyType({f.reference_label: f.reference_name for f in FAMILIES.values()})
 FAMILY_OF_TASK = MappingProxyType({task: f for f in FAMILIES.values() for task in f.tasks})  # tasks are unique
 
 

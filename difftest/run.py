@@ -136,7 +136,8 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
             why = f"{suite.family.display}'s reference runner does not teacher-force yet"
             print(f"teacher forcing: none ({why}); code_divergence fails this run", file=sys.stderr, flush=True)
             scores = ({r: {} for r in roles}, {r: {} for r in roles})
-            null = null_phase.unmeasured(engine, opts.candidate_dtype, ctrl, ref_run, why)
+            null = null_phase.unmeasured(engine, opts.candidate_dtype, ctrl, ref_run, why,
+                                         suite.family.reference_name)
             # code_divergence passes because teacher forcing found the codes plausible; with nothing to
             # teacher-force them, a divergence (a talker prompted with another speaker) is not told from numerics
             policy = replace(policy, fail_on=policy.fail_on | {"code_divergence"})
@@ -144,8 +145,8 @@ def run(suite: Suite, spec: CandidateSpec, out: Path, policy: Policy, opts: RunO
                                  "codes, so a divergence cannot be told from the numerics' drift")
         else:
             print(f"teacher forcing: {len(results_with_codes(cand.results))} segments at c={opts.concurrency} and "
-                  f"{len(results_with_codes(ctrl.results))} at c=1 through qwen-tts's talker", file=sys.stderr,
-                  flush=True)
+                  f"{len(results_with_codes(ctrl.results))} at c=1 through {suite.family.reference_name}'s talker",
+                  file=sys.stderr, flush=True)
             with timings("score_s"):
                 scorer = Scorer(runner, store.root, opts.reference.timeout)
                 scores = score_streams(scorer, suite, roles)
@@ -214,15 +215,15 @@ def _report(suite: Suite, spec: CandidateSpec, opts: RunOptions, policy: Policy,
     report = build_report(
         ordered, policy,
         suite={"name": suite.name, "path": str(suite.path), "hash": suite.hash, "segments": len(suite.segments)},
-        reference={"label": "qwen-tts", "fingerprint": ref_run.fingerprint, "provenance": ref_run.provenance,
-                   "cached_segments": len(ref_run.cached)},
+        reference={"label": suite.family.reference_label, "fingerprint": ref_run.fingerprint,
+                   "provenance": ref_run.provenance, "cached_segments": len(ref_run.cached)},
         candidate={**{k: v for k, v in cand_info.items() if k != "served_configuration"}, "pattern": pattern,
                    "order": opts.order, "voice_mode": opts.voice_mode,
                    "batches": cand.batches, "identity": engine, "identity_key": folders[opts.concurrency][1]},
         concurrency=opts.concurrency,
         provenance={"difftest": __version__, "timings": {k: round(v, 3) for k, v in timings.items()}},
         warnings=policy.warnings() + [f"{sid}: reference: {e['message']}" for sid, e in ref_run.errors.items()]
-        + [f"{sid}: teacher forcing of qwen-tts's own sample: {m}" for sid, m in scores[1].get("reference", {}).items()]
+        + [f"{sid}: teacher forcing of the reference's own sample: {m}" for sid, m in scores[1].get("reference", {}).items()]
         + null.warnings + shared_seeds(suite)
         + ([] if opts.concurrency > 1 else ["concurrency 1: every request was served alone; a cross-request defect "
                                             "(the seed's leak) cannot show in this run"])

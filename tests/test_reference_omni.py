@@ -19,6 +19,7 @@ from difftest.family import QWEN3_OMNI, QWEN3_TTS, family_of_model
 from difftest.results import read_result
 from difftest.suites.checkpoints import MANIFEST
 from difftest.suites.suite import content_hash, load_suite
+from runners.reference_omni.tiny_checkpoint import CODEC_SPECIAL_IDS, SPEAKERS
 
 SUITE = REPO / "cases" / "suites" / "omni-smoke.yaml"
 
@@ -99,6 +100,11 @@ def test_omni_smoke_through_the_reference(reference):
         assert len(r.extra["answer_ids"]) == seg.decode["thinker_max_new_tokens"]
         assert np.array_equal(r.extra["talker_codes"], r.codes)  # transformers hands the talker's frames on as they are
         assert r.provenance["decode"]["subtalker_greedy"] is True and r.provenance["speaker"] == seg.speaker
+        # what the talker's prompt was made of, as generate built it: the chat turn, the speaker's id
+        assert np.array_equal(r.extra["input_text_ids"], r.extra["prompt_ids"])
+        assert r.extra["input_speaker_id"].tolist() == [SPEAKERS[seg.speaker.lower()]]
+        assert r.extra["input_codec_prefill"].tolist() == [CODEC_SPECIAL_IDS[k] for k in (
+            "codec_nothink_id", "codec_think_bos_id", "codec_think_eos_id")]
     # the inputs reach the codes: another speaker or another text changes every frame's codebook 0
     a, b, d = (run.results[i].codes for i in ("omni-01", "omni-02", "omni-04"))
     assert (a[:, 0] != b[:len(a), 0]).mean() > 0.8 and (a[:, 0] != d[:len(a), 0]).mean() > 0.8
@@ -159,3 +165,91 @@ def test_the_suite_is_checked_against_the_omni_checkpoint_before_any_model_work(
     found = problems(replace(suite, segments=[suite.segments[0], seg]), [folder])
     assert found == [f"omni-smoke.yaml: segment omni-02: speaker 'Nobody' is not in the qwen3_omni_moe checkpoint "
                      f"{folder} (it has: aiden, chelsie, ethan)"]
+
+
+@pytest.fixture(scope="module")
+def omni_runner(store, reference, tmp_path_factory):
+    """The reference runner over the protocol, for its score job."""
+    from difftest.engines.reference import runner_argv, runner_env
+    from difftest.process.runner_client import RunnerProcess
+
+    folder = family_tiny(store, reference_python(), QWEN3_OMNI)
+    opts = ReferenceOptions()
+    runner = RunnerProcess(runner_argv(reference_python(), folder, opts, QWEN3_OMNI), env=runner_env(opts),
+                           log_path=tmp_path_factory.mktemp("omni-runner") / "runner.log", cwd=REPO)
+    runner.start()
+    yield runner
+    runner.close()
+
+
+def _score(runner, store, items: dict, dtype=None) -> dict:
+    from difftest.engines.scorer import ScoreItem, Scorer
+
+    scorer = Scorer(runner, store, 300, dtype=dtype)
+    return scorer.score({name: ScoreItem(seg, codes, None, False) for name, (seg, codes) in items.items()})
+
+
+def test_teacher_forcing_gives_the_reference_its_own_greedy_choices(store, reference, omni_runner):
+    """Every position of every reference stream is its top-1 when forced back through transformers'
+    talker and code predictor: the forced prompt and forward are generation's own."""
+    run, suite = reference
+    got = _score(omni_runner, store, {s.id: (s, run.results[s.id].codes) for s in suite.segments})
+    for seg in suite.segments:
+        sf = got[seg.id]
+        assert not isinstance(sf, str), sf
+        frames = seg.decode["max_new_tokens"] - 1
+        assert sf.arrays["rank"].shape == (frames, QWEN3_OMNI.codebooks)
+        assert (sf.arrays["rank"] == 0).all() and sf.arrays["in_support"].all()
+        assert (sf.arrays["margin"] >= 0).all() and sf.settings["subtalker_dosample"] is False
+        assert sf.settings["do_sample"] is False and sf.settings["eos_token_id"] == QWEN3_OMNI.stop_id
+
+
+def test_a_changed_code_is_scored_off_the_top_where_it_changed_and_not_before(store, reference, omni_runner):
+    run, suite = reference
+    seg = suite.segments[0]
+    own = run.results[seg.id].codes
+    c0, c7 = own.copy(), own.copy()
+    c0[3, 0] = (c0[3, 0] + 1) % QWEN3_OMNI.codebook_size
+    c7[2, 7] = (c7[2, 7] + 1) % QWEN3_OMNI.codebook_size
+    got = _score(omni_runner, store, {"own": (seg, own), "c0": (seg, c0), "c7": (seg, c7)})
+    base = got["own"].arrays["logprob"]
+    r0, r7 = got["c0"].arrays, got["c7"].arrays
+    assert r0["rank"][3, 0] > 0 and np.array_equal(r0["logprob"][:3], base[:3])  # causal: frames before unchanged
+    assert r7["rank"][2, 7] > 0 and (r7["rank"][2, :7] == 0).all()
+    assert np.array_equal(r7["logprob"][:2], base[:2]) and np.array_equal(r7["logprob"][2, :7], base[2, :7])
+
+
+def test_a_score_item_the_family_cannot_take_is_refused_by_name(store, reference, omni_runner, tmp_path):
+    run, suite = reference
+    seg = suite.segments[0]
+    np.savez(tmp_path / "in.npz", codes=run.results[seg.id].codes)
+    bad = np.full((4, QWEN3_OMNI.codebooks), QWEN3_OMNI.codebook_size + 5)
+    np.savez(tmp_path / "bad.npz", codes=bad)
+    job = {"segment": seg.to_job(), "out": str(tmp_path / "o")}
+    events = list(omni_runner.request("score", timeout=300, items=[
+        {**job, "name": "given", "input": str(tmp_path / "in.npz"), "condition": "given"},
+        {**job, "name": "ids", "input": str(tmp_path / "bad.npz"), "out": str(tmp_path / "o2")}]))
+    errors = {e["item"]: e["message"] for e in events if e.get("event") == "error"}
+    assert "no in-context reference codes" in errors["given"]
+    assert errors["ids"] == (f"score item ids (segment {seg.id}): codes file {tmp_path / 'bad.npz'}: codes holds ids "
+                             f"outside [0, {QWEN3_OMNI.codebook_size})")
+
+
+def test_the_null_decodes_and_scores_in_bfloat16_and_is_refused_batched(store, reference, omni_runner):
+    """The measured null's pieces: transformers in bf16, codes only, each request alone; waves refused."""
+    from difftest.engines.reference import ReferenceEngine
+
+    run, suite = reference
+    engine = ReferenceEngine(omni_runner, store, 300)
+    null = engine.generate(suite.segments[:2], dtype="bfloat16", codes_only=True)
+    assert null.errors == {} and null.config_dir != run.config_dir
+    for seg in suite.segments[:2]:
+        r = null.results[seg.id]
+        assert r.codes.shape == run.results[seg.id].codes.shape and len(r.wav) == 0
+        assert r.meta["codes_only"] is True and r.provenance["dtype"] == "bfloat16"
+    got = _score(omni_runner, store, {s.id: (s, null.results[s.id].codes) for s in suite.segments[:2]}, "bfloat16")
+    assert all(not isinstance(sf, str) and sf.provenance["dtype"] == "bfloat16" for sf in got.values()), got
+    assert omni_runner.hello["generate_waves"] is False
+    waves = engine.generate_waves([suite.segments[:2]], dtype="bfloat16")
+    assert set(waves.errors) == {s.id for s in suite.segments[:2]}
+    assert "one request at a time" in waves.errors[suite.segments[0].id]["message"]

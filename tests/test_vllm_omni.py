@@ -205,7 +205,15 @@ def test_capture_wrappers_leave_the_real_handoff_functions_unchanged(env_checks)
     omni = result["omni_handoff"]
     assert omni["wrapped"] == ["qwen3_omni.talker2code2wav_full_payload", "qwen3_omni.talker2code2wav_async_chunk"]
     assert omni["full"] == {"returned_identical": True, "codes_are_returned": True, "frames": 7, "tokens": True,
-                            "first_frame_zero": True, "prompt": [0, 0, -1], "handoff": "full_payload"}
+                            "first_frame_zero": True, "prompt": [0, 0, -1], "handoff": "full_payload",
+                            "input": {"text": True, "speaker": [2302], "prefill": [2155, 2156, 2157]}}
+    # the talker's input: the prefill's chat turn and speaker, read where 0.30.0's model has them
+    assert omni["model_wrapped"] == [f"Model.{n}" for n in ("_thinker_to_talker_prefill", "_get_talker_assistant_parts",
+                                                             "talker_preprocess_prefill")]
+    assert omni["model_params"]["_thinker_to_talker_prefill"][4:7] == ["input_ids", "thinker_result_ids", "speaker_id"]
+    assert omni["model_params"]["_get_talker_assistant_parts"][:4] == ["self", "im_start_index", "segment_end_index",
+                                                                      "speaker_id"]
+    assert omni["model_params"]["talker_preprocess_prefill"] == ["self", "input_ids", "input_embeds", "payload"]
     assert omni["async"] == {"codes_match": True, "payloads": 3, "chunk_frames": [2, 4, 3], "handoff": "async_chunk",
                              "tokens": 9}
     # Qwen3-Omni's predictor: the first of two tied maxima, every time; the shared wrapper (64 draws) samples

@@ -231,12 +231,37 @@ def omni_handoff(root: Path) -> dict:
     chunks (initial chunk 2, then 4, left context 8). The capture holds what each returned, and the
     talker's tokens."""
     import vllm_omni.model_executor.stage_input_processors.qwen3_omni as proc
-
     from difftest_capture import omni_hooks
 
     originals = {n: getattr(proc, n) for n in NAMES}
     cap = omni_hooks.OmniCapture(__import__("difftest_capture.store", fromlist=["CaptureStore"]).CaptureStore(root))
     wrapped = omni_hooks.wrap(proc, cap)
+    # the talker's prefill as vLLM-Omni's model calls it (the real class's methods and parameters, checked
+    # below), on a stand-in class: request o0 prompted with speaker 2302 and the chat turn `turn`
+    import inspect
+
+    from vllm_omni.model_executor.models.qwen3_omni.qwen3_omni import Qwen3OmniMoeForConditionalGeneration as real
+
+    params = {n: list(inspect.signature(getattr(real, n)).parameters) for n in omni_hooks.MODEL_METHODS}
+    turn = [151644, 872, 9, 10, 151645, 151644, 77091]
+
+    class Model:
+        config = SimpleNamespace(talker_config=SimpleNamespace(codec_nothink_id=2155, codec_think_bos_id=2156,
+                                                               codec_think_eos_id=2157))
+
+        def _thinker_to_talker_prefill(self, thinker_embed=None, thinker_hidden=None, multimodal_mask=None,
+                                       input_ids=None, thinker_result_ids=None, speaker_id=None):
+            return self._get_talker_assistant_parts(5, 7, speaker_id, None, None, None, None)
+
+        def _get_talker_assistant_parts(self, im_start_index, segment_end_index, speaker_id, *rest):
+            return speaker_id
+
+        def talker_preprocess_prefill(self, input_ids, input_embeds, payload):
+            return self._thinker_to_talker_prefill(input_ids=torch.tensor([turn]), speaker_id=2302)
+
+    model_wrapped = omni_hooks.wrap_model(Model, cap)
+    Model().talker_preprocess_prefill(None, None, {"request_id": "o0"})
+    Model().talker_preprocess_prefill(None, None, {"request_id": "o0"})  # a later prefill step: filed once
     frames = codes(41, 6)
     rows = torch.cat([torch.zeros(1, Q, dtype=torch.long), frames])  # row 0: the prefill's placeholder
     tokens = frames[:, 0].tolist() + [int(frames[-1, 0]) + 1]  # the talker's ids: one per frame, and its last
@@ -250,7 +275,11 @@ def omni_handoff(root: Path) -> dict:
                                         "codes_are_returned": bool(np.array_equal(f["codes"], handed)),
                                         "frames": int(f["codes"].shape[0]), "tokens": f["talker_tokens"].tolist() == tokens,
                                         "first_frame_zero": bool(not f["codes"][0].any()),
-                                        "prompt": f["talker_prompt"].tolist(), "handoff": str(f["handoff"])}}
+                                        "prompt": f["talker_prompt"].tolist(), "handoff": str(f["handoff"]),
+                                        "input": {"text": f["input_text_ids"].tolist() == turn,
+                                                  "speaker": f["input_speaker_id"].tolist(),
+                                                  "prefill": f["input_codec_prefill"].tolist()}},
+           "model_wrapped": model_wrapped, "model_params": params}
     tm = TransferManager(chunk=4, initial=2)
     steps, stream = 9, codes(42, 9)
     payloads = 0

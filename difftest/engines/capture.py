@@ -34,12 +34,12 @@ could not):
 
 | array                     | shape / type       | meaning                                          |
 |---------------------------|--------------------|--------------------------------------------------|
-| `input_text_ids`          | (L,) integers      | the assistant text's token ids, chat template in |
+| `input_text_ids`          | (L,) integers      | the assistant text's token ids, chat template in (Qwen3-Omni: the chat turn the thinker read) |
 | `input_instruct_ids`      | (L',) integers     | the instruction's token ids (0: none)            |
 | `input_ref_text_ids`      | (L'',) integers    | an in-context clone's reference text ids (0: none) |
 | `input_ref_codes`         | (R, 16) integers   | the reference codes its prompt holds (0 rows: none) |
 | `input_codec_prefill`     | (3 or 4,) integers | think / no-think, think-bos, language id, think-eos |
-| `input_speaker_id`        | (0 or 1,) integers | a custom voice's speaker id                      |
+| `input_speaker_id`        | (0 or 1,) integers | a custom voice's speaker id (Qwen3-Omni: the talker's speaker) |
 | `input_speaker_embedding` | (H,) floats        | a clone's speaker embedding as the talker got it (0: none) |
 | `input_speaker_dtype`     | string             | the dtype that embedding had                     |
 | `input_non_streaming`     | integer, 0 or 1    | the prompt's layout: the whole text first (1)    |
@@ -111,6 +111,21 @@ TALKER = ("talker_ref_codes", "talker_prompt", "talker_tokens")
 TOPK = ("talker_topk_ids", "talker_topk_logprobs")
 INPUT_IDS = ("input_text_ids", "input_instruct_ids", "input_ref_text_ids", "input_codec_prefill", "input_speaker_id")
 INPUT = (*INPUT_IDS, "input_ref_codes", "input_speaker_embedding", "input_speaker_dtype", "input_non_streaming")
+
+
+def chat_turn_inputs(text_ids, codec_prefill, speaker_id: int) -> dict:
+    """The `input_*` arrays of a Qwen3-Omni talker's prompt (both sides build it here): the chat turn
+    as the thinker read it (`input_text_ids`), the codec prefill its assistant part opens with (no-think,
+    think-bos, think-eos) and the speaker id it was built with; nothing of a clone or an instruction.
+    The thinker's answer is not an input here: it is numerics' (a bf16 thinker may answer otherwise)."""
+    ids = lambda a: np.asarray(a, np.int64).reshape(-1)
+    empty = np.zeros(0, np.int64)
+    return {"input_text_ids": ids(text_ids), "input_instruct_ids": empty, "input_ref_text_ids": empty,
+            "input_codec_prefill": ids(codec_prefill), "input_speaker_id": ids([speaker_id]),
+            "input_ref_codes": np.zeros((0, CODEBOOKS), np.int64), "input_speaker_embedding": np.zeros(0, np.float32),
+            "input_speaker_dtype": np.array(""), "input_non_streaming": np.array(0, np.int64)}
+
+
 # The assembled prompt (optional within the input): its rows, their dtype, and (the reference's) row labels.
 PROMPT = ("input_prompt_embeds", "input_prompt_dtype")
 PROMPT_LABELS = "input_prompt_rows"

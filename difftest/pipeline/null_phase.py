@@ -52,7 +52,8 @@ def _null_alone(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine, ref_r
     dtype = numerics["dtype"]
     own = dtype == ref_run.fingerprint.get("dtype")
     null_run = ref_run if own else ref_engine.generate(segments, dtype=dtype, codes_only=True)
-    numerics["null"] = "the reference itself" if own else f"qwen-tts in {dtype}, cached at {null_run.config_dir}"
+    numerics["null"] = ("the reference itself" if own
+                        else f"{suite.family.reference_name} in {dtype}, cached at {null_run.config_dir}")
     got, errors = score_streams(scorer, suite, {"null": null_run}, {s.id for s in segments})
     wanted = {s.id for s in segments}
     warnings = [f"{sid}: measured null: {e['message']}" for sid, e in null_run.errors.items() if sid in wanted]
@@ -87,18 +88,30 @@ def null_at_n_finding(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine,
         warnings = []  # said already, at 1
         numerics["null"] = alone[3]
     alone, alone_scores = alone[0], alone[1]
+    if not ref_engine.runner.hello.get("generate_waves", True):
+        # a reference that decodes one request at a time (transformers' Qwen3-Omni): the tokens at N are
+        # counted against the null alone, and a flip between 1 and N is judged by the per-token near-tie
+        # rule only, with no batch noise to widen it
+        numerics["null_n"] = f"none: {suite.family.display}'s reference cannot batch; the null alone stands for it"
+        warnings.append(f"measured null at N: not measured ({suite.family.display}'s reference decodes one request "
+                        f"at a time); the tokens at N are judged against the null alone, and a flip between 1 and "
+                        f"N by the per-token near-tie rule")
+        finding = measured_null.judge_at_n(scored, {s: sf for s, sf in alone_scores.items() if s in set(ids)}, None,
+                                           flips, policy.null, numerics, at_one)
+        return finding, None, warnings
     batched = ref_engine.generate_waves(groups, dtype=numerics["dtype"])
     got, errors = score_streams(scorer, suite, {"null_n": batched}, set(ids))
     warnings += [f"{sid}: measured null at N: {e['message']}" for sid, e in batched.errors.items()]
     warnings += [f"{sid}: measured null at N, teacher forcing: {m}" for sid, m in errors["null_n"].items()]
     both = [sid for sid in ids if sid in alone.results and sid in batched.results]
     noise = measured_null.batch_noise(alone.results, batched.results, alone_scores, got["null_n"], both, numerics)
-    numerics["null_n"] = f"qwen-tts in {numerics['dtype']}, the candidate's waves as {len(groups)} batches"
+    numerics["null_n"] = (f"{suite.family.reference_name} in {numerics['dtype']}, the candidate's waves as "
+                          f"{len(groups)} batches")
     finding = measured_null.judge_at_n(scored, got["null_n"], noise, {s: a for s, a in flips.items() if s in both},
                                        policy.null, numerics, at_one)
     missing = sorted(set(ids) - set(both))
     if missing and finding["verdict"] == "pass":  # never a pass on a null that is not there
-        finding.update(verdict="error", summary=f"the measured null at N (qwen-tts in {numerics['dtype']}, batched) "
+        finding.update(verdict="error", summary=f"the measured null at N ({suite.family.reference_name} in {numerics['dtype']}, batched) "
                                                 f"has no stream for {', '.join(missing)}: the run's warnings say why")
     return finding, noise, warnings
 
@@ -121,11 +134,12 @@ class MeasuredNull:
         return {**scores, **({"null": self.alone[1]} if self.alone and not self.numerics["exact"] else {})}
 
 
-def unmeasured(engine: dict, declared_dtype, ctrl, ref_run, why: str) -> MeasuredNull:
+def unmeasured(engine: dict, declared_dtype, ctrl, ref_run, why: str, reference: str) -> MeasuredNull:
     """No null: the reference cannot teacher-force (Qwen3-Omni's runner, issue 60). The candidate's
     numerics are still read and stated; where they are not the reference's nothing excuses a drift."""
     dtype, source = measured_null.talker_dtype(engine, declared_dtype, ctrl.results)
-    numerics = {"dtype": dtype, "from": source, "exact": dtype == ref_run.fingerprint.get("dtype"), "null": None}
+    numerics = {"dtype": dtype, "from": source, "exact": dtype == ref_run.fingerprint.get("dtype"), "null": None,
+                "reference": reference}
     return MeasuredNull(numerics, None, None, [f"measured null: not measured ({why})"], None, None, None, None)
 
 
@@ -135,7 +149,8 @@ def measure(suite: Suite, scorer: Scorer, ref_engine: ReferenceEngine, ref_run, 
     streams; `declared_dtype`: the candidate talker's dtype as the user declared it (else read)."""
     dtype, source = measured_null.talker_dtype(engine, declared_dtype, ctrl.results)
     # exact: the reference's own numerics, where the null's counts of zero are structure, not chance
-    numerics = {"dtype": dtype, "from": source, "exact": dtype == ref_run.fingerprint.get("dtype")}
+    numerics = {"dtype": dtype, "from": source, "exact": dtype == ref_run.fingerprint.get("dtype"),
+                "reference": suite.family.reference_name}
     at_n = concurrency > 1  # the run at N spends half the false-flag rate (null.judge_at_n)
     null, warnings, alone, noise_model = null_finding(suite, scorer, ref_engine, ref_run, scores["control"], numerics,
                                                       policy, share=0.5 if at_n else 1.0)

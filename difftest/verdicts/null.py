@@ -48,6 +48,11 @@ class NullPolicy:
     noise_scale: float = 1.5  # the candidate's kernels may move a margin this many times as far as qwen-tts's
 
 
+def _ref(numerics: dict) -> str:
+    """The reference as the summaries name it (numerics["reference"]: the family's; qwen-tts's by default)."""
+    return numerics.get("reference", "qwen-tts")
+
+
 def counts(sf: ScoreFile) -> dict[str, tuple[int, int, float]]:
     """Per greedy site: (off-top-1 tokens, tokens, summed gap to the top-1 in nats); per sampled site
     (`<site>_sampled`): (tokens outside the sampling support, tokens, summed nats below its last
@@ -132,28 +137,28 @@ def judge(candidate: dict[str, ScoreFile], null: dict[str, ScoreFile] | None, po
         e, key = out_sites[worst], counted(worst)
         sampled = worst.endswith(SAMPLED)
         name = worst.removesuffix(SAMPLED).replace("_", " ")
-        how = "fall outside qwen-tts's sampling support" if sampled else "leave qwen-tts's top-1"
+        how = f"fall outside {_ref(numerics)}'s sampling support" if sampled else f"leave {_ref(numerics)}'s top-1"
         return {**base, "verdict": "talker_defect", "site": worst, "suspects": suspects(segments, worst),
                 "summary": f"the candidate's {'sampled' if sampled else 'greedy'} {name} tokens {where} {how} "
                            f"{e['candidate'][key]} times in {e['candidate']['tokens']} "
-                           f"({e['candidate']['rate']:.2%}) where qwen-tts in {numerics['dtype']} does "
+                           f"({e['candidate']['rate']:.2%}) where {_ref(numerics)} in {numerics['dtype']} does "
                            f"{e['null'][key]} times in {e['null']['tokens']} ({e['null']['rate']:.2%}): "
                            f"p = {e['p_value']:.3g} against a rate up to {policy.rate_margin}x the null's "
                            f"(alpha {alpha:.3g}); no single token is implausible, the whole run is"
                            + carried(suspects(segments, worst))}
     if missing:  # never a pass on a null that is not there: the run is an infrastructure error (exit 3)
         return {**base, "verdict": "error",
-                "summary": f"the measured null (qwen-tts in {numerics['dtype']}) has no scored stream for "
+                "summary": f"the measured null ({_ref(numerics)} in {numerics['dtype']}) has no scored stream for "
                            f"{', '.join(missing)}: the run's warnings say why"}
     if null is None:
         if any(e["candidate"][counted(s)] for s, e in out_sites.items()):
             raise ValueError("a null is needed: some greedy token is off the top-1, or a sampled one outside the support")
         return {**base, "verdict": "pass",
-                "summary": f"tokens {where} all qwen-tts's top-1 (greedy) or inside its support (sampled): "
+                "summary": f"tokens {where} all {_ref(numerics)}'s top-1 (greedy) or inside its support (sampled): "
                            f"no null needed"}
     return {**base, "verdict": "pass",
-            "summary": f"tokens {where} off qwen-tts's top-1 (greedy) or outside its support (sampled) as often as "
-                       f"qwen-tts in {numerics['dtype']}: "
+            "summary": f"tokens {where} off {_ref(numerics)}'s top-1 (greedy) or outside its support (sampled) as often as "
+                       f"{_ref(numerics)} in {numerics['dtype']}: "
                        + ", ".join(f"{s.replace('_', ' ')} {e['candidate'][counted(s)]}/{e['candidate']['tokens']} "
                                    f"against {e['null'][counted(s)]}/{e['null']['tokens']} (p = {e['p_value']:.3g})"
                                    for s, e in out_sites.items())}
@@ -188,14 +193,15 @@ def suspect_notes(findings: list[dict | None]) -> dict[str, list[str]]:
                 out.setdefault(sid, []).append(
                     f"suspect: carries the run's {f['verdict']} (its codes at concurrency N part from its codes at 1 "
                     f"at frame {x.get('frame')}, codebook {x.get('codebook')}"
-                    + (f", {x['gap']:.3g} nats from qwen-tts's top-1)" if x.get("gap") is not None else ")"))
+                    + (f", {x['gap']:.3g} nats from {_ref(f.get('numerics') or {})}'s top-1)" if x.get("gap") is not None else ")"))
             continue
         where = {"control": "at concurrency 1", "candidate": "at concurrency N"}.get(f["role"], f["role"])
-        what = "outside qwen-tts's support" if f["site"].endswith(SAMPLED) else "off qwen-tts's top-1"
+        ref = _ref(f.get("numerics") or {})
+        what = f"outside {ref}'s support" if f["site"].endswith(SAMPLED) else f"off {ref}'s top-1"
         for r in f["suspects"]:
             out.setdefault(r["segment"], []).append(
                 f"suspect: carries the run's {f['verdict']} {where} ({f['site'].removesuffix(SAMPLED).replace('_', ' ')}: "
-                f"{r['count']} of {r['tokens']} tokens {what} where qwen-tts in {f['numerics']['dtype']} has {r['null']})")
+                f"{r['count']} of {r['tokens']} tokens {what} where {ref} in {f['numerics']['dtype']} has {r['null']})")
     return out
 
 
@@ -363,13 +369,13 @@ def judge_at_n(candidate: dict[str, ScoreFile], null: dict[str, ScoreFile] | Non
     if p < alpha:
         out["verdict"] = kind
         out["summary"] = (f"{len(flips)} of {n} greedy segments' codes at concurrency N part from their codes at 1, "
-                          f"where qwen-tts in {numerics['dtype']} batched as the same waves parts from itself in "
+                          f"where {_ref(numerics)} in {numerics['dtype']} batched as the same waves parts from itself in "
                           f"{noise['flips']}: p = {p:.3g} against up to {policy.rate_margin}x as many "
                           f"(alpha {alpha:.3g})")
     elif p_wide < alpha:
         out["verdict"] = kind
         out["summary"] = (f"the candidate's codes at concurrency N part from those at 1 on wider ties than batching "
-                          f"makes qwen-tts in {numerics['dtype']} part: {len(gaps)} flips at {_spread(gaps)} nats from "
+                          f"makes {_ref(numerics)} in {numerics['dtype']} part: {len(gaps)} flips at {_spread(gaps)} nats from "
                           f"the top-1 against the null's {len(null_gaps)} at {_spread(null_gaps)} "
                           f"(Mann-Whitney p = {p_wide:.3g}, alpha {alpha:.3g})")
     return out

@@ -229,6 +229,16 @@ def _bank(rows_for, requested: dict, forced, settings: dict, site: str, torch) -
                                                      "temperature_grid": grid}
 
 
+def check_stream(codes: np.ndarray, n_groups: int, vocab: int, sub_vocab: int) -> np.ndarray:
+    """`codes` as a (T, n_groups) int64 stream of ids the codebooks hold; ValueError names what is wrong."""
+    codes = np.asarray(codes, dtype=np.int64)
+    if codes.ndim != 2 or codes.shape[1] != n_groups or codes.shape[0] == 0:
+        raise ValueError(f"codes must be a non-empty (T, {n_groups}) stream, got {codes.shape}")
+    if codes[:, 0].max() >= vocab or codes[:, 1:].max() >= sub_vocab or codes.min() < 0:
+        raise ValueError(f"codes hold ids outside the codebooks ([0, {vocab}) for codebook 0, [0, {sub_vocab}) after)")
+    return codes
+
+
 def score_stream(tts, kwargs: dict, codes: np.ndarray, ended_by_eos: bool) -> Scores:
     """Teacher-force `codes` (T, 16) through the talker and code predictor under the captured prompt `kwargs`."""
     import torch
@@ -236,14 +246,8 @@ def score_stream(tts, kwargs: dict, codes: np.ndarray, ended_by_eos: bool) -> Sc
     talker = tts.model.talker
     cfg = talker.config
     n_groups = int(cfg.num_code_groups)
-    vocab = int(cfg.vocab_size)
-    sub_vocab = int(cfg.code_predictor_config.vocab_size)
-    codes = np.asarray(codes, dtype=np.int64)
+    codes = check_stream(codes, n_groups, int(cfg.vocab_size), int(cfg.code_predictor_config.vocab_size))
     T = codes.shape[0]
-    if codes.ndim != 2 or codes.shape[1] != n_groups or T == 0:
-        raise ValueError(f"codes must be a non-empty (T, {n_groups}) stream, got {codes.shape}")
-    if codes[:, 0].max() >= vocab or codes[:, 1:].max() >= sub_vocab or codes.min() < 0:
-        raise ValueError(f"codes hold ids outside the codebooks ([0, {vocab}) for codebook 0, [0, {sub_vocab}) after)")
     device = talker.device
     c = torch.from_numpy(codes).to(device)
     prompt = kwargs["inputs_embeds"]
@@ -268,6 +272,17 @@ def score_stream(tts, kwargs: dict, codes: np.ndarray, ended_by_eos: bool) -> Sc
         sub_in = torch.cat([hidden[:T].unsqueeze(1), emb0(c[:, :1])]
                            + [sub_embs[i - 1](c[:, i:i + 1]) for i in range(1, n_groups - 1)], dim=1)
         sub_logits = talker.code_predictor.forward_finetune(inputs_embeds=sub_in).logits.float().cpu()  # (T, 15, V')
+    return score_logits(logits0, sub_logits, codes, kwargs, ended_by_eos)
+
+
+def score_logits(logits0, sub_logits, codes: np.ndarray, kwargs: dict, ended_by_eos: bool) -> Scores:
+    """The scores of a forced stream from the models' raw logits: `logits0` (T + 1, V), the talker's
+    at each frame and at the stop after the last; `sub_logits` (T, G - 1, V'), the code predictor's
+    for codebooks 1..G-1. `kwargs`: the talker's generate settings (sampling, repetition penalty,
+    suppressed tokens, EOS, min_new_tokens) and the code predictor's (`subtalker_*`)."""
+    import torch
+
+    T, n_groups = codes.shape
     tokens0 = codes[:, 0].tolist() + ([int(kwargs["eos_token_id"])] if ended_by_eos else [])
     rows0 = torch.stack([_processed(logits0[k], tokens0[:k], k, kwargs, torch, talker=True)
                          for k in range(len(tokens0))])

@@ -15,10 +15,12 @@ import sys
 
 from runners.protocol import serve
 from runners.reference.environment import host, log, package_versions, repo_commit
+from runners.reference.scoring import VERSION as SCORE_VERSION
+from runners.reference.service import DTYPES
 from runners.reference_omni.engine import OmniEngine
 from runners.reference_omni.service import LABEL, CheckpointError, OmniService, open_checkpoint
 
-RUNNER_VERSION = 1  # bump when the runner's own behaviour changes what it writes for the same inputs
+RUNNER_VERSION = 2  # 2: scoring, other dtypes, codes only. Bump when the runner's own behaviour changes what it writes for the same inputs
 FINGERPRINT_PACKAGES = ("transformers", "torch", "tokenizers")
 
 
@@ -48,8 +50,9 @@ def main(argv: list[str] | None = None) -> int:
                                                          "sha256": ckpt.sha256}}}
     service = OmniService(ckpt, OmniEngine(ckpt.path, args.device, args.dtype, args.threads), provenance)
     log(f"serving {ckpt.path} on {args.device} in {args.dtype}")
-    return serve({"generate": service.generate, "decode": service.decode},
-                 {"label": LABEL, "fingerprint": fingerprint, "provenance": provenance})
+    return serve({"generate": service.generate, "decode": service.decode, "score": service.score},
+                 {"label": LABEL, "fingerprint": fingerprint, "provenance": provenance, "score_version": SCORE_VERSION,
+                  "generate_dtypes": list(DTYPES), "generate_waves": False, "generate_codes_only": True})
 
 
 if __name__ == "__main__":

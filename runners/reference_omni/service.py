@@ -1,11 +1,18 @@
-"""The Qwen3-Omni reference runner's jobs: `generate` and `decode` (docs/runner-protocol.md).
+"""The Qwen3-Omni reference runner's jobs: `generate`, `decode` and `score` (docs/runner-protocol.md).
 
 As the Qwen3-TTS runner (runners/reference/service.py, whose segment keys, result cache and codes
 files this shares): a cached result or a bad segment costs no model work, every other segment is
 decoded alone (concurrency 1), and each result records what each stage handed on:
 `codes` (what code2wav received), `wav`, and in `extra` the chat turn as the thinker read it
 (`prompt_ids`), the thinker's answer handed to the talker (`answer_ids`) and the talker's own frames
-(`talker_codes`, before the hand-off to code2wav).
+(`talker_codes`, before the hand-off to code2wav), and what the talker's prompt was made of (the
+`input_*` arrays of the capture schema: the chat turn, the codec prefill, the speaker id).
+
+A job's `dtype` (generate, score) runs transformers in another dtype than the runner's own, a second
+copy loaded on first use: the measured null (difftest/verdicts/null.py) decodes and scores in the
+candidate's numerics. transformers' Qwen3-Omni speaks one request at a time (`generate` refuses a
+batch with audio), so `waves` (the null batched as the candidate's waves) is refused, and the
+runner's announcement says so (`generate_waves: false`).
 """
 
 from __future__ import annotations
@@ -16,11 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from difftest.family import QWEN3_OMNI
-from difftest.results import Result, write_result
+from difftest.results import CorruptResult, Result, write_result
+from difftest.scores import ScoreFile, read_scores, write_scores
 from difftest.suites.checkpoints import hash_files
 from runners.reference.checkpoint import folder_sha256
 from runners.reference.environment import log
-from runners.reference.service import BadInput, _decode_params, _load_codes, _segment_key, uncached
+from runners.reference.service import DTYPES, BadInput, _decode_params, _load_codes, _segment_key, _sidecar, uncached
 from runners.reference_omni.engine import OmniEngine, Utterance
 
 LABEL = "transformers-qwen3-omni"
@@ -87,53 +95,71 @@ def parse_segment(seg: dict, ckpt: OmniCheckpoint) -> Utterance:
 class OmniService:
     def __init__(self, ckpt: OmniCheckpoint, engine: OmniEngine, provenance: dict):
         self.ckpt, self.engine, self.provenance = ckpt, engine, provenance
+        self._in_dtype: dict[str, OmniEngine] = {}
 
-    def _load(self, sid: str, emit) -> float:
-        if not self.engine.is_loaded():
-            emit("progress", segment=sid, stage="load", message=f"loading {QWEN3_OMNI.display} in {self.engine.dtype}")
+    def _engine(self, dtype: str | None) -> OmniEngine:
+        if dtype in (None, self.engine.dtype):
+            return self.engine
+        if dtype not in DTYPES:
+            raise BadInput(f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}")
+        if dtype not in self._in_dtype:
+            e = self.engine
+            self._in_dtype[dtype] = OmniEngine(e.path, e.device, dtype, e.threads)
+        return self._in_dtype[dtype]
+
+    def _load(self, sid: str, emit, engine: OmniEngine | None = None) -> float:
+        engine = engine or self.engine
+        if not engine.is_loaded():
+            emit("progress", segment=sid, stage="load", message=f"loading {QWEN3_OMNI.display} in {engine.dtype}")
         t0 = time.perf_counter()
-        self.engine.load()
+        engine.load()
         return time.perf_counter() - t0
 
     def generate(self, job: dict, emit) -> None:
         segments = job.get("segments") or []
         out_dir = job.get("out_dir")
+        dtype = job.get("dtype")
         problem = ("the reference runs at concurrency 1 only" if job.get("concurrency", 1) != 1
                    else "generate job has no out_dir" if not out_dir
-                   else "this runner decodes in its own dtype only" if job.get("dtype") not in (None, self.engine.dtype)
-                   else "this runner decodes one segment at a time (no waves)" if job.get("waves") is not None
+                   else f"dtype {dtype!r}: expected one of {', '.join(DTYPES)}" if dtype not in (None, *DTYPES)
+                   else (f"{QWEN3_OMNI.display} in transformers speaks one request at a time: no batched waves")
+                   if job.get("waves") is not None
                    else None)
+        codes_only = bool(job.get("codes_only"))  # the null's codes: the waveform is not kept
         for seg in segments:
             sid = seg.get("id", "?") if isinstance(seg, dict) else "?"
             try:
                 if problem:
                     raise BadInput(problem)
-                self._generate_one(seg, Path(out_dir), emit)
+                self._generate_one(seg, Path(out_dir), emit, self._engine(dtype), codes_only)
             except BadInput as e:
                 emit("error", segment=sid, kind="bad_input", message=str(e))
             except Exception as e:  # the model failed on this segment; go on with the next
                 log(f"segment {sid}: {type(e).__name__}: {e}")
                 emit("error", segment=sid, kind="engine", message=f"{type(e).__name__}: {e}")
 
-    def _generate_one(self, seg: dict, out_dir: Path, emit) -> None:
+    def _generate_one(self, seg: dict, out_dir: Path, emit, engine: OmniEngine, codes_only: bool) -> None:
         stem = uncached(seg, out_dir, emit)
         if stem is None:
             return
         sid, shash = _segment_key(seg)
         utt = parse_segment(seg, self.ckpt)
-        load_s = self._load(sid, emit)
-        syn = self.engine.synthesize(utt)
-        audio_s = len(syn.wav) / syn.sample_rate
+        load_s = self._load(sid, emit, engine)
+        syn = engine.synthesize(utt)
+        if codes_only:
+            syn.wav = syn.wav[:0]
+        audio_s = (len(syn.wav) or len(syn.codes) * QWEN3_OMNI.samples_per_frame) / syn.sample_rate
         seconds = syn.timings["generate_s"]
         timings = {**syn.timings, "seconds": seconds, "audio_s": audio_s, "rtf": seconds / audio_s if audio_s else None,
                    **({"load_s": load_s} if load_s > 0.01 else {})}
         provenance = {**self.provenance, "checkpoint": self._checkpoint(), "task": TASK, "speaker": utt.speaker,
-                      "decode": {**syn.generate_kwargs, "seed": utt.decode["seed"]}}
+                      "dtype": engine.dtype, "decode": {**syn.generate_kwargs, "seed": utt.decode["seed"]}}
         result = Result(segment_id=sid, segment_hash=shash, wav=syn.wav, sample_rate=syn.sample_rate, codes=syn.codes,
                         provenance=provenance, timings=timings,
-                        meta={"runner": LABEL, "concurrency": 1, "lead_samples": 0},
+                        meta={"runner": LABEL, "concurrency": 1, "lead_samples": 0,
+                              **({"codes_only": True} if codes_only else {})},
                         extra={"prompt_ids": syn.prompt_ids, "answer_ids": syn.answer_ids,
-                               "talker_codes": syn.talker_codes})
+                               "talker_codes": syn.talker_codes, **syn.talker_inputs})
         side = write_result(stem, result)
         emit("result", segment=sid, path=str(side), cached=False, seconds=seconds, audio_seconds=audio_s)
 
@@ -170,3 +196,55 @@ class OmniService:
             except Exception as e:
                 log(f"decode {name}: {type(e).__name__}: {e}")
                 emit("error", item=name, segment=name, kind="engine", message=f"{type(e).__name__}: {e}")
+
+    def score(self, job: dict, emit) -> None:
+        """Teacher-forced scores of given code streams (OmniEngine.score). Each item: the segment (as in
+        generate), `input` (npz with `codes` (T, 16)), `ended_by_eos`, `out`, and `dtype` to score in
+        another dtype; `condition` is "voice" only (a chat turn has no in-context reference codes)."""
+        for item in job.get("items") or []:
+            name = item.get("name", "?") if isinstance(item, dict) else "?"
+            try:
+                self._score_one(item, emit)
+            except BadInput as e:
+                emit("error", item=name, segment=name, kind="bad_input", message=str(e))
+            except Exception as e:
+                log(f"score {name}: {type(e).__name__}: {e}")
+                emit("error", item=name, segment=name, kind="engine", message=f"{type(e).__name__}: {e}")
+
+    def _score_one(self, item: dict, emit) -> None:
+        if not isinstance(item, dict):
+            raise BadInput("a score item must be a JSON object")
+        name, seg, src, out = item.get("name"), item.get("segment"), item.get("input"), item.get("out")
+        if not name or not isinstance(seg, dict) or not src or not out:
+            raise BadInput("a score item needs name, segment, input and out")
+        sid, shash = _segment_key(seg)
+        side = _sidecar(Path(out))
+        if side.exists():
+            try:
+                read_scores(side)
+                emit("result", item=name, segment=sid, path=str(side), cached=True, seconds=0.0)
+                return
+            except CorruptResult as e:
+                log(f"rescoring: {e}")
+        if item.get("condition", "voice") != "voice":
+            raise BadInput(f"score item {name}: a {QWEN3_OMNI.display} chat turn has no in-context reference codes "
+                           f"to condition on (condition must be 'voice')")
+        try:
+            utt = parse_segment(seg, self.ckpt)
+            codes, _ = _load_codes(Path(src))
+        except BadInput as e:
+            raise BadInput(f"score item {name} (segment {sid}): {e}") from None
+        engine = self._engine(item.get("dtype"))
+        self._load(sid, emit, engine)
+        t0 = time.perf_counter()
+        try:
+            sc = engine.score(utt, codes, bool(item.get("ended_by_eos", False)))
+        except ValueError as e:  # codes the checkpoint cannot score (codebooks, ids)
+            raise BadInput(f"score item {name} (segment {sid}): {e}") from None
+        seconds = time.perf_counter() - t0
+        result = ScoreFile(sid, shash, sc.arrays, sc.eos, sc.settings, {"ref_codes": "none", "frames": None},
+                           {**self.provenance, "op": "score", "input": str(src), "dtype": engine.dtype,
+                            "checkpoint": self._checkpoint()},
+                           {"score_s": seconds, "frames": len(codes)}, bank=sc.bank)
+        side = write_scores(Path(out), result)
+        emit("result", item=name, segment=sid, path=str(side), cached=False, seconds=seconds)

@@ -605,7 +605,10 @@ def install(root: str | Path) -> Capture:
     try:  # Qwen3-Omni's hand-off (omni_hooks.py), for a server of that family
         from runners.vllm_omni.difftest_capture.difftest_capture import omni_hooks
 
-        wrapped += omni_hooks.wrap(importlib.import_module(omni_hooks.MODULE), omni_hooks.OmniCapture(_capture.store))
+        omni = omni_hooks.OmniCapture(_capture.store)
+        wrapped += omni_hooks.wrap(importlib.import_module(omni_hooks.MODULE), omni)
+        wrapped += omni_hooks.wrap_model(importlib.import_module(omni_hooks.MODEL_MODULE).Qwen3OmniMoeForConditionalGeneration,
+                                         omni)
     except Exception:
         _warn_once("omni", "Qwen3-Omni's hand-off is not wrapped (Qwen3-TTS's capture is unaffected)")
     if wrapped:
