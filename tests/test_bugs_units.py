@@ -163,6 +163,15 @@ def test_caught_needs_the_verdict_the_stage_and_the_donor(tmp_path):
     other = {**seg, "id": "vcc-03"}
     got = judge(e, {"verdict": "fail", "segments": [seg, other]}, release)
     assert got["caught"] and got["segment"] == "vcc-03"
+    # a finding under a more serious one, the release's own on that segment, still catches
+    top = {"id": "vcc-02", "verdict": "handoff_defect", "stage": "handoff", "donor": None, "summary": "zero frame",
+           "first_divergent_chunk": 0}
+    under = judge(e, {"verdict": "fail", "segments": [{**top, "also": [{**seg, "first_divergent_chunk": 1}]}]},
+                  {"verdict": "fail", "segments": [top]})
+    assert under["caught"] and under["where"] == "chunk 1, handoff, donor vcc-04"
+    assert under["summary"] == "s (under handoff_defect: zero frame)"
+    assert not judge(e, {"verdict": "fail", "segments": [{**top, "also": [seg]}]},
+                     {"verdict": "fail", "segments": [{**top, "also": [seg]}]})["caught"]  # the release has it too
     assert exit_code([{"status": "caught"}, {"status": "known miss"}, {"status": "not on CPU"}]) == 0
     assert exit_code([{"status": "caught"}, {"status": "missed"}, {"status": "error", "exit_code": 3}]) == 1
     assert exit_code([{"status": "error", "exit_code": 3}, {"status": "error", "exit_code": 2}]) == 2

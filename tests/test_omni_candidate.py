@@ -88,7 +88,7 @@ def test_the_tiny_qwen3_omni_answers_in_each_speaker_as_long_as_the_reference(se
 def test_difftest_run_finds_the_full_payload_handoff_defect_of_0_30(store, tmp_path):
     """`difftest run` on omni-smoke at 4 through the full-payload hand-off (async_chunk off): vLLM-Omni
     0.30.0 hands code2wav the talker's zero prefill placeholder as a first frame, one frame more than the
-    talker generated; every segment is handoff_defect at frame 0, exit 1."""
+    talker generated; every segment is handoff_defect at frame 0, exit 1. Its talker is prompted right."""
     import json
     import subprocess
     import sys
@@ -103,4 +103,11 @@ def test_difftest_run_finds_the_full_payload_handoff_defect_of_0_30(store, tmp_p
     for seg in report["segments"]:
         assert (seg["verdict"], seg["stage"], seg["first_divergent_frame"]) == ("handoff_defect", "handoff", 0), seg
         assert "where the talker generated" in seg["summary"] and "(codebook-0 0 against" in seg["summary"]
-    assert any("code_divergence fails this run" in w for w in report["warnings"])
+        # the talker was prompted as transformers' was (the chat turn, the speaker's id: captured on both sides),
+        # and teacher forcing of the frames the hand-off changed is not held against the talker
+        assert seg["comparisons"]["talker_input"] == {"differ": []}, seg["comparisons"].get("talker_input")
+        assert not any(f["stage"] == "talker" for f in seg.get("also", [])), seg["also"]
+    # teacher forcing and the measured null in bf16 judged the codes (transformers' Qwen3-Omni, alone)
+    assert report["measured_null"]["numerics"]["dtype"] == "bfloat16" and report["measured_null"]["null_decoded"]
+    assert "cannot batch" in report["measured_null_at_n"]["numerics"]["null_n"]
+    assert report["reference"]["label"] == QWEN3_OMNI.reference_label

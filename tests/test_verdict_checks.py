@@ -47,6 +47,10 @@ def test_a_new_verdict_is_its_row_and_its_check(policy):
     v = classify(toy_evidence(toy_result("a", CODES, OWN, wav=wav), codes=CODES, own=OWN), policy, EXAMPLE)
     assert (v.verdict, v.first_divergent_frame, v.first_divergent_chunk, v.stage) == ("clipping", 30, 2, "vocoder")
     assert v.comparisons["clipping"] == {"samples": 4} and "also: vocoder_defect" in v.notes
+    under = next(f for f in v.also if f["verdict"] == "vocoder_defect")  # the findings under it, whole
+    assert under["stage"] == "vocoder" and under["summary"] and set(under) == {
+        "verdict", "summary", "first_divergent_frame", "first_divergent_chunk", "stage", "donor", "donor_kind"}
+    assert v.to_json()["also"] == v.also
     # the built-in registry never heard of it; a clean segment is still clean with it
     assert classify(toy_evidence(toy_result("a", CODES, OWN, wav=wav), codes=CODES, own=OWN), policy).verdict \
         == "vocoder_defect"

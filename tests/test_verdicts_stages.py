@@ -252,3 +252,21 @@ def test_exact_codes_with_a_cut_reference_at_the_vocoder_are_the_handoffs_not_th
                   control=None, cross_own=None, cross_donors={}, peer_ref_codes={}, history_ref_codes={},
                   peer_tokens={})
     assert talker_cleared(e2, [forced], []) == [forced]
+
+
+def test_teacher_forcing_of_frames_the_handoff_changed_is_not_the_talkers():
+    # Qwen3-Omni 0.30.0's full payload: an all-zero frame before the talker's; forcing the vocoder's
+    # frames then finds codebook 0 of frame 0 far down the talker's ranking: the hand-off's doing
+    from difftest.verdicts.evidence import Finding
+    from difftest.verdicts.rules import handoff_places_codes
+
+    handoff = Finding("handoff_defect", "the vocoder got 41 frames where the talker generated 40", frame=0,
+                      chunk=0, stage="handoff")
+    forced = Finding("talker_defect", "teacher-forced ...", frame=0, chunk=0, stage="talker")
+    notes = []
+    found = handoff_places_codes({"stages": [handoff], "forced": [forced]}, notes)
+    assert found == {"stages": [handoff], "forced": []} and "not the talker's own" in notes[0]
+    # a hand-off that delivered the talker's frames leaves the talker's finding standing
+    talker_input = Finding("talker_defect", "speaker id", frame=0, chunk=0, stage="talker_input")
+    kept = {"stages": [talker_input], "forced": [forced]}
+    assert handoff_places_codes(kept, []) == kept

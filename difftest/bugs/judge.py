@@ -20,14 +20,22 @@ def judge(entry: Entry, report: dict, control: dict | None = None, policy: Polic
     want = entry.expect
     if want["verdict"] == NUMERICS:
         return _judge_numerics(want, report, control, policy)
-    own = {(s["id"], s["verdict"], s.get("stage")) for s in (control or {}).get("segments", [])}
-    hits = [s for s in report["segments"] if s["verdict"] == want["verdict"] and s.get("stage") == want["stage"]
-            and (s.get("donor") or not want.get("donor")) and (s["id"], s["verdict"], s.get("stage")) not in own]
+    own = {(s["id"], f["verdict"], f.get("stage")) for s in (control or {}).get("segments", []) for f in _findings(s)}
+    hits = [(s, f) for s in report["segments"] for f in _findings(s)
+            if f["verdict"] == want["verdict"] and f.get("stage") == want["stage"]
+            and (f.get("donor") or not want.get("donor")) and (s["id"], f["verdict"], f.get("stage")) not in own]
     got = sorted({f"{s['verdict']}@{s.get('stage') or '-'}" for s in report["segments"]})
-    seg = hits[0] if hits else None
+    seg, found = hits[0] if hits else (None, None)
+    under = found is not None and found is not seg  # named under the segment's top verdict (the release's own)
     return {"caught": report["verdict"] == "fail" and bool(hits), "got": got,
-            "segment": seg["id"] if seg else None, "where": where(seg) if seg else None,
-            "summary": seg["summary"] if seg else None, "run_verdict": report["verdict"]}
+            "segment": seg["id"] if seg else None, "where": where(found) if seg else None,
+            "summary": (f"{found['summary']} (under {seg['verdict']}: {seg['summary']})" if under
+                        else found["summary"]) if seg else None, "run_verdict": report["verdict"]}
+
+
+def _findings(seg: dict) -> list[dict]:
+    """A report segment's findings: its verdict's, then the others (`also`; absent in older reports)."""
+    return [seg, *seg.get("also", [])]
 
 
 def _judge_numerics(want: dict, report: dict, control: dict | None, policy: Policy | None) -> dict:

@@ -75,7 +75,8 @@ def build_report(verdicts: list[SegmentVerdict], policy: Policy, *, suite: dict 
 # The fields a consumer of report.json (gate, log, dashboard) relies on, with their types.
 _SEGMENT_FIELDS = {"id": (str,), "verdict": (str,), "summary": (str,), "first_divergent_frame": (int, type(None)),
                    "first_divergent_chunk": (int, type(None)), "stage": (str, type(None)),
-                   "donor": (str, type(None)), "notes": (list,), "comparisons": (dict,), "artifacts": (dict,)}
+                   "donor": (str, type(None)), "notes": (list,), "comparisons": (dict,), "artifacts": (dict,),
+                   "also": (list,)}
 _TOP_FIELDS = {"verdict": (str,), "segments": (list,), "suite": (dict, type(None)), "candidate": (dict, type(None)),
                "reference": (dict, type(None)), "concurrency": (int, type(None)), "provenance": (dict,),
                "counts": (dict,), "warnings": (list,), "sampling": (dict, type(None)),
@@ -149,6 +150,8 @@ def summary_lines(report: dict, limit: int = 20) -> list[str]:
             break
         at = where(s)
         lines.append(f"  {s['id']}: {s['verdict']}" + (f" [{at}]" if at else "") + f" {s['summary']}")
+        lines += [f"    also {f['verdict']}" + (f" [{w}]" if (w := where(f)) else "") + f" {f['summary']}"
+                  for f in s.get("also", []) if f["verdict"] not in CLEAN and f["verdict"] != s["verdict"]]
         shown += 1
     for w in report.get("warnings", [])[:5]:
         lines.append(f"  warning: {w}")

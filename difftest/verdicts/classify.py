@@ -30,6 +30,10 @@ from .policy import Policy
 __all__ = ["STAGES", "Evidence", "SegmentVerdict", "classify", "talker_stage"]
 
 
+def _chunk(f, ev: Evidence) -> int | None:
+    return chunk_of(f.frame, f.frame + 1, ev) if f.chunk is None and f.frame is not None else f.chunk
+
+
 def classify(ev: Evidence, policy: Policy, registry: Registry = REGISTRY) -> SegmentVerdict:
     ctx = Context(ev, policy, registry)
     stopped = False
@@ -53,11 +57,12 @@ def classify(ev: Evidence, policy: Policy, registry: Registry = REGISTRY) -> Seg
     others = sorted({registry.reported(f.kind) for f in findings if f is not top} - {verdict})
     if others:
         notes.append("also: " + ", ".join(others))
-    chunk = top.chunk
-    if chunk is None and top.frame is not None:
-        chunk = chunk_of(top.frame, top.frame + 1, ev)
+    chunk = _chunk(top, ev)
     artifacts = {role: str(r.source) for role in ("reference", "candidate", "control", "cross_own", "vocoder_null")
                  if (r := getattr(ev, role)) is not None and r.source is not None}
     artifacts.update({f"cross_donor:{p}": str(r.source) for p, r in ev.cross_donors.items() if r.source is not None})
+    also = [{"verdict": registry.reported(f.kind), "summary": f.summary, "first_divergent_frame": f.frame,
+             "first_divergent_chunk": _chunk(f, ev), "stage": f.stage, "donor": f.donor, "donor_kind": f.donor_kind}
+            for f in sorted((f for f in findings if f is not top), key=lambda f: registry.rank(f.kind))]
     return SegmentVerdict(ev.segment_id, verdict, top.summary, top.frame, chunk, top.stage, top.donor,
-                          top.error_kind, comps, notes, artifacts, top.donor_kind)
+                          top.error_kind, comps, notes, artifacts, top.donor_kind, also)

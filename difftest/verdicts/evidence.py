@@ -10,7 +10,7 @@ import numpy as np
 from ..compare import align
 from ..compare.chunks import Audio
 from ..engines.captured import TalkerStage, captured
-from ..family import FAMILY
+from ..family import FAMILY, REFERENCE_NAMES
 from ..results import Result
 from .policy import Policy
 
@@ -66,6 +66,8 @@ class SegmentVerdict:
     artifacts: dict = field(default_factory=dict)  # role -> result sidecar path
     donor_kind: str | None = None  # what the donor lent: "codes" (its reference codes), "length" (their
     # length) or "generated" (its generated codes)
+    also: list = field(default_factory=list)  # the segment's other findings, most serious first, each with
+    # the keys above from verdict to donor_kind: a defect under a more serious one (the release's own) is named
 
     def to_json(self) -> dict:
         return {
@@ -73,7 +75,7 @@ class SegmentVerdict:
             "first_divergent_frame": self.first_divergent_frame,
             "first_divergent_chunk": self.first_divergent_chunk,
             "stage": self.stage, "donor": self.donor, "donor_kind": self.donor_kind, "error_kind": self.error_kind,
-            "notes": self.notes, "comparisons": self.comparisons, "artifacts": self.artifacts,
+            "notes": self.notes, "comparisons": self.comparisons, "artifacts": self.artifacts, "also": self.also,
         }
 
 
@@ -108,6 +110,12 @@ def same(a: np.ndarray, b: np.ndarray) -> bool:
 def chunk_of(frame, n_frames, ev) -> int | None:
     bounds = align.chunk_frame_bounds(max(n_frames, (frame or 0) + 1), ev.initial_frames, ev.chunk_frames)
     return align.chunk_of_frame(frame, bounds)
+
+
+def reference_name(r: Result | None) -> str:
+    """The reference that made `r`, as a finding names it (its runner's label, else qwen-tts)."""
+    label = ((r.provenance or {}).get("engine") if r is not None else None) or "qwen-tts"
+    return REFERENCE_NAMES.get(label, "qwen-tts")
 
 
 def talker_stage(r: Result | None) -> TalkerStage | None:

@@ -17,6 +17,18 @@ def handoff_places_audio(ev: Evidence, found: dict[str, list[Finding]], ctx: Con
     return found
 
 
+def handoff_places_codes(found: dict[str, list[Finding]], notes: list[str]) -> dict[str, list[Finding]]:
+    """Where the capture shows the vocoder got other frames than the talker generated (the stage check's
+    handoff_defect or contamination), teacher forcing, which forces the frames the vocoder got, judged
+    the hand-off's output, not the talker's: its finding goes (it would name the talker for the
+    hand-off's frame; Qwen3-Omni 0.30.0's full payload prepends one to every request)."""
+    if any(f.stage == "handoff" for f in found.get("stages", [])) and found.get("forced"):
+        notes.append("teacher forcing judged the frames the vocoder got, which the hand-off changed, not the "
+                     "talker's own: its finding is not the talker's (the talker's frames were not forced)")
+        return {**found, "forced": []}
+    return found
+
+
 def talker_cleared(ev: Evidence, findings: list[Finding], notes: list[str]) -> list[Finding]:
     """Without the talker's side in the capture, teacher forcing conditions the talker on the
     reference codes found at the vocoder. Where the candidate's codes are qwen-tts's exactly, its
@@ -76,6 +88,7 @@ def _flat(found: dict[str, list[Finding]]) -> list[Finding]:
 
 RULES = (
     Rule("handoff_places_audio", gives=(), apply=handoff_places_audio),
+    Rule("handoff_places_codes", gives=(), apply=lambda ev, found, ctx: handoff_places_codes(found, ctx.notes)),
     Rule("talker_cleared", gives=("handoff_defect",),
          apply=lambda ev, found, ctx: _per_check("talker_cleared", found, talker_cleared(ev, _flat(found), ctx.notes))),
     Rule("encoder_explains", gives=(),

@@ -40,7 +40,7 @@ from ..engines.captured import SPEAKER_BF16, captured
 from ..results import Result
 from .check import Check
 from .encoder import encoder_disagrees
-from .evidence import Evidence, Finding, same, talker_stage
+from .evidence import Evidence, Finding, reference_name, same, talker_stage
 from .policy import Policy
 from .talker_prompt import prompt_findings
 
@@ -164,7 +164,8 @@ def input_findings(ev: Evidence, comps: dict, notes: list, policy: Policy) -> li
                      "through the codes")
         return []
     if theirs is None:
-        notes.append("no talker input from qwen-tts (a reference from before it was recorded): not compared")
+        notes.append(f"no talker input from {reference_name(ev.reference)} (a reference from before it was recorded): "
+                     f"not compared")
         return []
     wrong, why = compare(mine, theirs)
     notes += why
@@ -202,7 +203,8 @@ def input_findings(ev: Evidence, comps: dict, notes: list, policy: Policy) -> li
                          f"the voice's speaker embedding and its reference codes both differ from what qwen-tts's "
                          f"encoders make of it: the reference audio reached the engine changed{where}",
                          frame=0, chunk=0, stage="reference_encoder")]
-    return [Finding("talker_defect", f"the talker's input differs from qwen-tts's in its {m.name}, at position {m.at}: "
+    return [Finding("talker_defect", f"the talker's input differs from {reference_name(ev.reference)}'s in its {m.name}, "
+                                     f"at position {m.at}: "
                      f"{m.mine} against {m.theirs}{where}{also}", frame=0, chunk=0, stage="talker_input")]
 
 
