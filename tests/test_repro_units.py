@@ -2,6 +2,7 @@
 answer as a defect would), the suites it writes, and the bundle's repro.py against a WAV server double."""
 
 import http.server
+import base64
 import json
 import shutil
 import subprocess
@@ -126,12 +127,17 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def do_POST(self):
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-        wav = self.server.answers.get(body["input"])
+        chat = self.path == "/v1/chat/completions"  # Qwen3-Omni's: the WAV in base64 in the JSON
+        key = body["messages"][0]["content"] if chat else body["input"]
+        wav = self.server.answers.get(key)
         if isinstance(wav, list):  # one answer per call, the last one repeated
             wav = wav.pop(0) if len(wav) > 1 else wav[0]
-        self.server.calls.append(body["input"])
+        self.server.calls.append(key if not chat else f"chat:{key}")
         self.send_response(200 if wav else 500)
         self.end_headers()
+        if chat and wav:
+            wav = json.dumps({"choices": [{"message": {"content": "hi"}},
+                                          {"message": {"audio": {"data": base64.b64encode(wav).decode()}}}]}).encode()
         self.wfile.write(wav or b"no")
 
 
@@ -217,6 +223,38 @@ def test_repro_py_says_where_the_target_differs_and_exits_1(bundle):
     short = {**answers, "t": wavio.encode(audio["t"][:-1920], 24000, "pcm16")}  # a frame lost
     p = _standalone(b, short)
     assert p.returncode == 1 and "TARGET t: 55680 samples, expected 57600 (-1.00 frames of 80 ms)" in p.stdout
+
+
+def test_repro_py_asks_a_chat_model_at_its_path_and_reads_the_audio_from_its_answer(bundle):
+    b, audio = bundle
+    doc = json.loads((b / "bundle.json").read_text())
+    for item in doc["requests"]:  # as difftest bundles a Qwen3-Omni segment (engines/apis.py ChatApi)
+        item.pop("ref_audio_file")
+        item.update(path="/v1/chat/completions", answer="chat",
+                    body={"messages": [{"role": "user", "content": item["id"]}], "modalities": ["text", "audio"]})
+    (b / "bundle.json").write_text(json.dumps(doc))
+    bad = audio["t"].copy()
+    bad[:1920] = 0.0  # a first frame of silence: chunk 0
+    calls: list = []
+    p = _standalone(b, {"t": wavio.encode(bad, 24000, "pcm16"), "d": wavio.encode(audio["d"], 24000, "pcm16")}, calls)
+    assert p.returncode == 1 and "TARGET t: chunk 0 differs from sample 0" in p.stdout, p.stdout + p.stderr
+    assert sorted(calls) == ["chat:d", "chat:t"]
+
+
+def test_a_qwen3_omni_case_is_bundled_as_chat_requests(tmp_path):
+    from difftest.engines.apis import api_for
+
+    origin = load_suite(REPO / "cases" / "suites" / "omni-smoke.yaml")
+    case = S.Case(("omni-02",), 1).with_edit("*", "max_new_tokens", 6).with_edit("omni-02", "text", "Hi")
+    suite = load_suite(write_suite(origin, case, tmp_path / "p", "omni-probe"))
+    (seg,) = suite.segments
+    assert suite.family.name == origin.family.name and (seg.task, seg.speaker, seg.text) == ("chat", "Chelsie", "Hi")
+    assert seg.decode["max_new_tokens"] == 6
+    assert seg.decode["thinker_max_new_tokens"] == origin.segment("omni-02").decode["thinker_max_new_tokens"]
+    api = api_for(seg)
+    body = api.repro_body(seg)
+    assert (api.path, api.answer) == ("/v1/chat/completions", "chat") and body["speaker"] == "Chelsie"
+    assert "difftest_tag" not in json.dumps(body) and body["sampling_params_list"][1]["max_tokens"] == 6
 
 
 def test_repro_py_exits_2_when_the_server_gives_no_audio(bundle):

@@ -13,6 +13,14 @@ from .speech_client import SpeechAnswer, SpeechClient, SpeechError, speech_reque
 class SpeechApi:
     """Qwen3-TTS: POST /v1/audio/speech; the answer's body is the WAV."""
 
+    path, answer = "/v1/audio/speech", "wav"  # what a repro bundle's script sends, and how it reads the answer
+
+    def repro_body(self, seg) -> dict:
+        """The request a repro bundle sends for `seg` (its voice inline), without difftest's capture tag."""
+        body = speech_request(seg, f"repro-{seg.id}", voice_mode="inline")
+        body["extra_params"].pop("difftest_tag", None)
+        return body
+
     def ask(self, client: SpeechClient, seg, tag: str, voice_mode: str, hint: dict | None) -> tuple[SpeechAnswer, bytes]:
         ans = client.speech(speech_request(seg, tag, voice_mode=voice_mode), hint)
         return ans, ans.audio
@@ -20,6 +28,11 @@ class SpeechApi:
 
 class ChatApi:
     """Qwen3-Omni: POST /v1/chat/completions with audio output; the WAV is base64 in the answer's JSON."""
+
+    path, answer = "/v1/chat/completions", "chat"
+
+    def repro_body(self, seg) -> dict:
+        return omni_chat.chat_body(seg)  # no tag: nothing of difftest's reaches the server
 
     def ask(self, client: SpeechClient, seg, tag: str, voice_mode: str, hint: dict | None) -> tuple[SpeechAnswer, bytes]:
         body = omni_chat.chat_body(seg, tag)

@@ -21,7 +21,7 @@ import re
 import shutil
 from pathlib import Path
 
-from ..engines.speech_client import speech_request
+from ..engines.apis import api_for
 from ..errors import DifftestError
 from ..family import SAMPLES_PER_FRAME
 from ..results import atomic_write, read_result
@@ -43,7 +43,7 @@ def _audio(path: str, run_dir: Path):
 
 
 AGAINST = {"own_c1": "the candidate's own audio at concurrency 1",
-           "qwen_tts": "qwen-tts's audio (the reference, float32)",
+           "qwen_tts": "the reference's audio ({}, float32)",
            "clean": "the clean control's audio (the same engine and numerics without the defect)"}
 
 
@@ -76,19 +76,20 @@ def write_bundle(folder: Path, origin, finding: Finding, case: Case, probe_dir: 
         want = _audio(arts[need[1]], (clean_dir if need[1] == "clean" else probe_dir) / "run")
         exp = f"expected/{seg.id}.wav"
         wavio.write(folder / exp, want.grid_wav, want.sample_rate, "float")  # exact: no second quantisation
-        body = speech_request(seg, f"repro-{seg.id}", voice_mode="inline")
-        item = {"id": seg.id, "expected": exp, "lead_samples": cand.lead_samples}
+        api = api_for(seg)
+        body = api.repro_body(seg)
+        item = {"id": seg.id, "expected": exp, "lead_samples": cand.lead_samples, "path": api.path,
+                "answer": api.answer}
         if "ref_audio" in body:
             body.pop("ref_audio")
             item["ref_audio_file"] = str(seg.voice.wav.relative_to(folder))
-        body["extra_params"].pop("difftest_tag", None)  # difftest's capture tag: nothing to the server
         item["body"] = body
         requests.append(item)
     title = issue_title(finding, case, meta)
     bundle = {"format": "difftest.repro-bundle/1", "title": title, "target": finding.segment,
               "donor": finding.donor, "concurrency": case.concurrency,
               "pattern": "barrier" if case.pattern == "batch" else case.pattern,
-              "against": against, "against_label": AGAINST[against],
+              "against": against, "against_label": AGAINST[against].format(suite.family.reference_name),
               "samples_per_frame": SAMPLES_PER_FRAME, "chunks": dict(origin.suite.chunks),
               "tolerance": {"close_max_abs": policy.close_max_abs, "close_snr_db": policy.close_snr_db},
               "requests": requests}
@@ -169,17 +170,21 @@ def _diagnosis(seg: dict) -> list[str]:
     codes = (seg.get("comparisons") or {}).get("codes") or {}
     if codes.get("frames"):
         if not codes.get("frames_differing"):
-            lines.append(f"- the generated codes equal qwen-tts's ({md(codes['frames'][0])} frames): the talker is right, "
+            lines.append(f"- the generated codes equal the reference's ({md(codes['frames'][0])} frames): the talker is right, "
                          f"the fault lies after it")
         else:
             lines.append(f"- codes: {md(codes['frames_differing'])} of {md(codes['frames'][0])} frames differ from "
-                         f"qwen-tts's, the first at frame {md(codes.get('first_divergent_frame'))}")
+                         f"the reference's, the first at frame {md(codes.get('first_divergent_frame'))}")
         if codes.get("ref_codes_equal") is False:
-            lines.append(f"- the reference codes the vocoder got agree with qwen-tts's encoding of the request's own "
+            lines.append(f"- the reference codes the vocoder got agree with the reference's encoding of the request's own "
                          f"voice in {codes.get('ref_codes_agreement', 0):.0%} of entries")
     if seg.get("donor"):
         lines.append(f"- donor: {md(seg['donor'], True)} (its {md(seg.get('donor_kind') or 'reference')} reached "
                      f"this request)")
+    for f in seg.get("also") or []:  # the segment's other findings, beneath its verdict
+        if f.get("verdict") not in ("identical", "numeric_drift"):
+            lines.append(f"- also {md(f.get('verdict'), True)} at stage {md(f.get('stage') or '-', True)}: "
+                         f"{md(f.get('summary'))}")
     for k, v in (seg.get("evidence") or {}).items() if isinstance(seg.get("evidence"), dict) else []:
         lines.append(f"- {md(k)}: {md(v)}")
     return lines

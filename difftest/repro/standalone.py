@@ -5,7 +5,8 @@
 
 This file is copied as is into each bundle `difftest repro` writes (beside bundle.json, the
 voices and the expected audio); it never imports difftest. It sends the bundle's requests to
-vLLM-Omni's speech API (POST /v1/audio/speech) in the arrival the finding needs (waves released
+vLLM-Omni's API (each request's `path`: POST /v1/audio/speech for Qwen3-TTS, /v1/chat/completions
+with audio output for Qwen3-Omni, whose answer carries the WAV in base64) in the arrival the finding needs (waves released
 together for a concurrency finding, one at a time otherwise), compares the audio with the expected
 audio chunk by chunk (every request's for a concurrency finding, the target's otherwise) (the chunks vLLM-Omni decodes: 1 frame, then 25 frames of
 80 ms), prints where it differs, and exits
@@ -21,7 +22,7 @@ time the defect shows; the exit is 0 only when none did.
 Tolerance: a chunk differs when its largest sample difference exceeds `close_max_abs` and its
 signal-to-difference ratio is below `close_snr_db` (bundle.json; difftest's policy, which measured
 them). The expected audio is the candidate's own answer at concurrency 1 for a finding that needs
-concurrency, qwen-tts's for one that does not (bundle.json `against`).
+concurrency, the reference's for one that does not (bundle.json `against`).
 """
 
 import argparse
@@ -69,11 +70,20 @@ def read_wav(data):
     raise ValueError("no data chunk")
 
 
-def speak(url, data, timeout):
-    req = urllib.request.Request(url.rstrip("/") + "/v1/audio/speech", data=data,
+def speak(url, item, data, timeout):
+    """The answer's WAV bytes: the body itself, or a chat completion's audio (base64 in its JSON)."""
+    req = urllib.request.Request(url.rstrip("/") + item.get("path", "/v1/audio/speech"), data=data,
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
-        return r.read()
+        answer = r.read()
+    if item.get("answer", "wav") != "chat":
+        return answer
+    try:
+        choices = json.loads(answer)["choices"]
+        audio = next(c["message"]["audio"] for c in choices if (c.get("message") or {}).get("audio"))
+        return base64.b64decode(audio["data"], validate=True)
+    except (ValueError, KeyError, TypeError, StopIteration) as e:
+        raise ValueError(f"no audio in the chat completion ({type(e).__name__}: {e})") from None
 
 
 def request_body(item):
@@ -96,7 +106,7 @@ def send_all(url, bundle, timeout):
             if gate is not None:
                 gate.wait()
             time.sleep(delay)
-            answers[item["id"]] = speak(url, data, timeout)
+            answers[item["id"]] = speak(url, item, data, timeout)
         except Exception as e:  # the server's answer or its absence: reported, exit 2
             errors[item["id"]] = e
 
