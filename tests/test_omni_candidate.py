@@ -109,5 +109,7 @@ def test_difftest_run_finds_the_full_payload_handoff_defect_of_0_30(store, tmp_p
         assert not any(f["stage"] == "talker" for f in seg.get("also", [])), seg["also"]
     # teacher forcing and the measured null in bf16 judged the codes (transformers' Qwen3-Omni, alone)
     assert report["measured_null"]["numerics"]["dtype"] == "bfloat16" and report["measured_null"]["null_decoded"]
+    # the talker's own frames forced (the zero frame before them is the hand-off's): as plausible as bf16's
+    assert report["measured_null"]["verdict"] == "pass", report["measured_null"]["summary"]
     assert "cannot batch" in report["measured_null_at_n"]["numerics"]["null_n"]
     assert report["reference"]["label"] == QWEN3_OMNI.reference_label

@@ -254,19 +254,30 @@ def test_exact_codes_with_a_cut_reference_at_the_vocoder_are_the_handoffs_not_th
     assert talker_cleared(e2, [forced], []) == [forced]
 
 
-def test_teacher_forcing_of_frames_the_handoff_changed_is_not_the_talkers():
-    # Qwen3-Omni 0.30.0's full payload: an all-zero frame before the talker's; forcing the vocoder's
-    # frames then finds codebook 0 of frame 0 far down the talker's ranking: the hand-off's doing
-    from difftest.verdicts.evidence import Finding
+def test_teacher_forcing_forces_the_talkers_own_frames_where_the_handoff_carried_them_whole():
+    # Qwen3-Omni 0.30.0's full payload: an all-zero frame before the talker's 40. Teacher forcing takes
+    # the talker's frames (pipeline/scoring.py); where they are not there whole, its finding on what the
+    # vocoder got is not the talker's
+    from difftest.verdicts.evidence import Finding, talker_frames
     from difftest.verdicts.rules import handoff_places_codes
 
-    handoff = Finding("handoff_defect", "the vocoder got 41 frames where the talker generated 40", frame=0,
-                      chunk=0, stage="handoff")
-    forced = Finding("talker_defect", "teacher-forced ...", frame=0, chunk=0, stage="talker")
+    zero_first = np.concatenate([np.zeros((1, 16), np.int64), CODES])
+    frames, found = talker_frames(toy_result("a", zero_first, OWN, extra=talker(OWN)))
+    assert found and np.array_equal(frames, CODES)
+    frames, found = talker_frames(toy_result("a", CODES, OWN, extra=talker(OWN)))
+    assert found and frames is not None and np.array_equal(frames, CODES)
+    lost = np.delete(CODES, 12, axis=0)  # a frame lost inside: not there whole
+    e_lost = ev(OWN, handed_codes=lost)
+    assert talker_frames(e_lost.candidate) == (e_lost.candidate.codes, False)
+    assert talker_frames(toy_result("a", CODES, OWN))[1] is False  # no talker side captured
+
+    handoff = Finding("handoff_defect", "the vocoder got 39 frames where the talker generated 40", frame=12,
+                      chunk=1, stage="handoff")
+    forced = Finding("talker_defect", "teacher-forced ...", frame=12, chunk=1, stage="talker")
     notes = []
-    found = handoff_places_codes({"stages": [handoff], "forced": [forced]}, notes)
+    found = handoff_places_codes(e_lost, {"stages": [handoff], "forced": [forced]}, notes)
     assert found == {"stages": [handoff], "forced": []} and "not the talker's own" in notes[0]
-    # a hand-off that delivered the talker's frames leaves the talker's finding standing
-    talker_input = Finding("talker_defect", "speaker id", frame=0, chunk=0, stage="talker_input")
-    kept = {"stages": [talker_input], "forced": [forced]}
-    assert handoff_places_codes(kept, []) == kept
+    # the talker's frames forced whole (the zero frame before them): the forcing's finding is the talker's
+    e_zero = ev(OWN, handed_codes=zero_first)
+    kept = {"stages": [handoff], "forced": [forced]}
+    assert handoff_places_codes(e_zero, kept, []) == kept

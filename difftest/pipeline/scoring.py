@@ -1,5 +1,6 @@
-"""Teacher forcing: every candidate stream with codes scored under qwen-tts's talker and code
-predictor, in the context the candidate's talker was prompted with."""
+"""Teacher forcing: every candidate stream with codes scored under the reference's talker and code
+predictor, in the context the candidate's talker was prompted with: the frames its talker generated
+where the capture shows them (verdicts/evidence.py talker_frames), else what the vocoder got."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import numpy as np
 from ..engines.scorer import ScoreItem, Scorer
 from ..results import Result
 from ..suites.suite import Suite
-from ..verdicts.evidence import talker_stage
+from ..verdicts.evidence import talker_frames, talker_stage
 
 
 def _conditioning(seg, r: Result) -> np.ndarray | None:
@@ -34,9 +35,10 @@ def score_streams(scorer: Scorer, suite: Suite, outcomes: dict, only: set | None
                 continue
             if r is None or not r.has_codes or not len(r.codes):
                 continue
+            codes = talker_frames(r)[0]  # the talker's own, where the hand-off added or dropped frames around them
             # qwen-tts yields max_new_tokens - 1 frames when no EOS came (the last token never becomes one)
-            eos = len(r.codes) < int(seg.decode["max_new_tokens"]) - 1
-            items[f"{role}:{seg.id}"] = ScoreItem(seg, r.codes, _conditioning(seg, r), eos)
+            eos = len(codes) < int(seg.decode["max_new_tokens"]) - 1
+            items[f"{role}:{seg.id}"] = ScoreItem(seg, codes, _conditioning(seg, r), eos)
     got = scorer.score(items) if items else {}
     scores: dict = {role: {} for role in outcomes}
     errors: dict = {role: {} for role in outcomes}

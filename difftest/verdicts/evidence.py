@@ -123,6 +123,23 @@ def talker_stage(r: Result | None) -> TalkerStage | None:
     return captured(r).talker
 
 
+def talker_frames(r: Result) -> tuple[np.ndarray, bool]:
+    """The frames `r`'s talker generated, as the hand-off carried them, and True: the vocoder's codes
+    where the captured talker tokens are their codebook 0, else the one run of them that is (a hand-off
+    that added or dropped frames around them whole: Qwen3-Omni 0.30.0's full payload puts an all-zero
+    frame first). The vocoder's codes and False where the talker's side was not captured or its frames
+    are not there whole (teacher forcing then judges what the vocoder got)."""
+    talker, codes = talker_stage(r), r.codes
+    n = len(talker.tokens) - 1 if talker is not None else 0  # the last token (EOS, the cap's) is no frame
+    if n <= 0 or len(codes) < n:
+        return codes, False
+    gen, c0 = talker.tokens[:n], codes[:, 0]
+    for o in range(len(codes) - n + 1):
+        if np.array_equal(c0[o:o + n], gen):
+            return (codes, True) if len(codes) == n else (codes[o:o + n], True)
+    return codes, False
+
+
 def ranges(idx) -> str:
     idx = [int(i) for i in idx]
     parts, start = [], None

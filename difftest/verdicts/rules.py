@@ -5,7 +5,7 @@ and a `Rule` over the findings per check."""
 from __future__ import annotations
 
 from .check import Context, Rule
-from .evidence import Evidence, Finding, same, talker_stage
+from .evidence import Evidence, Finding, same, talker_frames, talker_stage
 
 
 def handoff_places_audio(ev: Evidence, found: dict[str, list[Finding]], ctx: Context) -> dict[str, list[Finding]]:
@@ -17,14 +17,15 @@ def handoff_places_audio(ev: Evidence, found: dict[str, list[Finding]], ctx: Con
     return found
 
 
-def handoff_places_codes(found: dict[str, list[Finding]], notes: list[str]) -> dict[str, list[Finding]]:
+def handoff_places_codes(ev: Evidence, found: dict[str, list[Finding]], notes: list[str]) -> dict[str, list[Finding]]:
     """Where the capture shows the vocoder got other frames than the talker generated (the stage check's
-    handoff_defect or contamination), teacher forcing, which forces the frames the vocoder got, judged
-    the hand-off's output, not the talker's: its finding goes (it would name the talker for the
-    hand-off's frame; Qwen3-Omni 0.30.0's full payload prepends one to every request)."""
-    if any(f.stage == "handoff" for f in found.get("stages", [])) and found.get("forced"):
+    handoff_defect or contamination) and the talker's own are not among them whole, teacher forcing
+    judged the hand-off's output (pipeline/scoring.py forces the talker's frames where it can find
+    them: evidence.talker_frames), not the talker's: its finding goes."""
+    if (any(f.stage == "handoff" for f in found.get("stages", [])) and found.get("forced")
+            and not talker_frames(ev.candidate)[1]):
         notes.append("teacher forcing judged the frames the vocoder got, which the hand-off changed, not the "
-                     "talker's own: its finding is not the talker's (the talker's frames were not forced)")
+                     "talker's own (not among them whole): its finding is not the talker's")
         return {**found, "forced": []}
     return found
 
@@ -88,7 +89,7 @@ def _flat(found: dict[str, list[Finding]]) -> list[Finding]:
 
 RULES = (
     Rule("handoff_places_audio", gives=(), apply=handoff_places_audio),
-    Rule("handoff_places_codes", gives=(), apply=lambda ev, found, ctx: handoff_places_codes(found, ctx.notes)),
+    Rule("handoff_places_codes", gives=(), apply=lambda ev, found, ctx: handoff_places_codes(ev, found, ctx.notes)),
     Rule("talker_cleared", gives=("handoff_defect",),
          apply=lambda ev, found, ctx: _per_check("talker_cleared", found, talker_cleared(ev, _flat(found), ctx.notes))),
     Rule("encoder_explains", gives=(),
