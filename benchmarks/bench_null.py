@@ -42,7 +42,8 @@ def main(argv=None) -> int:
         store = Path(tmp) / "store"
         py = reference_python()
         models = tiny_checkpoints(store, py)
-        runner = start_reference_runner(py, models, ReferenceOptions(models=models), Path(tmp) / "runner.log")
+        runner = start_reference_runner(py, models, ReferenceOptions(models=models), Path(tmp) / "runner.log",
+                                        suite.family)
         try:
             engine = ReferenceEngine(runner, store, 900)
             t0 = time.perf_counter()

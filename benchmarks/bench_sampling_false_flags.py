@@ -56,7 +56,8 @@ def main(argv=None) -> int:
         models = resolve_models(base, opts, python)
         spec = CandidateSpec.parse(args.candidate, None)
         engine = start_candidate(spec, Setup((root / "candidate").resolve(), models, python, base, opts), stack)
-        runner = start_reference_runner(python, models, ReferenceOptions(models=models), root / "reference-runner.log")
+        runner = start_reference_runner(python, models, ReferenceOptions(models=models), root / "reference-runner.log",
+                                        base.family)
         stack.callback(runner.close)
         for r in range(args.runs):
             segs = []

@@ -120,7 +120,8 @@ def reproduce(origin: Origin, sid: str, policy, runner, live: Live, opts, budget
                     notes.append("the clean control shows the same finding on this case: it is not the defect's alone")
             except BadInput:  # no clean control: compared with qwen-tts, and the notes say what that can show
                 dtype = ((origin.report.get("measured_null") or {}).get("numerics") or {}).get("dtype")
-                notes.append(f"no clean control for this candidate: repro.py compares with qwen-tts's float32 audio, "
+                notes.append(f"no clean control for this candidate: repro.py compares with "
+                             f"{origin.suite.family.reference_name}'s float32 audio, "
                              f"from which a correct {dtype or 'other-numerics'} engine differs too on this "
                              f"checkpoint; its exit 1 alone does not tell the defect from drift: the diagnosis "
                              f"below (what the capture saw each stage get) is the evidence")
@@ -208,7 +209,7 @@ def cmd_repro(args) -> int:
     with ExitStack() as stack:
         ref_opts = ReferenceOptions(**{**opts.reference.__dict__})
         runner = start_reference_runner(python, list(opts.reference.models), ref_opts,
-                                        out / "repro" / "logs" / "reference-runner.log")
+                                        out / "repro" / "logs" / "reference-runner.log", origin.suite.family)
         stack.callback(runner.close)
         live = Live(origin, stack, out / "repro")
         for sid in segments:

@@ -21,6 +21,12 @@ class SpeechApi:
         body["extra_params"].pop("difftest_tag", None)
         return body
 
+    @staticmethod
+    def row(body: dict) -> dict:
+        """What a repro's ISSUE.md shows of a request: task, language, voice, text, length."""
+        return {"task": body.get("task_type"), "language": body.get("language"), "voice": body.get("voice"),
+                "text": body.get("input"), "max_new_tokens": body.get("max_new_tokens")}
+
     def ask(self, client: SpeechClient, seg, tag: str, voice_mode: str, hint: dict | None) -> tuple[SpeechAnswer, bytes]:
         ans = client.speech(speech_request(seg, tag, voice_mode=voice_mode), hint)
         return ans, ans.audio
@@ -34,6 +40,12 @@ class ChatApi:
     def repro_body(self, seg) -> dict:
         return omni_chat.chat_body(seg)  # no tag: nothing of difftest's reaches the server
 
+    @staticmethod
+    def row(body: dict) -> dict:
+        talker = body["sampling_params_list"][1]
+        return {"task": "chat", "language": None, "voice": body.get("speaker"),
+                "text": body["messages"][0]["content"], "max_new_tokens": talker.get("max_tokens")}
+
     def ask(self, client: SpeechClient, seg, tag: str, voice_mode: str, hint: dict | None) -> tuple[SpeechAnswer, bytes]:
         body = omni_chat.chat_body(seg, tag)
         ans = client.chat(body, omni_chat.answer_bound(body))
@@ -44,6 +56,7 @@ class ChatApi:
 
 
 API_OF_FAMILY = {QWEN3_TTS.name: SpeechApi(), QWEN3_OMNI.name: ChatApi()}
+API_OF_PATH = {api.path: api for api in API_OF_FAMILY.values()}  # a repro bundle's request names its path
 
 
 def api_for(seg):

@@ -11,7 +11,7 @@ from ..checkout import REPO
 from ..engines.reference import ReferenceOptions, runner_argv, runner_env, suite_models
 from ..engines.start import CandidateSpec, Setup
 from ..errors import BadInput, InfraError
-from ..family import QWEN3_TTS, ModelFamily
+from ..family import ModelFamily
 from ..process.runner_client import RunnerDied, RunnerProcess
 from ..results import ResultStore
 from ..suites.suite import TINY_MODELS, Suite, hf_cached
@@ -21,7 +21,8 @@ if TYPE_CHECKING:
 
 
 def start_reference_runner(python: Path, models: list[str], ref_opts: ReferenceOptions, log: Path,
-                           family: ModelFamily = QWEN3_TTS) -> RunnerProcess:
+                           family: ModelFamily) -> RunnerProcess:
+    """The reference runner of `family` (its own module and environment's interpreter), started."""
     runner = RunnerProcess(runner_argv(python, models, ref_opts, family), env=runner_env(ref_opts),
                            log_path=log, cwd=REPO)
     try:

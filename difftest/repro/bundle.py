@@ -21,7 +21,7 @@ import re
 import shutil
 from pathlib import Path
 
-from ..engines.apis import api_for
+from ..engines.apis import API_OF_PATH, SpeechApi, api_for
 from ..errors import DifftestError
 from ..family import SAMPLES_PER_FRAME
 from ..results import atomic_write, read_result
@@ -214,11 +214,12 @@ def issue_text(origin, finding: Finding, case: Case, report: dict, bundle: dict,
                  "```", ""]
     reqs = []
     for item in bundle["requests"]:
-        b = item["body"]
-        voice = f", reference {md(item['ref_audio_file'], True)}" if item.get("ref_audio_file") else ""
+        b = API_OF_PATH[item.get("path", SpeechApi.path)].row(item["body"])
+        voice = (f", reference {md(item['ref_audio_file'], True)}" if item.get("ref_audio_file")
+                 else f", voice {md(b['voice'], True)}" if b.get("voice") else "")
         reqs.append(f"| {md(item['id'], True)}{' (target)' if item['id'] == finding.segment else ''}"
-                    f"{' (donor)' if item['id'] == finding.donor else ''} | {md(b['task_type'])} | "
-                    f"{md(b.get('language'))} | {md(b['input'])}{voice} | {md(b['max_new_tokens'])} |")
+                    f"{' (donor)' if item['id'] == finding.donor else ''} | {md(b['task'])} | "
+                    f"{md(b['language'] or '-')} | {md(b['text'])}{voice} | {md(b['max_new_tokens'])} |")
     rate = meta.get("rate")
     text = [f"# {md(bundle['title'])}", "",
             "## Symptom", "",
