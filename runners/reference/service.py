@@ -37,6 +37,40 @@ class BadInput(ValueError):
     """A segment or item that cannot be run as given; the message names what is wrong."""
 
 
+def each_item(job: dict, emit, one, op: str) -> None:
+    """`one(item)` for each of a `decode` or `score` job's items: a bad item, or the model failing on
+    it, is that item's error (named by the item), and the next goes on."""
+    for item in job.get("items") or []:
+        name = item.get("name", "?") if isinstance(item, dict) else "?"
+        try:
+            one(item)
+        except BadInput as e:
+            emit("error", item=name, segment=name, kind="bad_input", message=str(e))
+        except Exception as e:
+            log(f"{op} {name}: {type(e).__name__}: {e}")
+            emit("error", item=name, segment=name, kind="engine", message=f"{type(e).__name__}: {e}")
+
+
+def score_item(item, emit) -> tuple | None:
+    """A score item's (name, segment, input, out, segment id, segment hash), checked; None once a
+    valid cached score at its `out` is announced (a corrupt one is scored again)."""
+    if not isinstance(item, dict):
+        raise BadInput("a score item must be a JSON object")
+    name, seg, src, out = item.get("name"), item.get("segment"), item.get("input"), item.get("out")
+    if not name or not isinstance(seg, dict) or not src or not out:
+        raise BadInput("a score item needs name, segment, input and out")
+    sid, shash = _segment_key(seg)
+    side = _sidecar(Path(out))
+    if side.exists():
+        try:
+            read_scores(side)
+            emit("result", item=name, segment=sid, path=str(side), cached=True, seconds=0.0)
+            return None
+        except CorruptResult as e:
+            log(f"rescoring: {e}")
+    return name, seg, src, out, sid, shash
+
+
 class ReferenceService:
     def __init__(self, checkpoints: dict[str, Checkpoint], engine: QwenTTSEngine, provenance: dict):
         self.checkpoints = checkpoints
@@ -185,17 +219,13 @@ class ReferenceService:
         task = job.get("task")
         if task is None:  # the vocoder is the same in every 12 Hz checkpoint; any loaded one will do
             task = next((t for t in ("voice_clone", "custom_voice", "voice_design") if t in self.checkpoints), None)
-        for item in items:
-            name = item.get("name", "?") if isinstance(item, dict) else "?"
-            try:
-                if task not in self.checkpoints:
-                    raise BadInput(f"no checkpoint for task {task!r} to take the vocoder from")
-                self._decode_one(item, task, emit)
-            except BadInput as e:
-                emit("error", item=name, segment=name, kind="bad_input", message=str(e))
-            except Exception as e:
-                log(f"decode {name}: {type(e).__name__}: {e}")
-                emit("error", item=name, segment=name, kind="engine", message=f"{type(e).__name__}: {e}")
+
+        def one(item):
+            if task not in self.checkpoints:
+                raise BadInput(f"no checkpoint for task {task!r} to take the vocoder from")
+            self._decode_one(item, task, emit)
+
+        each_item({"items": items}, emit, one, "decode")
 
     def _decode_one(self, item: dict, task: str, emit) -> None:
         name, src, out = item.get("name"), item.get("input"), item.get("out")
@@ -232,31 +262,13 @@ class ReferenceService:
         """Teacher-forced scores of given code streams (runners/reference/scoring.py). Each item: the
         segment (as in generate), `input` (npz: `codes` (T, 16), and `ref_codes` to condition the
         talker on instead of the voice's own, where `condition` is "given"), `ended_by_eos` and `out`."""
-        for item in job.get("items") or []:
-            name = item.get("name", "?") if isinstance(item, dict) else "?"
-            try:
-                self._score_one(item, emit)
-            except BadInput as e:
-                emit("error", item=name, segment=name, kind="bad_input", message=str(e))
-            except Exception as e:
-                log(f"score {name}: {type(e).__name__}: {e}")
-                emit("error", item=name, segment=name, kind="engine", message=f"{type(e).__name__}: {e}")
+        each_item(job, emit, lambda item: self._score_one(item, emit), "score")
 
     def _score_one(self, item: dict, emit) -> None:
-        if not isinstance(item, dict):
-            raise BadInput("a score item must be a JSON object")
-        name, seg, src, out = item.get("name"), item.get("segment"), item.get("input"), item.get("out")
-        if not name or not isinstance(seg, dict) or not src or not out:
-            raise BadInput("a score item needs name, segment, input and out")
-        sid, shash = _segment_key(seg)
-        side = _sidecar(Path(out))
-        if side.exists():
-            try:
-                read_scores(side)
-                emit("result", item=name, segment=sid, path=str(side), cached=True, seconds=0.0)
-                return
-            except CorruptResult as e:
-                log(f"rescoring: {e}")
+        head = score_item(item, emit)
+        if head is None:
+            return
+        name, seg, src, out, sid, shash = head
         try:
             utt, _ = self._utterance(seg)
             codes, ref_codes = _load_codes(Path(src))

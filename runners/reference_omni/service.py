@@ -23,12 +23,21 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from difftest.family import QWEN3_OMNI
-from difftest.results import CorruptResult, Result, write_result
-from difftest.scores import ScoreFile, read_scores, write_scores
+from difftest.results import Result, write_result
+from difftest.scores import ScoreFile, write_scores
 from difftest.suites.checkpoints import hash_files
 from runners.reference.checkpoint import folder_sha256
 from runners.reference.environment import log
-from runners.reference.service import DTYPES, BadInput, _decode_params, _load_codes, _segment_key, _sidecar, uncached
+from runners.reference.service import (
+    DTYPES,
+    BadInput,
+    _decode_params,
+    _load_codes,
+    _segment_key,
+    each_item,
+    score_item,
+    uncached,
+)
 from runners.reference_omni.engine import OmniEngine, Utterance
 
 LABEL = "transformers-qwen3-omni"
@@ -169,63 +178,41 @@ class OmniService:
 
     def decode(self, job: dict, emit) -> None:
         """code2wav of given codes (the cross-decode): `items`, each name, input (npz with `codes`) and out."""
-        for item in job.get("items") or []:
-            name = item.get("name", "?") if isinstance(item, dict) else "?"
-            try:
-                if not isinstance(item, dict) or not item.get("name") or not item.get("input") or not item.get("out"):
-                    raise BadInput("a decode item needs name, input and out")
-                if item.get("dtype") not in (None, self.engine.dtype):
-                    raise BadInput(f"this runner decodes in {self.engine.dtype} only")
-                codes, _ = _load_codes(Path(item["input"]))
-                self._load(name, emit)
-                t0 = time.perf_counter()
-                wav = self.engine.vocode(codes)
-                seconds = time.perf_counter() - t0
-                sr = QWEN3_OMNI.sample_rate
-                result = Result(segment_id=str(item.get("segment_id", name)),
-                                segment_hash=str(item.get("segment_hash", "")), wav=wav, sample_rate=sr, codes=codes,
-                                provenance={**self.provenance, "op": "decode", "input": str(item["input"]),
-                                            "checkpoint": self._checkpoint()},
-                                timings={"decode_s": seconds, "audio_s": len(wav) / sr},
-                                meta={"runner": LABEL, "op": "decode", "item": name, "lead_samples": 0})
-                side = write_result(Path(item["out"]), result)
-                emit("result", item=name, segment=name, path=str(side), cached=False, seconds=seconds,
-                     audio_seconds=len(wav) / sr)
-            except BadInput as e:
-                emit("error", item=name, segment=name, kind="bad_input", message=str(e))
-            except Exception as e:
-                log(f"decode {name}: {type(e).__name__}: {e}")
-                emit("error", item=name, segment=name, kind="engine", message=f"{type(e).__name__}: {e}")
+        each_item(job, emit, lambda item: self._decode_one(item, emit), "decode")
+
+    def _decode_one(self, item, emit) -> None:
+        if not isinstance(item, dict) or not item.get("name") or not item.get("input") or not item.get("out"):
+            raise BadInput("a decode item needs name, input and out")
+        if item.get("dtype") not in (None, self.engine.dtype):
+            raise BadInput(f"this runner decodes in {self.engine.dtype} only")
+        name = item["name"]
+        codes, _ = _load_codes(Path(item["input"]))
+        self._load(name, emit)
+        t0 = time.perf_counter()
+        wav = self.engine.vocode(codes)
+        seconds = time.perf_counter() - t0
+        sr = QWEN3_OMNI.sample_rate
+        result = Result(segment_id=str(item.get("segment_id", name)), segment_hash=str(item.get("segment_hash", "")),
+                        wav=wav, sample_rate=sr, codes=codes,
+                        provenance={**self.provenance, "op": "decode", "input": str(item["input"]),
+                                    "checkpoint": self._checkpoint()},
+                        timings={"decode_s": seconds, "audio_s": len(wav) / sr},
+                        meta={"runner": LABEL, "op": "decode", "item": name, "lead_samples": 0})
+        side = write_result(Path(item["out"]), result)
+        emit("result", item=name, segment=name, path=str(side), cached=False, seconds=seconds,
+             audio_seconds=len(wav) / sr)
 
     def score(self, job: dict, emit) -> None:
         """Teacher-forced scores of given code streams (OmniEngine.score). Each item: the segment (as in
         generate), `input` (npz with `codes` (T, 16)), `ended_by_eos`, `out`, and `dtype` to score in
         another dtype; `condition` is "voice" only (a chat turn has no in-context reference codes)."""
-        for item in job.get("items") or []:
-            name = item.get("name", "?") if isinstance(item, dict) else "?"
-            try:
-                self._score_one(item, emit)
-            except BadInput as e:
-                emit("error", item=name, segment=name, kind="bad_input", message=str(e))
-            except Exception as e:
-                log(f"score {name}: {type(e).__name__}: {e}")
-                emit("error", item=name, segment=name, kind="engine", message=f"{type(e).__name__}: {e}")
+        each_item(job, emit, lambda item: self._score_one(item, emit), "score")
 
     def _score_one(self, item: dict, emit) -> None:
-        if not isinstance(item, dict):
-            raise BadInput("a score item must be a JSON object")
-        name, seg, src, out = item.get("name"), item.get("segment"), item.get("input"), item.get("out")
-        if not name or not isinstance(seg, dict) or not src or not out:
-            raise BadInput("a score item needs name, segment, input and out")
-        sid, shash = _segment_key(seg)
-        side = _sidecar(Path(out))
-        if side.exists():
-            try:
-                read_scores(side)
-                emit("result", item=name, segment=sid, path=str(side), cached=True, seconds=0.0)
-                return
-            except CorruptResult as e:
-                log(f"rescoring: {e}")
+        head = score_item(item, emit)
+        if head is None:
+            return
+        name, seg, src, out, sid, shash = head
         if item.get("condition", "voice") != "voice":
             raise BadInput(f"score item {name}: a {QWEN3_OMNI.display} chat turn has no in-context reference codes "
                            f"to condition on (condition must be 'voice')")
