@@ -23,7 +23,7 @@ from difftest.verdicts.policy import VERDICTS
 from difftest.verdicts.where import donor_text, where
 
 SEGMENT_ROLES = (  # audio role -> (title, what it is)
-    ("reference", "reference", "qwen-tts at concurrency 1"),
+    ("reference", "reference", "the official reference at concurrency 1 (qwen-tts, or transformers' Qwen3-Omni)"),
     ("candidate", "candidate", "the candidate at concurrency N"),
     ("cross_own", "cross-decoded (own)", "the reference vocoder on the candidate's codes and its own reference "
                                          "codes: what the candidate should sound like"),

@@ -9,7 +9,7 @@ from ..compare import forced, own_margins
 from ..engines.captured import captured
 from . import null as measured_null
 from .check import Check, Context
-from .evidence import Evidence, Finding, chunk_of
+from .evidence import Evidence, Finding, chunk_of, reference_name
 from .policy import Policy
 
 
@@ -49,7 +49,8 @@ def forced_findings(ev: Evidence, policy: Policy, comps: dict) -> list[Finding]:
             comps["forced"]["trace"]["own_margin_codebook0"] = own_margins.margins(own, t["start"], t["end"])
     if bad is None:
         return []
-    return [Finding("talker_defect", f"teacher-forced under qwen-tts, the candidate's codes are not what its talker "
+    return [Finding("talker_defect", f"teacher-forced under {reference_name(ev.reference)}, the candidate's codes are "
+                                      f"not what its talker "
                                       f"should decode: {bad.reason}" + bad.why,
                      frame=bad.frame, chunk=chunk_of(bad.frame, len(ev.candidate.codes), ev), stage="talker")]
 
@@ -119,7 +120,8 @@ def _forced(ev: Evidence, ctx: Context) -> list[Finding]:
     tf, comps, notes = forced_findings(ev, ctx.policy, ctx.comps), ctx.comps, ctx.notes
     if "forced" in comps and not tf:
         f = comps["forced"]
-        notes.append(f"teacher-forced under qwen-tts the candidate's codes are plausible ({f['decoding']}: "
+        notes.append(f"teacher-forced under {reference_name(ev.reference)} the candidate's codes are plausible "
+                     f"({f['decoding']}: "
                      f"top-1 at {f['top1_share']:.0%} of frames, worst rank {f['worst_rank']}, "
                      f"worst gap {f['worst_gap']:.2g} nats)")
     if (t := comps.get("forced", {}).get("float32_ties")) and not tf:
