@@ -51,6 +51,17 @@ def each_item(job: dict, emit, one, op: str) -> None:
             emit("error", item=name, segment=name, kind="engine", message=f"{type(e).__name__}: {e}")
 
 
+def score_job(job: dict, emit, score_one) -> None:
+    """A `score` job: `score_one(item, name, segment, input, out, segment id, segment hash)` for each
+    item not already scored (score_item), each item's failure its own (each_item)."""
+    def one(item):
+        head = score_item(item, emit)
+        if head is not None:
+            score_one(item, *head)
+
+    each_item(job, emit, one, "score")
+
+
 def score_item(item, emit) -> tuple | None:
     """A score item's (name, segment, input, out, segment id, segment hash), checked; None once a
     valid cached score at its `out` is announced (a corrupt one is scored again)."""
@@ -262,13 +273,9 @@ class ReferenceService:
         """Teacher-forced scores of given code streams (runners/reference/scoring.py). Each item: the
         segment (as in generate), `input` (npz: `codes` (T, 16), and `ref_codes` to condition the
         talker on instead of the voice's own, where `condition` is "given"), `ended_by_eos` and `out`."""
-        each_item(job, emit, lambda item: self._score_one(item, emit), "score")
+        score_job(job, emit, lambda item, *head: self._score_one(item, emit, *head))
 
-    def _score_one(self, item: dict, emit) -> None:
-        head = score_item(item, emit)
-        if head is None:
-            return
-        name, seg, src, out, sid, shash = head
+    def _score_one(self, item: dict, emit, name, seg, src, out, sid, shash) -> None:
         try:
             utt, _ = self._utterance(seg)
             codes, ref_codes = _load_codes(Path(src))

@@ -35,7 +35,7 @@ from runners.reference.service import (
     _load_codes,
     _segment_key,
     each_item,
-    score_item,
+    score_job,
     uncached,
 )
 from runners.reference_omni.engine import OmniEngine, Utterance
@@ -206,13 +206,9 @@ class OmniService:
         """Teacher-forced scores of given code streams (OmniEngine.score). Each item: the segment (as in
         generate), `input` (npz with `codes` (T, 16)), `ended_by_eos`, `out`, and `dtype` to score in
         another dtype; `condition` is "voice" only (a chat turn has no in-context reference codes)."""
-        each_item(job, emit, lambda item: self._score_one(item, emit), "score")
+        score_job(job, emit, lambda item, *head: self._score_one(item, emit, *head))
 
-    def _score_one(self, item: dict, emit) -> None:
-        head = score_item(item, emit)
-        if head is None:
-            return
-        name, seg, src, out, sid, shash = head
+    def _score_one(self, item: dict, emit, name, seg, src, out, sid, shash) -> None:
         if item.get("condition", "voice") != "voice":
             raise BadInput(f"score item {name}: a {QWEN3_OMNI.display} chat turn has no in-context reference codes "
                            f"to condition on (condition must be 'voice')")
